@@ -1,0 +1,115 @@
+"""Compose a run config from the YAML tree and CLI overrides (Hydra's override grammar).
+
+Uses Hydra's Compose API, not ``@hydra.main``: no per-rank ``${now:}`` output dirs, no cwd
+changes, and every rank composes the identical config from the identical overrides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from recipes.schema import ConfigError, RunConfig
+
+CONF_DIR = Path(__file__).resolve().parent / "conf"
+SCHEMA_NAME = "run_schema"
+
+ConfigStore.instance().store(name=SCHEMA_NAME, node=RunConfig)
+
+
+def list_recipes() -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / "recipe").glob("*.yaml"))
+
+
+def load_config(overrides: Sequence[str] = ()) -> RunConfig:
+    """Compose, type-check and validate; raises ConfigError with an actionable message."""
+    overrides = list(overrides)
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=overrides)
+        _reject_unknown_keys(OmegaConf.to_container(cfg), overrides)
+        run = OmegaConf.to_object(cfg)
+    except ConfigError:
+        raise
+    except (HydraException, OmegaConfBaseException, ValueError) as exc:
+        raise ConfigError(_explain(exc, overrides)) from None
+    assert isinstance(run, RunConfig)
+    return run
+
+
+def to_yaml(run: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(run))
+
+
+def _schema_keys(node: Any = RunConfig, prefix: str = "") -> list[str]:
+    keys: list[str] = []
+    for f in dataclasses.fields(node):
+        path = f"{prefix}{f.name}"
+        keys.append(path)
+        if isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory):
+            keys.extend(_schema_keys(f.default_factory, path + "."))
+    return keys
+
+
+def _reject_unknown_keys(tree: Any, overrides: list[str], prefix: str = "") -> None:
+    # '+new.key=...' bypasses struct mode in some Hydra paths; the schema is the source of truth.
+    valid = set(_schema_keys())
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if path not in valid:
+            raise ConfigError(_unknown_key_message(path))
+        if isinstance(value, dict) and path + "." in {k[: len(path) + 1] for k in valid}:
+            _reject_unknown_keys(value, overrides, path + ".")
+
+
+def _unknown_key_message(bad: str) -> str:
+    close = difflib.get_close_matches(bad, _schema_keys(), n=3, cutoff=0.6)
+    hint = f" Did you mean: {', '.join(close)}?" if close else ""
+    return (f"unknown config key '{bad}'.{hint} "
+            f"Run `python -m pretrain --show-keys` to list every valid key.")
+
+
+def _explain(exc: BaseException, overrides: list[str]) -> str:
+    """Turn Hydra/OmegaConf errors into one message naming the bad key and close valid ones."""
+    text = str(exc).strip()
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and str(cause).strip() not in text:
+        text = f"{text}\n{str(cause).strip()}"
+    if "You must specify 'recipe'" in text or "recipe: ???" in text:
+        return f"no recipe chosen: add recipe=<name>, one of {list_recipes()}"
+    match = re.search(r"Could not find '(\w+)/(\w+)'", text)
+    if match:
+        group = match.group(1)
+        options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+        return f"unknown {group} '{match.group(2)}'; available: {options}"
+    bad = _unknown_override_key(overrides, text)
+    if bad is not None:
+        return _unknown_key_message(bad)
+    return f"invalid config: {text.splitlines()[0]}" + (
+        "\n" + "\n".join(text.splitlines()[1:4]) if len(text.splitlines()) > 1 else "")
+
+
+def _unknown_override_key(overrides: list[str], text: str) -> str | None:
+    if "not in" not in text and "Key '" not in text and "Could not override" not in text:
+        return None
+    valid = set(_schema_keys())
+    for item in overrides:
+        key = item.split("=", 1)[0].lstrip("+~")
+        if "=" in item and key not in valid and "/" not in key and "@" not in key \
+                and key not in _group_names():
+            return key
+    match = re.search(r"full_key: (\S+)", text)
+    return match.group(1) if match else None
+
+
+def _group_names() -> set[str]:
+    return {p.name for p in CONF_DIR.iterdir() if p.is_dir()}

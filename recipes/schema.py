@@ -1,0 +1,308 @@
+"""Structured configs: one kw_only dataclass per concern, each validated in ``__post_init__``.
+
+Checks that need two concerns (model x parallel) live in :class:`RunConfig`; checks that need the
+launch environment (world size, device) live in :mod:`recipes.validate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+class ConfigError(ValueError):
+    """A config value is invalid; the message names the key and what to do."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _positive(owner: str, **values: Optional[int]) -> None:
+    for key, value in values.items():
+        _require(value is None or value >= 1, f"{owner}.{key} must be >= 1, got {value}")
+
+
+def _one_of(owner: str, key: str, value: str, allowed: tuple[str, ...]) -> None:
+    _require(value in allowed, f"{owner}.{key}={value!r} is not one of {list(allowed)}")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    name: str = "gpt"
+    num_layers: int = 4
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None
+    ffn_hidden_size: Optional[int] = None
+    seq_length: int = 64
+    max_position_embeddings: Optional[int] = None
+    # Padded vocab size; None = Megatron's rule (multiple of make_vocab_size_divisible_by * tp).
+    # Fix it to keep logits identical across TP sizes (parallelism equivalence, resharding).
+    padded_vocab_size: Optional[int] = None
+    make_vocab_size_divisible_by: int = 128
+    position_embedding_type: str = "rope"
+    rotary_base: int = 10000
+    normalization: str = "LayerNorm"
+    activation: str = "gelu"
+    add_bias_linear: bool = True
+    share_embeddings_and_output_weights: bool = True
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_method_std: float = 0.02
+    # Initialise every weight from (seed, global parameter name) so any TP/PP/DP layout starts
+    # from identical weights. Costs a full-tensor RNG draw per shard: meant for small models.
+    layout_invariant_init: bool = False
+    num_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_aux_loss_coeff: float = 0.0
+
+    def __post_init__(self) -> None:
+        _positive("model", num_layers=self.num_layers, hidden_size=self.hidden_size,
+                  num_attention_heads=self.num_attention_heads, seq_length=self.seq_length,
+                  num_query_groups=self.num_query_groups, ffn_hidden_size=self.ffn_hidden_size,
+                  num_experts=self.num_experts, moe_router_topk=self.moe_router_topk,
+                  padded_vocab_size=self.padded_vocab_size)
+        _require(self.hidden_size % self.num_attention_heads == 0,
+                 f"model.hidden_size={self.hidden_size} must be divisible by "
+                 f"model.num_attention_heads={self.num_attention_heads}")
+        groups = self.num_query_groups or self.num_attention_heads
+        _require(self.num_attention_heads % groups == 0,
+                 f"model.num_attention_heads={self.num_attention_heads} must be divisible by "
+                 f"model.num_query_groups={groups}")
+        _one_of("model", "position_embedding_type", self.position_embedding_type,
+                ("rope", "learned_absolute"))
+        _one_of("model", "normalization", self.normalization, ("LayerNorm", "RMSNorm"))
+        _one_of("model", "activation", self.activation, ("gelu", "swiglu"))
+        if self.num_experts is not None:
+            _require(self.moe_router_topk <= self.num_experts,
+                     f"model.moe_router_topk={self.moe_router_topk} exceeds "
+                     f"model.num_experts={self.num_experts}")
+        for key in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, key)
+            _require(0.0 <= value < 1.0, f"model.{key} must be in [0, 1), got {value}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    vpp: Optional[int] = None  # virtual pipeline stages per pipeline rank (interleaved 1F1B)
+    cp: int = 1
+    ep: int = 1
+    dp: Optional[int] = None  # None: derived from the world size
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        _positive("parallel", tp=self.tp, pp=self.pp, vpp=self.vpp, cp=self.cp, ep=self.ep,
+                  dp=self.dp)
+        _require(not self.sequence_parallel or self.tp > 1,
+                 "parallel.sequence_parallel=true needs parallel.tp > 1")
+        _require(self.vpp is None or self.pp > 1,
+                 f"parallel.vpp={self.vpp} needs parallel.pp > 1 (interleaving needs stages)")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """The DP size for ``world_size`` ranks, or a ConfigError naming the mismatch."""
+        mp = self.model_parallel_size
+        _require(world_size % mp == 0,
+                 f"world size {world_size} is not divisible by tp*pp*cp = "
+                 f"{self.tp}*{self.pp}*{self.cp} = {mp}")
+        dp = world_size // mp
+        _require(self.dp is None or self.dp == dp,
+                 f"parallel.dp={self.dp} but tp*pp*cp*dp must equal the world size {world_size}: "
+                 f"dp would be {dp} (set parallel.dp=null to derive it)")
+        _require((dp * self.cp) % self.ep == 0,
+                 f"parallel.ep={self.ep} must divide dp*cp = {dp}*{self.cp}")
+        return dp
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    name: str = "adam"
+    lr: float = 3e-3
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    use_distributed_optimizer: bool = True
+
+    def __post_init__(self) -> None:
+        _one_of("optimizer", "name", self.name, ("adam", "sgd"))
+        _require(self.lr > 0, f"optimizer.lr must be > 0, got {self.lr}")
+        _require(0 <= self.min_lr <= self.lr,
+                 f"optimizer.min_lr={self.min_lr} must be in [0, optimizer.lr={self.lr}]")
+        _require(self.clip_grad >= 0, f"optimizer.clip_grad must be >= 0, got {self.clip_grad}")
+
+
+@dataclass(kw_only=True)
+class SchedulerConfig:
+    warmup_steps: int = 0
+    decay_steps: Optional[int] = None  # None: train.train_steps
+    decay_style: str = "cosine"
+    start_weight_decay: Optional[float] = None  # None: optimizer.weight_decay
+    end_weight_decay: Optional[float] = None
+    weight_decay_incr_style: str = "constant"
+
+    def __post_init__(self) -> None:
+        _require(self.warmup_steps >= 0, "scheduler.warmup_steps must be >= 0")
+        _positive("scheduler", decay_steps=self.decay_steps)
+        _one_of("scheduler", "decay_style", self.decay_style,
+                ("constant", "linear", "cosine", "inverse-square-root"))
+        _one_of("scheduler", "weight_decay_incr_style", self.weight_decay_incr_style,
+                ("constant", "linear", "cosine"))
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    # indexed: megatron .bin/.idx prefixes in `paths`; mock: mcore's MockGPTDataset (smoke only)
+    kind: str = "mock"
+    paths: list[str] = field(default_factory=list)
+    weights: Optional[list[float]] = None
+    split: str = "98,2,0"
+    tokenizer: str = "byte"  # byte | huggingface
+    tokenizer_path: Optional[str] = None  # local directory for tokenizer=huggingface
+    cache_dir: Optional[str] = None  # None: <run dir>/data-cache
+    seed: int = 1234
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+
+    def __post_init__(self) -> None:
+        _one_of("data", "kind", self.kind, ("indexed", "mock"))
+        _one_of("data", "tokenizer", self.tokenizer, ("byte", "huggingface"))
+        _require(self.kind != "indexed" or len(self.paths) > 0,
+                 "data.kind=indexed needs data.paths (prefixes of .bin/.idx files made by "
+                 "`python -m pretrain.prepare`)")
+        _require(self.weights is None or len(self.weights) == len(self.paths),
+                 f"data.weights has {len(self.weights or [])} entries for "
+                 f"{len(self.paths)} data.paths")
+        _require(self.tokenizer != "huggingface" or self.tokenizer_path is not None,
+                 "data.tokenizer=huggingface needs data.tokenizer_path (a local directory)")
+        parts = self.split.split(",")
+        _require(len(parts) == 3 and all(p.strip().replace(".", "", 1).isdigit() for p in parts),
+                 f"data.split={self.split!r} must be three comma-separated weights (train,valid,test)")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    train_steps: int = 20
+    micro_batch_size: int = 2
+    global_batch_size: int = 8
+    seed: int = 1234
+    device: str = "auto"  # auto | cpu | cuda
+    precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16
+    # A test-only fault hook ("<kind>@<step>[:rank]"); empty in every shipped recipe.
+    fault: str = ""
+
+    def __post_init__(self) -> None:
+        _positive("train", train_steps=self.train_steps, micro_batch_size=self.micro_batch_size,
+                  global_batch_size=self.global_batch_size)
+        _require(self.global_batch_size % self.micro_batch_size == 0,
+                 f"train.global_batch_size={self.global_batch_size} must be a multiple of "
+                 f"train.micro_batch_size={self.micro_batch_size}")
+        _one_of("train", "device", self.device, ("auto", "cpu", "cuda"))
+        _one_of("train", "precision", self.precision, ("auto", "fp32", "bf16"))
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    enabled: bool = True
+    save_interval: Optional[int] = None  # steps between persistent saves; None: only at the end
+    optim_format: str = "fully_reshardable"
+    async_save: bool = False
+    resume: bool = True
+    load_optimizer: bool = True
+    keep_last: int = 2
+    milestone_interval: Optional[int] = None
+    full_verify: bool = True
+    lease_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        _one_of("checkpoint", "optim_format", self.optim_format,
+                ("fully_reshardable", "dp_reshardable"))
+        _positive("checkpoint", save_interval=self.save_interval,
+                  milestone_interval=self.milestone_interval)
+        _require(self.keep_last >= 2,
+                 f"checkpoint.keep_last={self.keep_last}: at least 2 verified steps are kept, so a "
+                 "corrupt newest step always has a fallback")
+        _require(self.lease_timeout_s > 0, "checkpoint.lease_timeout_s must be > 0")
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    level: str = "INFO"
+    log_interval: int = 1
+
+    def __post_init__(self) -> None:
+        _one_of("logging", "level", self.level, ("DEBUG", "INFO", "WARNING", "ERROR"))
+        _positive("logging", log_interval=self.log_interval)
+
+
+@dataclass(kw_only=True)
+class LaunchConfig:
+    backend: str = "torchrun"  # torchrun | ft_launcher
+    nodes: int = 1
+    nproc_per_node: int = 1
+    gpus_per_node: int = 0
+
+    def __post_init__(self) -> None:
+        _one_of("launch", "backend", self.backend, ("torchrun", "ft_launcher"))
+        _positive("launch", nodes=self.nodes, nproc_per_node=self.nproc_per_node)
+        _require(self.gpus_per_node >= 0, "launch.gpus_per_node must be >= 0")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.nproc_per_node
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    run_id: str = "dev"
+    output_dir: str = "runs"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    def __post_init__(self) -> None:
+        _require(bool(self.run_id) and "/" not in self.run_id and self.run_id not in (".", ".."),
+                 f"run_id={self.run_id!r} must be a non-empty name without '/'")
+        model, par = self.model, self.parallel
+        _require(model.num_attention_heads % par.tp == 0,
+                 f"model.num_attention_heads={model.num_attention_heads} is not divisible by "
+                 f"parallel.tp={par.tp}")
+        groups = model.num_query_groups or model.num_attention_heads
+        _require(groups % par.tp == 0,
+                 f"model.num_query_groups={groups} is not divisible by parallel.tp={par.tp}")
+        stages = par.pp * (par.vpp or 1)
+        _require(model.num_layers % stages == 0,
+                 f"model.num_layers={model.num_layers} is not divisible by pp*vpp = "
+                 f"{par.pp}*{par.vpp or 1} = {stages}")
+        if model.padded_vocab_size is not None:
+            _require(model.padded_vocab_size % par.tp == 0,
+                     f"model.padded_vocab_size={model.padded_vocab_size} is not divisible by "
+                     f"parallel.tp={par.tp}")
+        if par.ep > 1:
+            _require(model.is_moe, f"parallel.ep={par.ep} needs an MoE model (model.num_experts)")
+            _require(model.num_experts % par.ep == 0,
+                     f"parallel.ep={par.ep} must divide model.num_experts={model.num_experts}")
+        if model.is_moe and par.tp > 1:
+            _require(par.sequence_parallel,
+                     "MoE with parallel.tp > 1 needs parallel.sequence_parallel=true (Megatron-Core)")
