@@ -50,19 +50,19 @@ def to_yaml(run: RunConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(run))
 
 
-def _schema_keys(node: Any = RunConfig, prefix: str = "") -> list[str]:
+def schema_keys(node: Any = RunConfig, prefix: str = "") -> list[str]:
     keys: list[str] = []
     for f in dataclasses.fields(node):
         path = f"{prefix}{f.name}"
         keys.append(path)
         if isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory):
-            keys.extend(_schema_keys(f.default_factory, path + "."))
+            keys.extend(schema_keys(f.default_factory, path + "."))
     return keys
 
 
 def _reject_unknown_keys(tree: Any, overrides: list[str], prefix: str = "") -> None:
     # '+new.key=...' bypasses struct mode in some Hydra paths; the schema is the source of truth.
-    valid = set(_schema_keys())
+    valid = set(schema_keys())
     for key, value in tree.items():
         path = f"{prefix}{key}"
         if path not in valid:
@@ -72,7 +72,7 @@ def _reject_unknown_keys(tree: Any, overrides: list[str], prefix: str = "") -> N
 
 
 def _unknown_key_message(bad: str) -> str:
-    close = difflib.get_close_matches(bad, _schema_keys(), n=3, cutoff=0.6)
+    close = difflib.get_close_matches(bad, schema_keys(), n=3, cutoff=0.6)
     hint = f" Did you mean: {', '.join(close)}?" if close else ""
     return (f"unknown config key '{bad}'.{hint} "
             f"Run `python -m pretrain --show-keys` to list every valid key.")
@@ -101,7 +101,7 @@ def _explain(exc: BaseException, overrides: list[str]) -> str:
 def _unknown_override_key(overrides: list[str], text: str) -> str | None:
     if "not in" not in text and "Key '" not in text and "Could not override" not in text:
         return None
-    valid = set(_schema_keys())
+    valid = set(schema_keys())
     for item in overrides:
         key = item.split("=", 1)[0].lstrip("+~")
         if "=" in item and key not in valid and "/" not in key and "@" not in key \

@@ -1,0 +1,1 @@
+"""Pretraining entrypoint and training loop on megatron-core."""

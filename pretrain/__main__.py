@@ -1,0 +1,71 @@
+"""``python -m pretrain recipe=<name> [key=value ...]``: run under torchrun or ft_launcher."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from pretrain.logs import setup_logging
+from recipes import ConfigError, load_config, to_yaml
+from recipes.validate import resolve_device, validate_runtime
+from resiliency import exit_codes
+
+log = logging.getLogger("pretrain")
+USAGE = ("usage: python -m pretrain recipe=<name> [key=value ...] [--show-keys | --show-config]\n"
+         "  Hydra override grammar; run under `torchrun --nproc-per-node N -m pretrain ...`.")
+
+
+def main(argv: list[str]) -> int:
+    setup_logging("INFO")
+    if "-h" in argv or "--help" in argv:
+        print(USAGE)
+        return 0
+    if "--show-keys" in argv:
+        from recipes.load import schema_keys
+
+        print("\n".join(schema_keys()))
+        return 0
+    overrides = [a for a in argv if a != "--show-config"]
+    try:
+        run = load_config(overrides)
+        if "--show-config" in argv:
+            print(to_yaml(run), end="")
+            return 0
+        import torch
+
+        from pretrain.distributed import launch_env
+
+        device = resolve_device(run.train.device, torch.cuda.is_available())
+        dp = validate_runtime(run, launch_env()[1], device)
+    except ConfigError as exc:
+        log.error("config error: %s", exc)
+        return exit_codes.CONFIG_ERROR
+    return train(run, device, dp)
+
+
+def train(run, device: str, dp: int) -> int:  # noqa: ANN001 - RunConfig, imported lazily
+    from pretrain.distributed import init_distributed, shutdown
+    from pretrain.loop import Trainer
+    from resiliency.hooks import build_hooks
+
+    setup_logging(run.logging.level)
+    env = init_distributed(device)
+    run_dir = Path(run.output_dir) / run.run_id
+    if env.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(run))
+    hooks = build_hooks(run, env, run_dir)
+    try:
+        trainer = Trainer(run, env, dp, run_dir, hooks)
+        trainer.fit()
+        code = trainer.exit_code
+    finally:
+        for hook in hooks:
+            hook.close()
+    shutdown()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,126 @@
+"""Fixes for megatron-core bugs on the torch.optim.Adam path (no Apex / Transformer Engine).
+
+That path is taken on CPU and on any GPU box without Apex or TE. Each fix names the bug, is
+gated on the megatron-core versions it was measured on, and can be left out with
+``MCORE_RECIPES_COMPAT_SKIP=F,G`` so a test can show the bug still bites without it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from importlib.metadata import version
+from typing import Any, Callable
+
+import torch
+
+SKIP_ENV = "MCORE_RECIPES_COMPAT_SKIP"
+AFFECTED_MCORE = ("0.16.",)  # measured on 0.16.1; re-measure before widening
+
+
+@dataclass(frozen=True)
+class Fix:
+    name: str
+    bug: str
+    apply: Callable[[Any], None]  # receives megatron's DistributedOptimizer class
+
+
+def _prime_empty_adam_state(optimizer: Any) -> None:
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        adam = getattr(inner, "optimizer", None)
+        if adam is None:
+            continue
+        for group in adam.param_groups:
+            for param in group["params"]:
+                state = adam.state[param]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(param.data)
+                    state["exp_avg_sq"] = torch.zeros_like(param.data)
+                    state["step"] = torch.tensor(0.0)
+
+
+def _fix_f(cls: Any) -> None:
+    original = cls.sharded_state_dict
+
+    @functools.wraps(original)
+    def sharded_state_dict(self: Any, *args: Any, is_loading: bool = False, **kwargs: Any) -> Any:
+        if is_loading:
+            _prime_empty_adam_state(self)
+        return original(self, *args, is_loading=is_loading, **kwargs)
+
+    cls.sharded_state_dict = sharded_state_dict
+
+
+def _fix_g(cls: Any) -> None:
+    original = cls._set_main_param_and_optimizer_states
+
+    @functools.wraps(original)
+    def set_states(self: Any, model_param: Any, tensors: dict) -> None:
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        destination = {"param": main_param, **self.optimizer.state[main_param]}
+        for key, tensor in destination.items():
+            # 'step' was restored from param_groups already; the incoming one is the pre-load value.
+            if key in tensors and key != "step":
+                tensor.copy_(tensors[key])
+        return None
+
+    cls._set_main_param_and_optimizer_states = set_states
+
+
+def _fix_h(cls: Any) -> None:
+    cls.load_parameter_state_from_dp_reshardable = torch.no_grad()(
+        cls.load_parameter_state_from_dp_reshardable)
+
+
+def _fix_i(cls: Any) -> None:
+    original = cls.load_state_dict
+
+    @functools.wraps(original)
+    def load_state_dict(self: Any, state_dict: dict) -> Any:
+        result = original(self, state_dict)
+        for state in self.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].detach().clone()
+        return result
+
+    cls.load_state_dict = load_state_dict
+
+
+FIXES: tuple[Fix, ...] = (
+    Fix("F", "sharded_state_dict(is_loading=True) on a never-stepped torch Adam asserts "
+             "len(steps) == 1", _fix_f),
+    Fix("G", "loading copies the pre-load 'step' over the restored one: KeyError for "
+             "fully_reshardable, a silently reset Adam step for dp_reshardable", _fix_g),
+    Fix("H", "load_parameter_state_from_dp_reshardable runs in-place ops on leaf views "
+             "outside no_grad", _fix_h),
+    Fix("I", "load_state_dict shares one 'step' tensor across params, so each resumed step "
+             "adds n_params to it (silently wrong bias correction)", _fix_i),
+)
+
+_applied: list[str] = []
+
+
+def needed() -> bool:
+    """True where the torch-Adam fallback and the measured megatron-core bugs meet."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    affected = version("megatron-core").startswith(AFFECTED_MCORE)
+    return affected and not distrib_optimizer.HAVE_APEX_OR_TE
+
+
+def apply() -> list[str]:
+    """Apply the fixes once where needed(); returns the names applied."""
+    if _applied or not needed():
+        return list(_applied)
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    skip = {n for n in os.environ.get(SKIP_ENV, "").split(",") if n}
+    for fix in FIXES:
+        if fix.name not in skip:
+            fix.apply(DistributedOptimizer)
+            _applied.append(fix.name)
+    return list(_applied)

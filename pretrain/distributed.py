@@ -1,0 +1,73 @@
+"""Device detection and process-group setup (NCCL on CUDA, gloo + the CPU shim elsewhere)."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pretrain import compat, cpu_shim
+from recipes.schema import ParallelConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: str  # "cpu" | "cuda"
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cuda", self.local_rank) if self.device == "cuda" else torch.device("cpu")
+
+
+def launch_env() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from torchrun/ft_launcher's environment."""
+    return (int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")),
+            int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def init_distributed(device: str, timeout_s: float = 600.0) -> DistEnv:
+    rank, world_size, local_rank = launch_env()
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+        backend = "nccl"
+    else:
+        applied = cpu_shim.apply()
+        log.debug("CPU shim patches: %s", applied)
+        backend = "gloo"
+    log.debug("megatron-core compat fixes: %s", compat.apply())
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    return DistEnv(rank, world_size, local_rank, device)
+
+
+def init_model_parallel(par: ParallelConfig) -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=par.tp,
+        pipeline_model_parallel_size=par.pp,
+        virtual_pipeline_model_parallel_size=par.vpp,
+        context_parallel_size=par.cp,
+        expert_model_parallel_size=par.ep,
+    )
+
+
+def shutdown() -> None:
+    from megatron.core import parallel_state
+
+    if dist.is_initialized():
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()

@@ -1,0 +1,215 @@
+"""pretrain.tokenizer and pretrain.prepare: real files in tmp_path, read back via megatron-core."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy
+import pytest
+
+from pretrain.prepare import (
+    STDLIB_SKIP_DIRS,
+    PrepareError,
+    dataset_prefix,
+    file_documents,
+    main,
+    prepare_corpus,
+    stdlib_documents,
+    stdlib_files,
+)
+from pretrain.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, build_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = ["hello world", "naïve café — 日本語 🚀", "line one\nline two\n", "x"]
+
+
+def read_back(output_prefix: str) -> list[list[int]]:
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dataset = IndexedDataset(dataset_prefix(output_prefix))
+    # One sequence per document, so document boundaries are exactly the sequence boundaries.
+    assert list(dataset.document_indices) == list(range(len(dataset) + 1))
+    return [dataset[i].tolist() for i in range(len(dataset))]
+
+
+def expected(tokenizer, docs: list[str]) -> list[list[int]]:
+    return [tokenizer.tokenize(d) + [tokenizer.eod] for d in docs]
+
+
+def output_files(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir()
+                  if p.suffix in (".bin", ".idx") or ".tmp" in p.name)
+
+
+@pytest.fixture
+def hf_dir(tmp_path: Path) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordLevelTrainer(special_tokens=["<unk>", "</s>", "<pad>"])
+    tok.train_from_iterator(["the cat sat on the mat", "a dog ate the cat food"], trainer)
+    directory = tmp_path / "tok"
+    directory.mkdir()
+    tok.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+def test_byte_tokenizer_round_trip_and_special_ids() -> None:
+    tok = ByteTokenizer()
+    assert (tok.vocab_size, tok.eod, tok.pad) == (258, 256, 257)
+    for text in DOCS:
+        ids = tok.tokenize(text)
+        assert ids == list(text.encode("utf-8")) and max(ids) < 256
+        assert tok.detokenize(ids) == text
+    assert tok.detokenize(tok.tokenize("ab") + [tok.eod]) == "ab"
+    assert json.loads(json.dumps(tok.unique_identifiers))["class"] == "ByteTokenizer"
+
+
+def test_build_tokenizer_errors(tmp_path: Path) -> None:
+    assert isinstance(build_tokenizer("byte", None), ByteTokenizer)
+    with pytest.raises(TokenizerError, match="unknown tokenizer kind"):
+        build_tokenizer("sentencepiece", None)
+    with pytest.raises(TokenizerError, match="does not exist"):
+        build_tokenizer("huggingface", str(tmp_path / "missing"))
+
+
+def test_prepare_jsonl(tmp_path: Path) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(DOCS)),
+                    encoding="utf-8")
+    prefix = str(tmp_path / "out" / "nested" / "corpus")  # parents do not exist yet
+    tok = ByteTokenizer()
+    docs, tokens = prepare_corpus(file_documents([str(path)]), prefix, tok)
+    want = expected(tok, DOCS)
+    assert (docs, tokens) == (len(DOCS), sum(map(len, want)))
+    assert read_back(prefix) == want
+    assert output_files(tmp_path / "out" / "nested") == ["corpus_text_document.bin",
+                                                         "corpus_text_document.idx"]
+
+
+def test_prepare_plain_text_uint16(tmp_path: Path) -> None:
+    paths = []
+    for i, doc in enumerate(DOCS):
+        paths.append(tmp_path / f"doc{i}.txt")
+        paths[-1].write_text(doc, encoding="utf-8")
+    prefix = str(tmp_path / "plain")
+    prepare_corpus(file_documents(map(str, paths)), prefix, ByteTokenizer())
+    assert read_back(prefix) == expected(ByteTokenizer(), DOCS)
+    # 2 bytes per token: uint16, as megatron picks for small vocabularies.
+    want_bytes = 2 * sum(len(d.encode()) + 1 for d in DOCS)
+    assert os.path.getsize(dataset_prefix(prefix) + ".bin") == want_bytes
+
+
+def test_stdlib_corpus_is_deterministic_and_fills_the_cap(tmp_path: Path) -> None:
+    cap = 256 * 1024
+    blobs = []
+    for run in ("a", "b"):
+        docs, tokens = prepare_corpus(stdlib_documents(cap), str(tmp_path / run), ByteTokenizer())
+        text_bytes = tokens - docs  # each document adds one eod
+        assert 0.95 * cap < text_bytes <= cap
+        blobs.append(tuple(Path(dataset_prefix(str(tmp_path / run)) + ext).read_bytes()
+                           for ext in (".bin", ".idx")))
+    assert blobs[0] == blobs[1]
+
+
+def test_stdlib_selection_skips_tests_and_vendored_code() -> None:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    relative = [p.relative_to(root).as_posix() for p in stdlib_files()]
+    assert relative == sorted(relative) and "os.py" in relative
+    assert not any(set(r.split("/")[:-1]) & STDLIB_SKIP_DIRS for r in relative)
+
+
+def test_hf_tokenizer_from_local_dir(tmp_path: Path, hf_dir: Path) -> None:
+    tok = build_tokenizer("huggingface", str(hf_dir))
+    assert isinstance(tok, HFTokenizer)
+    assert tok.eod == tok.tokenize("</s>")[0] and tok.pad != tok.eod
+    docs = ["the cat sat", "a dog ate the mat", "cat food"]
+    assert all(2 < i < tok.vocab_size for d in docs for i in tok.tokenize(d))
+    assert tok.detokenize(tok.tokenize("the cat")) == "the cat"
+    prefix = str(tmp_path / "hf")
+    prepare_corpus(docs, prefix, tok)
+    assert read_back(prefix) == expected(tok, docs)
+    assert json.loads(json.dumps(tok.unique_identifiers))["vocab_size"] == tok.vocab_size
+
+
+def test_hf_tokenizer_without_eod_token_is_a_clear_error(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models
+
+    directory = tmp_path / "noeos"
+    directory.mkdir()
+    Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")).save(
+        str(directory / "tokenizer.json"))
+    with pytest.raises(TokenizerError, match="no end-of-document token"):
+        HFTokenizer(str(directory))
+    assert HFTokenizer(str(directory), eod_token="a").eod == 0
+
+
+def test_tokenizers_plug_into_megatron_gpt_dataset(tmp_path: Path, hf_dir: Path) -> None:
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    for name, tok in (("byte", ByteTokenizer()), ("hf", HFTokenizer(str(hf_dir)))):
+        prefix = str(tmp_path / name)
+        prepare_corpus(["the cat sat on the mat"] * 40, prefix, tok)
+        config = GPTDatasetConfig(
+            random_seed=1, sequence_length=8, blend=([dataset_prefix(prefix)], None),
+            split="1,0,0", tokenizer=tok, reset_position_ids=False, reset_attention_mask=False,
+            eod_mask_loss=False, path_to_cache=str(tmp_path / f"cache-{name}"))
+        train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [4, None, None], lambda: True,
+                                                    config).build()
+        sample = train[0]
+        assert sample["tokens"].shape == (8,) and int(sample["tokens"].max()) < tok.vocab_size
+
+
+def test_missing_json_key_names_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "ok"}\n\n{"content": "no text key"}\n', encoding="utf-8")
+    with pytest.raises(PrepareError, match=rf"bad\.jsonl:3: no 'text' key"):
+        list(file_documents([str(path)]))
+    with pytest.raises(SystemExit) as exc:
+        main(["--input", str(path), "--output-prefix", str(tmp_path / "out")])
+    assert "bad.jsonl:3" in str(exc.value.code)
+    assert output_files(tmp_path) == []  # nothing half-written, no temp files left
+
+
+def test_failed_run_keeps_previous_output(tmp_path: Path) -> None:
+    prefix = str(tmp_path / "keep")
+    prepare_corpus(["first"], prefix, ByteTokenizer())
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": 3}\n', encoding="utf-8")
+    with pytest.raises(PrepareError, match="bad.jsonl:2"):
+        prepare_corpus(file_documents([str(bad)]), prefix, ByteTokenizer())
+    assert read_back(prefix) == expected(ByteTokenizer(), ["first"])
+    assert output_files(tmp_path) == ["keep_text_document.bin", "keep_text_document.idx"]
+
+
+def test_cli_errors(tmp_path: Path) -> None:
+    out = str(tmp_path / "out")
+    with pytest.raises(SystemExit) as exc:
+        main(["--input", str(tmp_path / "nothing-*.jsonl"), "--output-prefix", out])
+    assert "matched no files" in str(exc.value.code)
+    with pytest.raises(SystemExit) as exc:
+        main(["--stdlib", "--output-prefix", out, "--tokenizer", "huggingface",
+              "--tokenizer-path", str(tmp_path / "no-such-dir")])
+    assert "no-such-dir" in str(exc.value.code) and "does not exist" in str(exc.value.code)
+    assert output_files(tmp_path) == []
+
+
+def test_cli_entrypoint_subprocess(tmp_path: Path) -> None:
+    for i, doc in enumerate(DOCS):
+        (tmp_path / f"d{i}.txt").write_text(doc, encoding="utf-8")
+    prefix = str(tmp_path / "cli" / "docs")
+    result = subprocess.run(
+        [sys.executable, "-m", "pretrain.prepare", "--input", str(tmp_path / "d*.txt"),
+         "--output-prefix", prefix], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert f"{len(DOCS)} documents" in result.stderr
+    assert read_back(prefix) == expected(ByteTokenizer(), DOCS)
