@@ -21,7 +21,8 @@ TRASH_PREFIX = ".trash-"
 
 MANIFEST_NAME = "manifest.json"
 COMMITTED_NAME = "COMMITTED"
-# Files the protocol itself writes into a step dir; everything else is payload the manifest must list.
+# Files the protocol itself writes into a step dir; every other file is payload that the
+# manifest must list.
 RESERVED_NAMES = frozenset({MANIFEST_NAME, COMMITTED_NAME})
 
 
@@ -119,7 +120,7 @@ def _subdirs(path: Path) -> list[Path]:
 
 
 def payload_files(step_dir: Path) -> list[str]:
-    """Relative posix paths of every regular file in ``step_dir`` except the protocol's own files."""
+    """Relative posix paths of every file in ``step_dir`` except the protocol's own files."""
     out = []
     for dirpath, _dirs, files in os.walk(step_dir):
         for name in files:

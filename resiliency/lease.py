@@ -139,7 +139,8 @@ def _lock_is_stale(lock: Path) -> bool:
     if not isinstance(owner, dict):
         return False  # just created, content not written yet
     local = owner.get("pid_ns") == _pid_namespace() and owner.get("host") == socket.gethostname()
-    return local and not psutil.pid_exists(int(owner.get("pid", 0)))
+    pid = owner.get("pid")
+    return local and isinstance(pid, int) and pid > 0 and not psutil.pid_exists(pid)
 
 
 @contextmanager
@@ -254,7 +255,8 @@ class RunLease:
             raise ValueError(f"heartbeat interval {interval}s must be < timeout {self.timeout_s}s")
         self.stop_heartbeat()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat_loop, args=(self._stop, interval, on_lost),
+        self._thread = threading.Thread(target=self._beat_loop,
+                                        args=(self._stop, interval, on_lost),
                                         name="run-lease-heartbeat", daemon=True)
         self._thread.start()
 

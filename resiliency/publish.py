@@ -75,10 +75,12 @@ def set_aside(layout: RunLayout, step: int, reason: str) -> Path:
 def _check_can_publish(layout: RunLayout, tmp_dir: Path, step: int,
                        replace_invalid: bool) -> None:
     parsed = parse_tmp(tmp_dir.name)
-    if tmp_dir.parent.resolve() != layout.steps_dir.resolve() or parsed is None or parsed[0] != step:
+    in_steps_dir = tmp_dir.parent.resolve() == layout.steps_dir.resolve()
+    if not in_steps_dir or parsed is None or parsed[0] != step:
         raise PublishError(f"{tmp_dir} is not a tmp dir for step {step} in {layout.steps_dir}")
     if not (tmp_dir / COMMITTED_NAME).is_file():
-        raise PublishError(f"{tmp_dir} has no {COMMITTED_NAME}; call write_manifest_and_commit first")
+        raise PublishError(f"{tmp_dir} has no {COMMITTED_NAME}; "
+                           f"call write_manifest_and_commit first")
     final = layout.step_dir(step)
     if not final.exists():
         return

@@ -1,0 +1,42 @@
+"""Shared helpers for tests that launch real multi-process training jobs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+
+
+def pretrain_cmd(nproc: int, overrides: Sequence[str]) -> list[str]:
+    return [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", "-m", "pretrain", *overrides]
+
+
+def run_pretrain(nproc: int, overrides: Sequence[str], *, env: dict[str, str] | None = None,
+                 timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run(pretrain_cmd(nproc, overrides), cwd=REPO, env=full_env, text=True,
+                          capture_output=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"pretrain failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def read_steps(run_dir: Path) -> dict[int, dict]:
+    """Per-step metrics; a step logged twice (re-done after a restart) keeps its last record."""
+    steps: dict[int, dict] = {}
+    path = run_dir / "metrics" / "steps.jsonl"
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        steps[record["step"]] = record
+    return steps
+
+
+def losses(run_dir: Path) -> list[float]:
+    steps = read_steps(run_dir)
+    return [steps[s]["loss"] for s in sorted(steps)]

@@ -1,0 +1,146 @@
+"""Single-writer run lease, with real processes (no mocks)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from resiliency.layout import RunLayout
+from resiliency.lease import LeaseHeldError, LeaseInfo, LeaseLostError, RunLease, read_lease
+
+RUN = "run-lease"
+
+
+@pytest.fixture
+def layout(tmp_path: Path) -> RunLayout:
+    return RunLayout(tmp_path, RUN)
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _write_foreign_lease(layout: RunLayout, **overrides: object) -> None:
+    mine = LeaseInfo.for_this_process(attempt=9, timeout_s=60).__dict__
+    layout.run_dir.mkdir(parents=True, exist_ok=True)
+    layout.lease_path.write_text(json.dumps({**mine, **overrides}))
+
+
+def test_acquire_writes_owner_and_release_removes(layout: RunLayout) -> None:
+    with RunLease(layout, attempt=1, timeout_s=30):
+        info = read_lease(layout)
+        assert info is not None
+        assert (info.attempt, info.pid, info.host) == (1, os.getpid(), socket.gethostname())
+    assert read_lease(layout) is None
+    assert not layout.lease_path.with_name("LEASE.lock").exists()
+
+
+def test_second_acquirer_refused_with_clear_message(layout: RunLayout) -> None:
+    first = RunLease(layout, attempt=1, timeout_s=30)
+    first.acquire()
+    with pytest.raises(LeaseHeldError) as err:
+        RunLease(layout, attempt=2, timeout_s=30).acquire()
+    msg = str(err.value)
+    for part in ("attempt 1", socket.gethostname(), f"pid {os.getpid()}", "heartbeat",
+                 "stop it", "taken over"):
+        assert part in msg, msg
+    first.acquire()  # the same owner may re-acquire
+    first.release()
+
+
+def test_stale_heartbeat_taken_over(layout: RunLayout) -> None:
+    _write_foreign_lease(layout, host="some-other-host", pid=12345, heartbeat=time.time() - 100)
+    RunLease(layout, attempt=2, timeout_s=10).acquire()
+    assert read_lease(layout).attempt == 2
+
+
+def test_fresh_lease_on_other_host_refused(layout: RunLayout) -> None:
+    _write_foreign_lease(layout, host="some-other-host", pid=12345, job_id="777")
+    with pytest.raises(LeaseHeldError, match="some-other-host.*job 777"):
+        RunLease(layout, attempt=2, timeout_s=10).acquire()
+
+
+def test_dead_pid_on_same_host_taken_over_immediately(layout: RunLayout) -> None:
+    _write_foreign_lease(layout, pid=_dead_pid(), heartbeat=time.time())
+    RunLease(layout, attempt=2, timeout_s=3600).acquire()
+    assert read_lease(layout).attempt == 2
+
+
+def test_garbage_lease_refused_while_fresh(layout: RunLayout) -> None:
+    layout.run_dir.mkdir(parents=True)
+    layout.lease_path.write_text("{torn")
+    with pytest.raises(LeaseHeldError, match="unreadable"):
+        RunLease(layout, attempt=1, timeout_s=60).acquire()
+    old = time.time() - 120
+    os.utime(layout.lease_path, (old, old))
+    RunLease(layout, attempt=1, timeout_s=60).acquire()
+
+
+def test_stale_mutex_of_dead_process_is_broken(layout: RunLayout) -> None:
+    layout.run_dir.mkdir(parents=True)
+    lock = layout.lease_path.with_name("LEASE.lock")
+    owner = LeaseInfo.for_this_process(attempt=1, timeout_s=1)
+    lock.write_text(json.dumps({"host": owner.host, "pid": _dead_pid(), "pid_ns": owner.pid_ns}))
+    RunLease(layout, attempt=1, timeout_s=60, lock_wait_s=1).acquire()
+    assert not lock.exists()
+
+
+def test_heartbeat_and_loss_detection(layout: RunLayout) -> None:
+    lease = RunLease(layout, attempt=1, timeout_s=30)
+    lease.acquire()
+    t0 = read_lease(layout).heartbeat
+    time.sleep(0.01)
+    lease.heartbeat()
+    assert read_lease(layout).heartbeat > t0
+    lost: list[LeaseLostError] = []
+    lease.start_heartbeat(interval_s=0.02, on_lost=lost.append)
+    _write_foreign_lease(layout, host="usurper", pid=1)  # someone took it over
+    deadline = time.monotonic() + 5
+    while lease.lost is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    lease.stop_heartbeat()
+    assert isinstance(lease.lost, LeaseLostError) and lost == [lease.lost]
+    assert "usurper" in str(lease.lost)
+    with pytest.raises(LeaseLostError):
+        lease.heartbeat()
+    lease.release()  # not ours any more: left alone
+    assert read_lease(layout).host == "usurper"
+
+
+def _race(root: str, attempt: int, start: mp.synchronize.Barrier, done: mp.synchronize.Barrier,
+          results: mp.Queue) -> None:
+    lease = RunLease(RunLayout(Path(root), RUN), attempt=attempt, timeout_s=60)
+    start.wait()
+    try:
+        lease.acquire()
+        results.put((attempt, "won"))
+    except LeaseHeldError:
+        results.put((attempt, "refused"))
+    done.wait()  # stay alive until every racer has tried, so the winner's pid stays live
+
+
+def test_concurrent_acquirers_exactly_one_wins(layout: RunLayout) -> None:
+    ctx = mp.get_context("fork")
+    n = 6
+    start, done, results = ctx.Barrier(n), ctx.Barrier(n), ctx.Queue()
+    procs = [ctx.Process(target=_race, args=(str(layout.root), a, start, done, results))
+             for a in range(1, n + 1)]
+    for p in procs:
+        p.start()
+    outcomes = [results.get(timeout=30) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    assert all(p.exitcode == 0 for p in procs)
+    winners = [a for a, r in outcomes if r == "won"]
+    assert len(winners) == 1, outcomes
+    assert read_lease(layout).attempt == winners[0]
