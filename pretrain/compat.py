@@ -44,10 +44,11 @@ def _fix_f(cls: Any) -> None:
     original = cls.sharded_state_dict
 
     @functools.wraps(original)
-    def sharded_state_dict(self: Any, *args: Any, is_loading: bool = False, **kwargs: Any) -> Any:
+    def sharded_state_dict(self: Any, model_sharded_state_dict: Any = None,
+                           is_loading: bool = False, *args: Any, **kwargs: Any) -> Any:
         if is_loading:
             _prime_empty_adam_state(self)
-        return original(self, *args, is_loading=is_loading, **kwargs)
+        return original(self, model_sharded_state_dict or {}, is_loading, *args, **kwargs)
 
     cls.sharded_state_dict = sharded_state_dict
 

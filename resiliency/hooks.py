@@ -2,14 +2,112 @@
 
 from __future__ import annotations
 
+import logging
+import socket
+import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from pretrain.loop import StepResult, TrainHook
+from resiliency.attempts import claim_attempt, ensure_run_record, write_attempt_record
+from resiliency.checkpointer import Checkpointer, broadcast_object
+from resiliency.layout import RunLayout
+from resiliency.lease import LeaseHeldError, RunLease
 
 if TYPE_CHECKING:
     from pretrain.distributed import DistEnv
-    from pretrain.loop import TrainHook
+    from pretrain.loop import Trainer
     from recipes.schema import RunConfig
 
+log = logging.getLogger(__name__)
 
-def build_hooks(run: "RunConfig", env: "DistEnv", run_dir: Path) -> list["TrainHook"]:
-    return []
+
+class RunOwnership:
+    """Rank 0 holds the run's single-writer lease and claims an attempt id for all ranks."""
+
+    def __init__(self, layout: RunLayout, lease_timeout_s: float) -> None:
+        self.layout, self.timeout_s = layout, lease_timeout_s
+        self.lease: RunLease | None = None
+        self.attempt = -1
+
+    def acquire(self, rank: int, world_size: int) -> int:
+        error, attempt = None, -1
+        if rank == 0:
+            try:
+                attempt = claim_attempt(self.layout, self._record(world_size, "starting"))
+                self.lease = RunLease(self.layout, attempt, self.timeout_s)
+                self.lease.acquire()
+                self.lease.start_heartbeat()
+                ensure_run_record(self.layout, attempt)
+            except LeaseHeldError as exc:
+                error = str(exc)
+        error, self.attempt = broadcast_object((error, attempt))
+        if error:
+            raise LeaseHeldError(error)
+        return self.attempt
+
+    def _record(self, world_size: int, status: str, **extra: Any) -> dict[str, Any]:
+        return {"status": status, "host": socket.gethostname(), "world_size": world_size,
+                "start_time": time.time(), **extra}
+
+    def record(self, status: str, **extra: Any) -> None:
+        if self.lease is not None:
+            write_attempt_record(self.layout, self.attempt,
+                                 self._record(dist.get_world_size(), status, **extra))
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+
+
+class CheckpointHook(TrainHook):
+    """Restore at start, save every ``save_interval`` steps and at the end, publish async saves."""
+
+    def __init__(self, run: "RunConfig", env: "DistEnv", run_dir: Path) -> None:
+        self.cfg = run.checkpoint
+        self.env = env
+        self.layout = RunLayout(run_dir.parent, run.run_id)
+        self.ownership = RunOwnership(self.layout, self.cfg.lease_timeout_s)
+        self.checkpointer: Checkpointer | None = None
+
+    def on_start(self, trainer: "Trainer") -> None:
+        attempt = self.ownership.acquire(self.env.rank, self.env.world_size)
+        self.checkpointer = Checkpointer(trainer, self.layout, attempt)
+        restored = self.checkpointer.restore() if self.cfg.resume else None
+        self.ownership.record("running", restored_step=restored)
+
+    def before_step(self, trainer: "Trainer") -> None:
+        assert self.checkpointer is not None
+        self.checkpointer.finalize(blocking=False)
+
+    def after_step(self, trainer: "Trainer", result: StepResult) -> None:
+        interval = self.cfg.save_interval
+        if interval and result.step % interval == 0:
+            assert self.checkpointer is not None
+            self.checkpointer.save()
+
+    def on_end(self, trainer: "Trainer") -> None:
+        assert self.checkpointer is not None
+        checkpointer = self.checkpointer
+        checkpointer.finalize(blocking=True)
+        # A planned exit always leaves a persistent checkpoint of the final state.
+        if checkpointer.stats.last_step != trainer.state.step and \
+                checkpointer.restored_step != trainer.state.step:
+            checkpointer.save()
+            checkpointer.finalize(blocking=True)
+        self.ownership.record("finished", step=trainer.state.step)
+
+    def close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+        self.ownership.release()
+
+
+def build_hooks(run: "RunConfig", env: "DistEnv", run_dir: Path) -> list[TrainHook]:
+    hooks: list[TrainHook] = []
+    if run.checkpoint.enabled:
+        hooks.append(CheckpointHook(run, env, run_dir))
+    return hooks

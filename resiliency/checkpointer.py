@@ -1,0 +1,352 @@
+"""Persistent checkpoints of the full training state through megatron-core dist_checkpointing.
+
+Save: every rank writes its shards and RNG state into ``step-N.tmp-attempt-K``; once all
+writers have persisted (at once for sync saves, at a later step boundary for async ones),
+ranks checksum a share of the files each, rank 0 writes the manifest and COMMITTED and
+publishes the dir by atomic rename. Restore: rank 0 picks the newest verified step, every
+rank loads it, and the loaded state is checked against the manifest before training resumes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from resiliency import state as state_io
+from resiliency.checksum import describe_files, file_checksum, share_of
+from resiliency.layout import RunLayout, payload_files
+from resiliency.manifest import (Manifest, code_commit, image_digest, merge_file_entries,
+                                 read_manifest, runtime_versions)
+from resiliency.publish import begin_step, publish, write_manifest_and_commit
+from resiliency.retention import apply_gc, plan_gc
+from resiliency.select import select_restore_step
+
+if TYPE_CHECKING:
+    from pretrain.loop import Trainer
+
+log = logging.getLogger(__name__)
+MODEL_DIR = "model"
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save failed on some rank; the tmp dir was discarded and earlier steps are intact."""
+
+
+class RestoreError(RuntimeError):
+    """The selected checkpoint loaded but does not match its manifest."""
+
+
+@dataclass
+class PendingSave:
+    step: int
+    tmp_dir: Path
+    started: float
+    lr: float
+    request: Any = None  # megatron AsyncRequest while writers run in the background
+
+
+@dataclass
+class SaveStats:
+    durations_s: list[float] = field(default_factory=list)
+    last_success_time: float | None = None
+    last_step: int | None = None
+
+
+def broadcast_object(value: Any, src: int = 0) -> Any:
+    box = [value]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def model_state_dict(chunks: list[Any]) -> dict[str, Any]:
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict()}
+    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+
+class Checkpointer:
+    def __init__(self, trainer: "Trainer", layout: RunLayout, attempt: int) -> None:
+        self.trainer, self.layout, self.attempt = trainer, layout, attempt
+        self.cfg = trainer.run.checkpoint
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.pending: PendingSave | None = None
+        self.queue: Any = None
+        self.stats = SaveStats()
+        self.restored_step: int | None = None
+        self._dataset_snapshot: dict[str, Any] | None = None
+
+    # ---------------------------------------------------------------- save
+    def save(self) -> None:
+        """Start a save of the current state; sync saves are published before returning."""
+        self.finalize(blocking=True)  # one save in flight at a time
+        step = self.trainer.state.step
+        tmp = self._begin(step)
+        started = time.perf_counter()
+        try:
+            request = self._write_shards(tmp)
+            state_io.save_rank_state(tmp, self.rank, state_io.capture_rng(self.trainer.env.device))
+            if self.rank == 0:
+                state_io.write_train_state(tmp, self._train_state())
+        except Exception as exc:
+            self._abort(tmp, exc)
+        lr = float(self.trainer.parts.optimizer.param_groups[0]["lr"])
+        self.pending = PendingSave(step, tmp, started, lr, request)
+        if request is None:
+            self._commit()
+        else:
+            request.add_finalize_fn(self._commit)
+            self._async_queue().schedule_async_request(request)
+            if self.rank == 0:
+                log.info("checkpoint step %d: writing in the background", step)
+
+    def finalize(self, blocking: bool = False) -> None:
+        """Publish async saves whose writers are done (collective: call on every rank)."""
+        if self.queue is not None and self.queue.get_num_unfinalized_calls():
+            self.queue.maybe_finalize_async_calls(blocking=blocking)
+
+    def _begin(self, step: int) -> Path:
+        tmp = None
+        if self.rank == 0:
+            tmp = begin_step(self.layout, step, self.attempt)
+            (tmp / MODEL_DIR).mkdir()
+        return Path(broadcast_object(str(tmp) if tmp else None))
+
+    def _write_shards(self, tmp: Path) -> Any:
+        from megatron.core import dist_checkpointing
+
+        parts = self.trainer.parts
+        sharded = model_state_dict(parts.chunks)
+        sharded["optimizer"] = parts.optimizer.sharded_state_dict(
+            sharded, metadata=self._optimizer_metadata())
+        return dist_checkpointing.save(sharded, str(tmp / MODEL_DIR),
+                                       sharded_strategy=self._save_strategy(),
+                                       async_sharded_save=self.cfg.async_save)
+
+    def _optimizer_metadata(self) -> dict[str, Any]:
+        return {"distrib_optim_sharding_type": self.cfg.optim_format,
+                "chained_optim_avoid_prefix": True}
+
+    def _save_strategy(self) -> Any:
+        from megatron.core import parallel_state as ps
+        from megatron.core.dist_checkpointing.serialization import (
+            get_default_save_sharded_strategy)
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+            FullyParallelSaveStrategyWrapper)
+
+        strategy = get_default_save_sharded_strategy()
+        if ps.get_data_parallel_world_size(with_context_parallel=True) == 1:
+            return strategy
+        # Replicas are split across DP ranks, so each byte is written once, by one rank.
+        return FullyParallelSaveStrategyWrapper(
+            strategy, ps.get_data_parallel_group(with_context_parallel=True))
+
+    def _async_queue(self) -> Any:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        if self.queue is None:
+            # The temporal (fork) caller: the persistent one leaked later in-place updates
+            # into the checkpoint in our measurements (see shared cpu-feasibility notes).
+            self.queue = AsyncCallsQueue(persistent=False)
+        return self.queue
+
+    def _train_state(self) -> dict[str, Any]:
+        trainer = self.trainer
+        return {
+            "step": trainer.state.step,
+            "consumed_samples": trainer.state.consumed_samples,
+            "consumed_tokens": trainer.state.consumed_tokens,
+            "microbatch_position": 0,  # saves happen at step boundaries only
+            "global_batch_size": trainer.parts.plan.global_batch_size,
+            "lr": float(trainer.parts.optimizer.param_groups[0]["lr"]),
+            "scheduler": trainer.parts.scheduler.state_dict(),
+            "grad_scaler": None,  # bf16/fp32 train without loss scaling
+            "data_cursor": {"consumed_samples": trainer.state.consumed_samples,
+                            "shuffle_seed": trainer.run.data.seed},
+        }
+
+    def _commit(self) -> None:
+        """Collective: checksum shares, then rank 0 commits, publishes and collects garbage."""
+        pending = self.pending
+        assert pending is not None
+        failure: str | None = None
+        try:
+            files = broadcast_object(payload_files(pending.tmp_dir) if self.rank == 0 else None)
+            mine = describe_files(pending.tmp_dir, share_of(files, self.rank, self.world))
+        except Exception as exc:  # noqa: BLE001 - reported collectively below
+            failure, mine = f"rank {self.rank}: {exc}", []
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, (failure, mine))
+        failures = [f for f, _ in gathered if f]
+        if failures:
+            self._abort(pending.tmp_dir, CheckpointSaveError("; ".join(failures)))
+        if self.rank == 0:
+            try:
+                self._publish(pending, merge_file_entries(entries for _, entries in gathered))
+            except Exception as exc:  # noqa: BLE001 - shared with every rank below
+                failure = f"rank 0: {exc}"
+        failure = broadcast_object(failure)
+        if failure:
+            self._abort(pending.tmp_dir, CheckpointSaveError(failure))
+        duration = time.perf_counter() - pending.started
+        self.stats.durations_s.append(duration)
+        self.stats.last_success_time, self.stats.last_step = time.time(), pending.step
+        self.pending = None
+
+    def _publish(self, pending: PendingSave, files: list[Any]) -> None:
+        self._check_loadable(pending.tmp_dir / MODEL_DIR)
+        write_manifest_and_commit(pending.tmp_dir, self._manifest(pending.step, files))
+        final = publish(self.layout, pending.tmp_dir, pending.step)
+        log.info("checkpoint step %d published: %s (%.2f s)", pending.step, final,
+                 time.perf_counter() - pending.started)
+        plan = plan_gc(self.layout, self.trainer.run.run_id, self.cfg.keep_last,
+                       self.cfg.milestone_interval, protected=set(), live_attempt=self.attempt)
+        for path in apply_gc(plan):
+            log.info("retention: removed %s", path.name)
+
+    @staticmethod
+    def _check_loadable(model_dir: Path) -> None:
+        from megatron.core.dist_checkpointing.core import check_is_distributed_checkpoint
+        from torch.distributed.checkpoint import FileSystemReader
+
+        if not check_is_distributed_checkpoint(str(model_dir)):
+            raise CheckpointSaveError(f"{model_dir} has no readable dist-checkpoint metadata")
+        FileSystemReader(str(model_dir)).read_metadata()
+
+    def _manifest(self, step: int, files: list[Any]) -> Manifest:
+        from dataclasses import asdict
+
+        run, parts = self.trainer.run, self.trainer.parts
+        par = run.parallel
+        return Manifest(
+            run_id=run.run_id, attempt=self.attempt, step=step, world_size=self.world,
+            parallelism={"tp": par.tp, "pp": par.pp, "cp": par.cp, "ep": par.ep,
+                         "vpp": par.vpp or 1, "dp": parts.plan.dp_size},
+            optim_format=self.cfg.optim_format, versions=runtime_versions(),
+            code_commit=code_commit(), image_digest=image_digest(),
+            dataset=self._dataset(), config=asdict(run), files=files,
+            tokenizer={"kind": run.data.tokenizer, "path": run.data.tokenizer_path,
+                       "vocab_size": parts.tokenizer.vocab_size,
+                       "padded_vocab_size": parts.padded_vocab})
+
+    def _dataset(self) -> dict[str, Any]:
+        from pretrain.data import dataset_fingerprint
+
+        if self._dataset_snapshot is None:
+            snapshot = dataset_fingerprint(self.trainer.run.data)
+            snapshot["index_files"] = {p + ".idx": file_checksum(Path(p + ".idx"))
+                                       for p in self.trainer.run.data.paths
+                                       if Path(p + ".idx").is_file()}
+            self._dataset_snapshot = snapshot
+        return self._dataset_snapshot
+
+    def _abort(self, tmp: Path, exc: BaseException) -> None:
+        import shutil
+
+        self.pending = None
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointSaveError(
+            f"checkpoint save into {tmp} failed: {exc}. The tmp dir was removed; earlier "
+            f"published steps in {self.layout.steps_dir} are untouched.") from exc
+
+    # ------------------------------------------------------------- restore
+    def restore(self) -> int | None:
+        """Load the newest verified step, if any; returns the restored step."""
+        choice = None
+        if self.rank == 0:
+            selection = select_restore_step(self.layout, self.trainer.run.run_id,
+                                            self.cfg.full_verify)
+            for name, reason in selection.skipped:
+                log.warning("restore: skipped %s: %s", name, reason)
+            choice = str(selection.step_dir) if selection.step_dir else None
+        choice = broadcast_object(choice)
+        if choice is None:
+            log.info("restore: no verified checkpoint in %s; starting fresh", self.layout.run_dir)
+            return None
+        step_dir = Path(choice)
+        manifest = read_manifest(step_dir)
+        self._load(step_dir, manifest)
+        self.restored_step = manifest.step
+        return manifest.step
+
+    def _load(self, step_dir: Path, manifest: Manifest) -> None:
+        from pretrain.loop import TrainState
+
+        trainer = self.trainer
+        same_layout = self._same_layout(manifest)
+        self._load_shards(step_dir / MODEL_DIR, manifest)
+        train_state = state_io.read_train_state(step_dir)
+        trainer.parts.scheduler.load_state_dict(train_state["scheduler"])
+        trainer.state = TrainState(train_state["step"], train_state["consumed_samples"],
+                                   train_state["consumed_tokens"])
+        if same_layout:
+            state_io.restore_rng(state_io.load_rank_state(step_dir, self.rank), trainer.env.device)
+        else:
+            seed = state_io.reseed_rng(trainer.run.train.seed, manifest.step, self.rank)
+            log.warning("restore: topology changed; RNG reseeded from (seed, step, rank) = %d",
+                        seed)
+        self._check_restored(manifest, train_state)
+        log.info("restore: resumed from %s at step %d (%d samples consumed)", step_dir.name,
+                 manifest.step, trainer.state.consumed_samples)
+
+    def _same_layout(self, manifest: Manifest) -> bool:
+        par, plan = self.trainer.run.parallel, self.trainer.parts.plan
+        current = {"tp": par.tp, "pp": par.pp, "cp": par.cp, "ep": par.ep, "vpp": par.vpp or 1,
+                   "dp": plan.dp_size}
+        return current == manifest.parallelism and manifest.world_size == self.world
+
+    def _load_shards(self, model_dir: Path, manifest: Manifest) -> None:
+        from megatron.core import dist_checkpointing
+
+        parts = self.trainer.parts
+        sharded = model_state_dict(parts.chunks)
+        if self.cfg.load_optimizer:
+            sharded["optimizer"] = parts.optimizer.sharded_state_dict(
+                sharded, is_loading=True,
+                metadata={**self._optimizer_metadata(),
+                          "distrib_optim_sharding_type": manifest.optim_format})
+        loaded = dist_checkpointing.load(sharded, str(model_dir))
+        for key, chunk in self._chunks_by_key(parts.chunks).items():
+            chunk.load_state_dict(loaded[key], strict=True)
+        if self.cfg.load_optimizer:
+            parts.optimizer.load_state_dict(loaded["optimizer"])
+        else:
+            log.warning("restore: checkpoint.load_optimizer=false: weights only, FRESH optimizer "
+                        "state; the loss trajectory will differ from the original run")
+
+    @staticmethod
+    def _chunks_by_key(chunks: list[Any]) -> dict[str, Any]:
+        if len(chunks) == 1:
+            return {"model": chunks[0]}
+        return {f"model{i}": chunk for i, chunk in enumerate(chunks)}
+
+    def _check_restored(self, manifest: Manifest, train_state: dict[str, Any]) -> None:
+        trainer = self.trainer
+        problems = []
+        if trainer.state.step != manifest.step:
+            problems.append(f"step {trainer.state.step} != manifest step {manifest.step}")
+        lr = float(trainer.parts.optimizer.param_groups[0]["lr"])
+        if not math.isclose(lr, train_state["lr"], rel_tol=1e-9, abs_tol=1e-15):
+            problems.append(f"lr {lr} != saved lr {train_state['lr']}")
+        if self.cfg.load_optimizer and not self._optimizer_has_state():
+            problems.append("optimizer state is empty after load")
+        if problems:
+            raise RestoreError(f"restored state does not match {manifest.step}: "
+                               + "; ".join(problems))
+
+    def _optimizer_has_state(self) -> bool:
+        optimizer = self.trainer.parts.optimizer
+        inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+        return all(any(len(s) > 0 for s in o.state.values()) for o in inner)
+
+    def close(self) -> None:
+        if self.queue is not None:
+            self.queue.close()
+            self.queue = None
+
