@@ -8,12 +8,15 @@ from pathlib import Path
 
 from pretrain.logs import setup_logging
 from recipes import ConfigError, load_config, to_yaml
+from recipes.load import load_config_file
 from recipes.validate import resolve_device, validate_runtime
 from resiliency import exit_codes
 
 log = logging.getLogger("pretrain")
-USAGE = ("usage: python -m pretrain recipe=<name> [key=value ...] [--show-keys | --show-config]\n"
-         "  Hydra override grammar; run under `torchrun --nproc-per-node N -m pretrain ...`.")
+USAGE = ("usage: python -m pretrain (recipe=<name> | --config RESOLVED.yaml) [key=value ...]\n"
+         "                          [--show-keys | --show-config]\n"
+         "  Hydra override grammar; run under `torchrun --nproc-per-node N -m pretrain ...`.\n"
+         "  --config loads a resolved config written by a launcher (python -m launch ...).")
 
 
 def main(argv: list[str]) -> int:
@@ -26,9 +29,9 @@ def main(argv: list[str]) -> int:
 
         print("\n".join(schema_keys()))
         return 0
-    overrides = [a for a in argv if a != "--show-config"]
+    config_file, overrides = _split_args([a for a in argv if a != "--show-config"])
     try:
-        run = load_config(overrides)
+        run = load_config_file(config_file, overrides) if config_file else load_config(overrides)
         if "--show-config" in argv:
             print(to_yaml(run), end="")
             return 0
@@ -42,6 +45,15 @@ def main(argv: list[str]) -> int:
         log.error("config error: %s", exc)
         return exit_codes.CONFIG_ERROR
     return train(run, device, dp)
+
+
+def _split_args(argv: list[str]) -> tuple[str | None, list[str]]:
+    if "--config" not in argv:
+        return None, argv
+    index = argv.index("--config")
+    if index + 1 >= len(argv):
+        raise SystemExit("--config needs a path")
+    return argv[index + 1], argv[:index] + argv[index + 2:]
 
 
 def train(run, device: str, dp: int) -> int:  # noqa: ANN001 - RunConfig, imported lazily
@@ -60,6 +72,13 @@ def train(run, device: str, dp: int) -> int:  # noqa: ANN001 - RunConfig, import
         trainer = Trainer(run, env, dp, run_dir, hooks)
         trainer.fit()
         code = trainer.exit_code
+    except Exception as exc:
+        from resiliency.failures import classify
+
+        failure = classify(exc)
+        log.exception("training failed (%s, exit %d, %s)", failure.kind, failure.exit_code,
+                      "retryable" if failure.retryable else "do not retry")
+        return failure.exit_code
     finally:
         for hook in hooks:
             hook.close()

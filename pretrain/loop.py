@@ -20,6 +20,7 @@ from pretrain import data, model as model_lib, optim
 from pretrain.distributed import DistEnv, init_model_parallel
 from pretrain.faults import FaultInjector
 from pretrain.tokenizer import build_tokenizer
+from resiliency.failures import NonFiniteError
 from recipes.schema import RunConfig
 from recipes.validate import num_microbatches
 
@@ -57,6 +58,9 @@ class TrainHook:
         pass
 
     def on_end(self, trainer: "Trainer") -> None:
+        pass
+
+    def on_exception(self, trainer: "Trainer", exc: BaseException) -> None:
         pass
 
     def close(self) -> None:
@@ -161,19 +165,32 @@ class Trainer:
         return self.parts.plan.global_batch_size * self.run.model.seq_length
 
     def fit(self) -> TrainState:
-        for hook in self.hooks:
-            hook.on_start(self)
-        while self.state.step < self.run.train.train_steps and not self.stop_requested:
+        try:
+            for hook in self.hooks:
+                hook.on_start(self)
+            self._loop()
+            for hook in self.hooks:
+                hook.on_end(self)
+        except Exception as exc:
+            for hook in self.hooks:
+                hook.on_exception(self, exc)
+            raise
+        return self.state
+
+    def _loop(self) -> None:
+        while self.state.step < self.run.train.train_steps:
             for hook in self.hooks:
                 hook.before_step(self)
+            if self.stop_requested:
+                return
             self.faults.before_step(self.state.step + 1)
             result = self.train_step()
             self._log(result)
+            if not (math.isfinite(result.loss) and math.isfinite(result.grad_norm)):
+                raise NonFiniteError(f"step {result.step}: loss {result.loss}, grad norm "
+                                     f"{result.grad_norm}; not retrying a numeric failure")
             for hook in self.hooks:
                 hook.after_step(self, result)
-        for hook in self.hooks:
-            hook.on_end(self)
-        return self.state
 
     def train_step(self) -> StepResult:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -215,8 +232,6 @@ class Trainer:
         return float(local.item() / last_stage_ranks)
 
     def _log(self, result: StepResult) -> None:
-        if not math.isfinite(result.loss):
-            log.error("step %d: non-finite loss %s", result.step, result.loss)
         if self.env.rank != 0:
             return
         if result.step % self.run.logging.log_interval == 0 or result.step == 1:

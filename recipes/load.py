@@ -46,6 +46,23 @@ def load_config(overrides: Sequence[str] = ()) -> RunConfig:
     return run
 
 
+def load_config_file(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
+    """Load a resolved config written by a launcher (pins the run), plus dotlist overrides."""
+    overrides = list(overrides)
+    try:
+        base = OmegaConf.structured(RunConfig)
+        merged = OmegaConf.merge(base, OmegaConf.load(path), OmegaConf.from_dotlist(overrides))
+        run = OmegaConf.to_object(merged)
+    except ConfigError:
+        raise
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found") from None
+    except (OmegaConfBaseException, ValueError) as exc:
+        raise ConfigError(_explain(exc, overrides)) from None
+    assert isinstance(run, RunConfig)
+    return run
+
+
 def to_yaml(run: RunConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(run))
 

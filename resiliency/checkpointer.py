@@ -175,6 +175,7 @@ class Checkpointer:
         pending = self.pending
         assert pending is not None
         failure: str | None = None
+        dist.barrier()  # every rank's shards and rank-state file are on disk
         try:
             files = broadcast_object(payload_files(pending.tmp_dir) if self.rank == 0 else None)
             mine = describe_files(pending.tmp_dir, share_of(files, self.rank, self.world))

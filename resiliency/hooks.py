@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from pretrain.loop import StepResult, TrainHook
+from resiliency import exit_codes
 from resiliency.attempts import claim_attempt, ensure_run_record, write_attempt_record
 from resiliency.checkpointer import Checkpointer, broadcast_object
+from resiliency.failures import classify
 from resiliency.layout import RunLayout
 from resiliency.lease import LeaseHeldError, RunLease
 
@@ -89,16 +91,25 @@ class CheckpointHook(TrainHook):
             assert self.checkpointer is not None
             self.checkpointer.save()
 
-    def on_end(self, trainer: "Trainer") -> None:
+    def save_now(self, trainer: "Trainer") -> None:
+        """Persist the current step unless it is already published (planned exits)."""
         assert self.checkpointer is not None
         checkpointer = self.checkpointer
         checkpointer.finalize(blocking=True)
-        # A planned exit always leaves a persistent checkpoint of the final state.
-        if checkpointer.stats.last_step != trainer.state.step and \
-                checkpointer.restored_step != trainer.state.step:
+        if trainer.state.step not in (checkpointer.stats.last_step, checkpointer.restored_step):
             checkpointer.save()
             checkpointer.finalize(blocking=True)
-        self.ownership.record("finished", step=trainer.state.step)
+
+    def on_end(self, trainer: "Trainer") -> None:
+        # A planned exit always leaves a persistent checkpoint of the final state.
+        self.save_now(trainer)
+        status = "preempted" if trainer.exit_code == exit_codes.REQUEUE else "finished"
+        self.ownership.record(status, step=trainer.state.step, exit_code=trainer.exit_code)
+
+    def on_exception(self, trainer: "Trainer", exc: BaseException) -> None:
+        failure = classify(exc)
+        self.ownership.record("failed", step=trainer.state.step, exit_code=failure.exit_code,
+                              failure_class=failure.kind, error=failure.message[:2000])
 
     def close(self) -> None:
         if self.checkpointer is not None:
@@ -109,5 +120,10 @@ class CheckpointHook(TrainHook):
 def build_hooks(run: "RunConfig", env: "DistEnv", run_dir: Path) -> list[TrainHook]:
     hooks: list[TrainHook] = []
     if run.checkpoint.enabled:
-        hooks.append(CheckpointHook(run, env, run_dir))
+        checkpoint = CheckpointHook(run, env, run_dir)
+        hooks.append(checkpoint)
+        if run.resiliency.preemption:
+            from resiliency.preemption import PreemptionHook
+
+            hooks.append(PreemptionHook(checkpoint, run.resiliency.emergency_save_timeout_s))
     return hooks

@@ -1,0 +1,1 @@
+"""Launch adapters: local (torchrun / ft_launcher), Slurm (sbatch), Kubernetes (PyTorchJob)."""

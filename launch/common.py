@@ -1,0 +1,63 @@
+"""What every adapter does before it renders or submits: validate, pin the config, check the run."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from recipes import ConfigError, RunConfig, load_config, to_yaml
+from recipes.validate import validate_runtime
+from resiliency.layout import RunLayout, atomic_write_json
+from resiliency.lease import read_lease, stale_reason
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    run: RunConfig
+    overrides: list[str]
+    run_dir: Path
+    device: str
+    dp: int
+
+
+def plan_launch(overrides: Sequence[str]) -> LaunchPlan:
+    """Compose and validate for the launch layout (nodes x ranks per node), before submitting."""
+    run = load_config(list(overrides))
+    device = "cuda" if run.launch.gpus_per_node > 0 else "cpu"
+    try:
+        dp = validate_runtime(run, run.launch.world_size, device)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (launch.nodes={run.launch.nodes} x "
+                          f"launch.nproc_per_node={run.launch.nproc_per_node} = "
+                          f"{run.launch.world_size} ranks)") from None
+    return LaunchPlan(run, list(overrides), Path(run.output_dir) / run.run_id, device, dp)
+
+
+def check_run_dir_free(plan: LaunchPlan) -> None:
+    """Refuse to submit a second job onto a run whose lease a live job holds."""
+    layout = RunLayout(plan.run_dir.parent, plan.run.run_id)
+    try:
+        info = read_lease(layout)
+    except ValueError:
+        return  # unreadable lease: the trainer's own acquire decides
+    if info is not None and stale_reason(info, plan.run.checkpoint.lease_timeout_s) is None:
+        raise ConfigError(f"run dir {plan.run_dir} is owned by a live job "
+                          f"({info.describe(time.time())}); stop it or choose another run_id")
+
+
+def write_resolved_config(plan: LaunchPlan, name: str = "launch-config.yaml") -> Path:
+    """Pin the resolved config in the run dir; every rank and requeue loads this file."""
+    plan.run_dir.mkdir(parents=True, exist_ok=True)
+    path = plan.run_dir / name
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(to_yaml(plan.run))
+    tmp.replace(path)
+    return path
+
+
+def record_submission(plan: LaunchPlan, backend: str, detail: dict) -> None:
+    atomic_write_json(plan.run_dir / f"submission-{backend}.json",
+                      {"backend": backend, "time": time.time(), "overrides": plan.overrides,
+                       **detail})
