@@ -91,6 +91,34 @@ def _fix_i(cls: Any) -> None:
     cls.load_state_dict = load_state_dict
 
 
+def _die_with_parent() -> None:
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def fix_orphaned_writer_manager() -> None:
+    """J: dist_checkpointing's write-results queue lives in a spawned multiprocessing Manager.
+
+    When a rank is SIGKILLed that Manager (and its resource tracker) outlive it forever,
+    holding the rank's stdout/stderr and memory; launchers that restart ranks pile them up.
+    Start the Manager ourselves with PR_SET_PDEATHSIG so it dies with its rank.
+    """
+    import multiprocessing as mp
+    import sys
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not sys.platform.startswith("linux") or filesystem_async._results_queue is not None:
+        return
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager.start(initializer=_die_with_parent)
+    filesystem_async._results_queue = manager.Queue()
+
+
 FIXES: tuple[Fix, ...] = (
     Fix("F", "sharded_state_dict(is_loading=True) on a never-stepped torch Adam asserts "
              "len(steps) == 1", _fix_f),

@@ -1,7 +1,9 @@
 """Test-only fault injection, driven by ``train.fault`` ("<kind>@<step>[:<rank>]", ';'-separated).
 
-Kinds: kill (SIGKILL self), hang (block forever), raise (deterministic exception),
-nan (poison gradients after backward). Empty in every shipped recipe.
+Kinds: kill (SIGKILL self before the step), hang (block forever), raise (deterministic
+exception), nan (poison gradients after backward), kill_save (SIGKILL once this step's shards
+are written, before the commit), kill_publish (SIGKILL after COMMITTED is written, before the
+rename). Empty in every shipped recipe.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
-KINDS = ("kill", "hang", "raise", "nan")
+KINDS = ("kill", "hang", "raise", "nan", "kill_save", "kill_publish")
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,12 @@ class FaultInjector:
                 while True:
                     time.sleep(3600)
             raise InjectedFault(f"injected failure before step {step}")
+
+    def at_checkpoint(self, phase: str, step: int) -> None:
+        """Called by the checkpointer at its ``save`` / ``publish`` points."""
+        for fault in self._due(step, (f"kill_{phase}",)):
+            log.warning("fault injection: %s at step %d", fault.kind, step)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def after_backward(self, step: int, ddp_chunks: list[Any]) -> None:
         if not self._due(step, ("nan",)):

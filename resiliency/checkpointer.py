@@ -80,6 +80,9 @@ class Checkpointer:
         self.stats = SaveStats()
         self.restored_step: int | None = None
         self._dataset_snapshot: dict[str, Any] | None = None
+        from pretrain.compat import fix_orphaned_writer_manager
+
+        fix_orphaned_writer_manager()
 
     # ---------------------------------------------------------------- save
     def save(self) -> None:
@@ -175,6 +178,7 @@ class Checkpointer:
         pending = self.pending
         assert pending is not None
         failure: str | None = None
+        self.trainer.faults.at_checkpoint("save", pending.step)
         dist.barrier()  # every rank's shards and rank-state file are on disk
         try:
             files = broadcast_object(payload_files(pending.tmp_dir) if self.rank == 0 else None)
@@ -202,6 +206,7 @@ class Checkpointer:
     def _publish(self, pending: PendingSave, files: list[Any]) -> None:
         self._check_loadable(pending.tmp_dir / MODEL_DIR)
         write_manifest_and_commit(pending.tmp_dir, self._manifest(pending.step, files))
+        self.trainer.faults.at_checkpoint("publish", pending.step)
         final = publish(self.layout, pending.tmp_dir, pending.step)
         log.info("checkpoint step %d published: %s (%.2f s)", pending.step, final,
                  time.perf_counter() - pending.started)

@@ -8,8 +8,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
-
 from pretrain.loop import StepResult, TrainHook
 from resiliency import exit_codes
 from resiliency.attempts import claim_attempt, ensure_run_record, write_attempt_record
@@ -33,12 +31,15 @@ class RunOwnership:
         self.layout, self.timeout_s = layout, lease_timeout_s
         self.lease: RunLease | None = None
         self.attempt = -1
+        self.info: dict[str, Any] = {}
 
     def acquire(self, rank: int, world_size: int) -> int:
         error, attempt = None, -1
         if rank == 0:
             try:
-                attempt = claim_attempt(self.layout, self._record(world_size, "starting"))
+                self.info = {"status": "starting", "host": socket.gethostname(),
+                             "world_size": world_size, "start_time": time.time()}
+                attempt = claim_attempt(self.layout, self.info)
                 self.lease = RunLease(self.layout, attempt, self.timeout_s)
                 self.lease.acquire()
                 self.lease.start_heartbeat()
@@ -50,14 +51,14 @@ class RunOwnership:
             raise LeaseHeldError(error)
         return self.attempt
 
-    def _record(self, world_size: int, status: str, **extra: Any) -> dict[str, Any]:
-        return {"status": status, "host": socket.gethostname(), "world_size": world_size,
-                "start_time": time.time(), **extra}
-
     def record(self, status: str, **extra: Any) -> None:
-        if self.lease is not None:
-            write_attempt_record(self.layout, self.attempt,
-                                 self._record(dist.get_world_size(), status, **extra))
+        """Update this attempt's record (rank 0); earlier fields are kept."""
+        if self.lease is None:
+            return
+        self.info.update(status=status, **extra)
+        if status in ("finished", "preempted", "failed"):
+            self.info["end_time"] = time.time()
+        write_attempt_record(self.layout, self.attempt, self.info)
 
     def release(self) -> None:
         if self.lease is not None:
