@@ -80,10 +80,18 @@ def train(run, device: str, dp: int) -> int:  # noqa: ANN001 - RunConfig, import
                       "retryable" if failure.retryable else "do not retry")
         return failure.exit_code
     finally:
-        for hook in hooks:
-            hook.close()
+        _close_all(hooks)
     shutdown()
     return code
+
+
+def _close_all(hooks: list) -> None:  # noqa: ANN001 - TrainHook, imported lazily
+    """Close every hook; a failing close (e.g. disk full) must not mask the run's exit code."""
+    for hook in hooks:
+        try:
+            hook.close()
+        except Exception:  # noqa: BLE001
+            log.exception("closing %s failed", type(hook).__name__)
 
 
 if __name__ == "__main__":

@@ -17,21 +17,25 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from resiliency import state as state_io
 from resiliency.checksum import describe_files, file_checksum, share_of
 from resiliency.layout import RunLayout, payload_files
 from resiliency.manifest import (Manifest, code_commit, image_digest, merge_file_entries,
                                  read_manifest, runtime_versions)
-from resiliency.publish import begin_step, publish, write_manifest_and_commit
+from resiliency.publish import begin_step, publish, set_aside, write_manifest_and_commit
 from resiliency.retention import apply_gc, plan_gc
 from resiliency.select import select_restore_step
+from resiliency.verify import verify_step_dir
 
 if TYPE_CHECKING:
     from pretrain.loop import Trainer
 
 log = logging.getLogger(__name__)
 MODEL_DIR = "model"
+# torch DCP reports failed writes (e.g. ENOSPC on any rank) as a BaseException subclass.
+SAVE_ERRORS = (Exception, CheckpointException)
 
 
 class CheckpointSaveError(RuntimeError):
@@ -96,7 +100,7 @@ class Checkpointer:
             state_io.save_rank_state(tmp, self.rank, state_io.capture_rng(self.trainer.env.device))
             if self.rank == 0:
                 state_io.write_train_state(tmp, self._train_state())
-        except Exception as exc:
+        except SAVE_ERRORS as exc:
             self._abort(tmp, exc)
         lr = float(self.trainer.parts.optimizer.param_groups[0]["lr"])
         self.pending = PendingSave(step, tmp, started, lr, request)
@@ -114,11 +118,29 @@ class Checkpointer:
             self.queue.maybe_finalize_async_calls(blocking=blocking)
 
     def _begin(self, step: int) -> Path:
-        tmp = None
+        """Rank 0 creates the tmp dir; a failure there is raised on every rank alike."""
+        tmp, error = None, None
         if self.rank == 0:
-            tmp = begin_step(self.layout, step, self.attempt)
-            (tmp / MODEL_DIR).mkdir()
-        return Path(broadcast_object(str(tmp) if tmp else None))
+            try:
+                self._set_aside_rejected(step)
+                tmp = str(begin_step(self.layout, step, self.attempt))
+                (Path(tmp) / MODEL_DIR).mkdir()
+            except Exception as exc:  # noqa: BLE001 - shared with every rank below
+                error = f"{type(exc).__name__}: {exc}"
+        tmp, error = broadcast_object((tmp, error))
+        if error:
+            raise CheckpointSaveError(f"cannot start checkpoint step {step}: {error}")
+        return Path(tmp)
+
+    def _set_aside_rejected(self, step: int) -> None:
+        """A published dir at this step that fails verification was rejected at restore."""
+        final = self.layout.step_dir(step)
+        if final.exists():
+            verdict = verify_step_dir(final, self.trainer.run.run_id, full=self.cfg.full_verify)
+            if not verdict.ok:
+                moved = set_aside(self.layout, step, verdict.reason)
+                log.warning("checkpoint step %d: invalid published dir moved to %s (%s)", step,
+                            moved.name, verdict.reason)
 
     def _write_shards(self, tmp: Path) -> Any:
         from megatron.core import dist_checkpointing
@@ -183,7 +205,7 @@ class Checkpointer:
         try:
             files = broadcast_object(payload_files(pending.tmp_dir) if self.rank == 0 else None)
             mine = describe_files(pending.tmp_dir, share_of(files, self.rank, self.world))
-        except Exception as exc:  # noqa: BLE001 - reported collectively below
+        except SAVE_ERRORS as exc:  # noqa: BLE001 - reported collectively below
             failure, mine = f"rank {self.rank}: {exc}", []
         gathered: list[Any] = [None] * self.world
         dist.all_gather_object(gathered, (failure, mine))
@@ -255,11 +277,24 @@ class Checkpointer:
         import shutil
 
         self.pending = None
+        space = self._space_report()  # before cleanup frees the partial write
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointSaveError(
-            f"checkpoint save into {tmp} failed: {exc}. The tmp dir was removed; earlier "
-            f"published steps in {self.layout.steps_dir} are untouched.") from exc
+            f"checkpoint save into {tmp} failed: {exc}. {space} The tmp dir was "
+            f"removed; earlier published steps in {self.layout.steps_dir} are untouched.") from exc
+
+    def _space_report(self) -> str:
+        """Write errors from torch DCP often hide ENOSPC; say how full the disk is."""
+        import shutil
+
+        usage = shutil.disk_usage(self.layout.steps_dir)
+        mib = 1 << 20
+        report = (f"Filesystem of {self.layout.steps_dir}: {usage.free // mib} MiB free of "
+                  f"{usage.total // mib} MiB.")
+        if usage.free < 0.05 * usage.total:
+            report += " The disk is (nearly) full: free space or lower checkpoint.keep_last."
+        return report
 
     # ------------------------------------------------------------- restore
     def restore(self) -> int | None:

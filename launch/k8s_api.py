@@ -1,0 +1,128 @@
+"""Kubernetes API calls of the k8s adapter (kubernetes client): submit, status, logs, delete."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from launch.k8s_render import API_VERSION, CONTAINER, Rendered, config_map_name
+
+log = logging.getLogger(__name__)
+
+GROUP, VERSION = API_VERSION.split("/")
+PLURAL = "pytorchjobs"
+JOB_LABEL = "training.kubeflow.org/job-name"
+REPLICA_TYPE_LABEL = "training.kubeflow.org/replica-type"
+REPLICA_INDEX_LABEL = "training.kubeflow.org/replica-index"
+
+
+class K8sError(RuntimeError):
+    """The cluster refused or could not be reached; the message says what it answered."""
+
+
+def api_client() -> Any:
+    """A client for the cluster: in-cluster when running in a pod, else $KUBECONFIG/~/.kube."""
+    try:
+        from kubernetes import client, config
+    except ModuleNotFoundError:
+        raise K8sError("submitting needs the kubernetes client: "
+                       "pip install 'mcore-recipes[k8s]'") from None
+    configuration = client.Configuration()
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        try:
+            config.load_incluster_config(client_configuration=configuration)
+            return client.ApiClient(configuration)
+        except config.ConfigException as exc:
+            log.info("no in-cluster credentials (%s); trying kubeconfig", exc)
+    # Passed explicitly: the client reads $KUBECONFIG only once, when it is imported.
+    path = os.environ.get("KUBECONFIG") or "~/.kube/config"
+    try:
+        config.load_kube_config(config_file=path, client_configuration=configuration)
+    except (config.ConfigException, OSError) as exc:
+        raise K8sError(f"cannot load kubeconfig {path}: {exc}") from None
+    return client.ApiClient(configuration)
+
+
+@contextmanager
+def _api_errors(action: str) -> Iterator[None]:
+    from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
+
+    try:
+        yield
+    except ApiException as exc:
+        raise K8sError(f"{action}: HTTP {exc.status} {exc.reason}: {_status_message(exc)}") \
+            from None
+    except HTTPError as exc:
+        raise K8sError(f"{action}: cannot reach the API server: {exc}") from None
+
+
+def _status_message(exc: Any) -> str:
+    try:
+        return str(json.loads(exc.body).get("message", exc.body))
+    except (TypeError, ValueError, AttributeError):
+        return str(exc.body)
+
+
+def submit(api: Any, rendered: Rendered) -> dict[str, Any]:
+    """Create the ConfigMap, then the PyTorchJob; returns the job as the server stored it."""
+    from kubernetes import client
+
+    core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    with _api_errors(f"creating ConfigMap {rendered.namespace}/{rendered.config_map_name}"):
+        core.create_namespaced_config_map(rendered.namespace, rendered.config_map)
+    try:
+        with _api_errors(f"creating PyTorchJob {rendered.namespace}/{rendered.name}"):
+            return custom.create_namespaced_custom_object(GROUP, VERSION, rendered.namespace,
+                                                          PLURAL, rendered.job)
+    except K8sError:
+        _delete_config_map(core, rendered.namespace, rendered.config_map_name)
+        raise
+
+
+def get_job(api: Any, namespace: str, name: str) -> dict[str, Any]:
+    from kubernetes import client
+
+    with _api_errors(f"reading PyTorchJob {namespace}/{name}"):
+        return client.CustomObjectsApi(api).get_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, name)
+
+
+def replica_logs(api: Any, namespace: str, name: str, replica: str, index: int,
+                 tail: int | None = None) -> str:
+    """Logs of the ``pytorch`` container of one replica's newest pod."""
+    from kubernetes import client
+
+    core = client.CoreV1Api(api)
+    selector = (f"{JOB_LABEL}={name},{REPLICA_TYPE_LABEL}={replica.lower()},"
+                f"{REPLICA_INDEX_LABEL}={index}")
+    with _api_errors(f"listing pods of {namespace}/{name}"):
+        pods = core.list_namespaced_pod(namespace, label_selector=selector).items
+    if not pods:
+        raise K8sError(f"no pod of {namespace}/{name} matches {selector} (not scheduled yet, "
+                       f"or cleaned up)")
+    pod = max(pods, key=lambda p: str(p.metadata.creation_timestamp or ""))
+    with _api_errors(f"reading logs of pod {namespace}/{pod.metadata.name}"):
+        return core.read_namespaced_pod_log(pod.metadata.name, namespace, container=CONTAINER,
+                                            tail_lines=tail)
+
+
+def delete(api: Any, namespace: str, name: str) -> None:
+    """Delete the job (its pods go with it) and the ConfigMap rendered alongside."""
+    from kubernetes import client
+
+    with _api_errors(f"deleting PyTorchJob {namespace}/{name}"):
+        client.CustomObjectsApi(api).delete_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, name, propagation_policy="Background")
+    _delete_config_map(client.CoreV1Api(api), namespace, config_map_name(name))
+
+
+def _delete_config_map(core: Any, namespace: str, name: str) -> None:
+    try:
+        with _api_errors(f"deleting ConfigMap {namespace}/{name}"):
+            core.delete_namespaced_config_map(name, namespace)
+    except K8sError as exc:
+        log.warning("%s", exc)

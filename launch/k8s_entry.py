@@ -1,0 +1,175 @@
+"""In-pod entrypoint for k8s jobs: run torchrun in-process, map exit codes for the operator.
+
+``python -m launch.k8s_entry --launcher torchrun|ft_launcher --retries N --state-dir DIR -- ARGS``
+
+Why it exists: the training-operator's ``restartPolicy: ExitCode`` recreates a pod whose
+container exited 128-255 and fails the job on 1-127 (``IsRetryableExitCode: code >= 128``),
+and ignores ``runPolicy.backoffLimit`` for ExitCode replicas. torchrun itself exits 1 whatever
+its workers returned, so run bare it would make every failure, preemption included, permanent.
+This wrapper runs the launcher in-process, takes the root-cause worker's exit code from its
+ChildFailedError, maps it, and keeps a per-node retry budget on the shared volume
+(``DIR/$MCORE_RECIPES_JOB_ID/node-$PET_NODE_RANK.json``):
+
+  worker exit code                         container exit          operator    budget
+  0                                        0                       succeeded   -
+  DO_NOT_RETRY (2-10)                      same code               job fails   -
+  REQUEUE (75), agent stopped by SIGTERM   128+75, 128+signal      pod retried not counted
+  INFRASTRUCTURE (1), killed by a signal   128+1, 128+signal       pod retried counted
+  retry budget used up                     7 (RETRY_BUDGET_EXHAUSTED)  job fails
+  any other code                           same code               job fails   (unknown: a
+                                                                   blind retry could loop)
+
+A wrapper killed before recording its outcome (SIGKILL, node loss) is counted at the next start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+from resiliency import exit_codes
+from resiliency.layout import atomic_write_json
+
+log = logging.getLogger(__name__)
+
+LAUNCHERS = {"torchrun": "torch.distributed.run",
+             "ft_launcher": "nvidia_resiliency_ext.fault_tolerance.launcher"}
+SIGNAL_BASE = 128
+
+
+@dataclass(frozen=True)
+class Outcome:
+    code: int  # root-cause worker exit code; negative: killed by that signal
+    planned: bool  # the platform stopped the agent (SIGTERM): preemption, eviction, delete
+
+
+def classify(outcome: Outcome) -> tuple[int, bool]:
+    """(container exit code, whether it counts against the retry budget)."""
+    code = outcome.code
+    if code == exit_codes.OK:
+        return code, False
+    if code < 0:
+        return SIGNAL_BASE - code, not outcome.planned
+    if code == exit_codes.REQUEUE:
+        return SIGNAL_BASE + code, False
+    if code == exit_codes.INFRASTRUCTURE:
+        return SIGNAL_BASE + code, True
+    if code >= SIGNAL_BASE:
+        return code, True
+    return code, False  # DO_NOT_RETRY and unknown codes: 1-127, permanent
+
+
+class RetryBudget:
+    """Per-node count of unplanned restarts, persisted where every incarnation finds it."""
+
+    def __init__(self, path: Path, limit: int) -> None:
+        self.path, self.limit = path, limit
+
+    def _read(self) -> dict[str, int | bool]:
+        try:
+            return json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {"retries": 0, "running": False}
+
+    def _write(self, retries: int, running: bool) -> bool:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(self.path, {"retries": retries, "running": running})
+        return retries <= self.limit
+
+    def start(self) -> bool:
+        """Record a start; False when the budget is already used up."""
+        state = self._read()
+        # Still "running": the previous incarnation died before it could record its outcome.
+        retries = int(state["retries"]) + (1 if state["running"] else 0)
+        return self._write(retries, True)
+
+    def finish(self, counted: bool) -> bool:
+        """Record the outcome; False when this failure used up the budget."""
+        retries = int(self._read()["retries"]) + (1 if counted else 0)
+        return self._write(retries, False)
+
+
+class _Stopped(Exception):
+    def __init__(self, sigval: int) -> None:
+        super().__init__(f"received signal {sigval}")
+        self.sigval = sigval
+
+
+def _on_signal(signum: int, frame: FrameType | None) -> None:
+    # As PID 1 a process ignores SIGTERM unless it installs a handler; torchrun replaces this
+    # one with its own once its workers start.
+    raise _Stopped(signum)
+
+
+def run_launcher(launcher: str, argv: list[str]) -> Outcome:
+    module = importlib.import_module(LAUNCHERS[launcher])
+    try:
+        module.run(module.parse_args(argv))
+    except Exception as exc:  # noqa: BLE001 - every way out becomes an exit code
+        # Duck-typed: ft_launcher raises its own vendored copies of torch.elastic's classes.
+        if hasattr(exc, "get_first_failure"):
+            rank, failure = exc.get_first_failure()
+            log.error("rank %s failed first, exit code %s", rank, failure.exitcode)
+            return Outcome(int(failure.exitcode), planned=False)
+        if hasattr(exc, "sigval"):
+            log.warning("launcher stopped by signal %s", int(exc.sigval))
+            return Outcome(-int(exc.sigval), planned=True)
+        log.exception("launcher failed")
+        return Outcome(exit_codes.INFRASTRUCTURE, planned=False)
+    return Outcome(exit_codes.OK, planned=False)
+
+
+def budget_path(state_dir: Path) -> Path:
+    job = os.environ.get("MCORE_RECIPES_JOB_ID", "unknown-job")
+    return state_dir / job / f"node-{os.environ.get('PET_NODE_RANK', '0')}.json"
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m launch.k8s_entry",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--launcher", choices=sorted(LAUNCHERS), default="torchrun")
+    parser.add_argument("--retries", type=int, required=True,
+                        help="unplanned restarts allowed per node before the job fails")
+    parser.add_argument("--state-dir", type=Path, required=True,
+                        help="directory on the shared volume for the retry counters")
+    parser.add_argument("launcher_args", nargs=argparse.REMAINDER,
+                        help="-- then the launcher's arguments")
+    args = parser.parse_args(argv)
+    if args.launcher_args[:1] == ["--"]:
+        args.launcher_args = args.launcher_args[1:]
+    return args
+
+
+def main(argv: list[str]) -> int:
+    from pretrain.logs import setup_logging
+
+    setup_logging("INFO")
+    args = _parse(argv)
+    signal.signal(signal.SIGTERM, _on_signal)
+    budget = RetryBudget(budget_path(args.state_dir), args.retries)
+    if not budget.start():
+        log.error("retry budget of %d restarts used up (%s)", args.retries, budget.path)
+        return exit_codes.RETRY_BUDGET_EXHAUSTED
+    try:
+        outcome = run_launcher(args.launcher, args.launcher_args)
+    except _Stopped as exc:
+        outcome = Outcome(-exc.sigval, planned=True)
+    code, counted = classify(outcome)
+    if not budget.finish(counted) and code >= SIGNAL_BASE:
+        log.error("retry budget of %d restarts used up; not retrying (worker exit %d)",
+                  args.retries, outcome.code)
+        return exit_codes.RETRY_BUDGET_EXHAUSTED
+    log.info("worker exit %d -> container exit %d", outcome.code, code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,103 @@
+"""Submit a run to Slurm with sbatch: one launcher per node, emergency save on USR1, self-requeue.
+
+``python -m launch slurm [--dry-run] key=value ...`` validates the overrides for the launch
+layout (launch.nodes x launch.nproc_per_node), refuses a run directory a live job owns, pins
+the resolved config in ``<run_dir>/launch-config.yaml``, renders
+``<run_dir>/slurm/<run_id>.sbatch`` and submits it (``sbatch --parsable``), printing the job id.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from launch.common import (LaunchPlan, check_run_dir_free, plan_launch, record_submission,
+                           write_resolved_config)
+from launch.slurm_script import ScriptInputs, render_sbatch
+from recipes import ConfigError
+from resiliency.manifest import code_commit, image_digest
+
+log = logging.getLogger(__name__)
+CONFIG_NAME = "launch-config.yaml"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dry-run", action="store_true",
+                        help="render the batch script into the run dir, do not submit it")
+
+
+def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    plan = _absolute_output_dir(plan_launch(overrides))
+    check_run_dir_free(plan)
+    sbatch = None if args.dry_run else _find_sbatch()
+    _warn_on_short_grace(plan)
+    text = render(plan)  # before writing anything: a value it cannot render is bad input too
+    write_resolved_config(plan, CONFIG_NAME)
+    script = write_script(plan, text)
+    if sbatch is None:
+        log.info("dry run: rendered %s (not submitted)", script)
+        print(script)
+        return 0
+    job_id = submit(sbatch, script)
+    record_submission(plan, "slurm", {"job_id": job_id, "script": str(script)})
+    log.info("submitted job %s for run %s (output: %s/slurm/)", job_id, plan.run.run_id,
+             plan.run_dir)
+    print(job_id)
+    return 0
+
+
+def _absolute_output_dir(plan: LaunchPlan) -> LaunchPlan:
+    # Pinned absolute, so every node and restart finds the same run dir whatever its working
+    # directory (the script may be resubmitted from elsewhere).
+    output_dir = Path(plan.run.output_dir).absolute()
+    run = dataclasses.replace(plan.run, output_dir=str(output_dir))
+    return dataclasses.replace(plan, run=run, run_dir=output_dir / run.run_id)
+
+
+def _find_sbatch() -> str:
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        raise ConfigError("sbatch not found on PATH: submit from a Slurm login node (or source "
+                          "the cluster's environment), or pass --dry-run to only render the "
+                          "batch script")
+    return sbatch
+
+
+def _warn_on_short_grace(plan: LaunchPlan) -> None:
+    grace = plan.run.launch.slurm.signal_grace_s
+    save = plan.run.resiliency.emergency_save_timeout_s
+    if plan.run.resiliency.preemption and grace < save:
+        log.warning("launch.slurm.signal_grace_s=%d is shorter than "
+                    "resiliency.emergency_save_timeout_s=%.0f: at the time limit Slurm may kill "
+                    "the job before its emergency save ends", grace, save)
+
+
+def render(plan: LaunchPlan) -> str:
+    inputs = ScriptInputs(config_path=plan.run_dir / CONFIG_NAME, run_dir=plan.run_dir,
+                          workdir=Path.cwd(), bin_dir=Path(sys.executable).parent,
+                          code_commit=code_commit(), image_digest=image_digest())
+    return render_sbatch(plan.run, inputs)
+
+
+def write_script(plan: LaunchPlan, text: str) -> Path:
+    path = plan.run_dir / "slurm" / f"{plan.run.run_id}.sbatch"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+def submit(sbatch: str, script: Path) -> str:
+    """Submit ``script``; the job id, or ConfigError with sbatch's own message."""
+    proc = subprocess.run([sbatch, "--parsable", str(script)], capture_output=True, text=True,
+                          timeout=120)
+    if proc.returncode != 0:
+        raise ConfigError(f"sbatch refused {script} (exit {proc.returncode}): "
+                          f"{proc.stderr.strip() or proc.stdout.strip()}")
+    # --parsable prints "<job id>[;<cluster>]"
+    return proc.stdout.strip().split(";")[0]

@@ -1,0 +1,398 @@
+"""Slurm adapter: retry policy, batch-script rendering, refusals, and real jobs on a local cluster.
+
+The cluster tests start a 2-node Slurm cluster on this machine (tests/slurm/cluster_up.sh: needs
+root and apt-get) and submit through ``python -m launch slurm`` exactly as a user would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from launch.__main__ import main as launch_main
+from launch.retry_policy import REQUEUE, STOP, decide
+from resiliency import exit_codes
+from resiliency.layout import RunLayout, atomic_write_json
+from resiliency.lease import RunLease
+from tests.helpers import REPO, read_steps
+
+SLURM_DIR = REPO / "tests" / "slurm"
+BIN = Path(sys.executable).parent
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+            "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+LAYOUT_2x1 = ["launch.nodes=2", "launch.nproc_per_node=1"]
+
+
+# ------------------------------------------------------------------ retry policy
+
+def _record(run_dir: Path, attempt: int, status: str, exit_code: int | None = None,
+            **extra: object) -> None:
+    body: dict[str, object] = {"attempt": attempt, "status": status, **extra}
+    if exit_code is not None:
+        body["exit_code"] = exit_code
+    (run_dir / "attempts").mkdir(parents=True, exist_ok=True)
+    atomic_write_json(run_dir / "attempts" / f"attempt-{attempt:02d}.json", body)
+
+
+@pytest.mark.parametrize("status, code, restarts, action, exit_code", [
+    ("finished", 0, 0, STOP, 0),
+    ("finished", 0, 3, STOP, 0),
+    ("preempted", 75, 0, REQUEUE, 0),
+    ("preempted", 75, 2, REQUEUE, 0),
+    ("preempted", 75, 3, STOP, exit_codes.RETRY_BUDGET_EXHAUSTED),
+    ("failed", exit_codes.INFRASTRUCTURE, 0, REQUEUE, 0),
+    ("failed", exit_codes.INFRASTRUCTURE, 3, STOP, exit_codes.RETRY_BUDGET_EXHAUSTED),
+    ("running", None, 0, REQUEUE, 0),  # killed mid-run (node loss, OOM killer, time limit)
+    ("starting", None, 1, REQUEUE, 0),
+    ("running", None, 3, STOP, exit_codes.RETRY_BUDGET_EXHAUSTED),
+    ("failed", 42, 0, STOP, 42),  # unknown code: never retried blindly
+])
+def test_decision_table(tmp_path: Path, status: str, code: int | None, restarts: int,
+                        action: str, exit_code: int) -> None:
+    _record(tmp_path, 1, status, code)
+    decision = decide(tmp_path, restart_count=restarts, max_requeues=3)
+    assert (decision.action, decision.exit_code) == (action, exit_code), decision
+
+
+@pytest.mark.parametrize("code", sorted(exit_codes.DO_NOT_RETRY))
+def test_do_not_retry_codes_always_stop(tmp_path: Path, code: int) -> None:
+    _record(tmp_path, 1, "failed", code, failure_class="whatever")
+    decision = decide(tmp_path, restart_count=0, max_requeues=10)
+    assert (decision.action, decision.exit_code) == (STOP, code), decision
+    assert "failure_class=whatever" in decision.reason
+
+
+def test_no_record_is_infrastructure(tmp_path: Path) -> None:
+    decision = decide(tmp_path / "never-started", restart_count=0, max_requeues=1)
+    assert decision.action == REQUEUE and "no attempt record" in decision.reason
+    exhausted = decide(tmp_path / "never-started", restart_count=1, max_requeues=1)
+    assert (exhausted.action, exhausted.exit_code) == (STOP, exit_codes.RETRY_BUDGET_EXHAUSTED)
+
+
+def test_newest_record_decides(tmp_path: Path) -> None:
+    _record(tmp_path, 1, "preempted", 75)
+    _record(tmp_path, 2, "failed", exit_codes.NUMERIC)
+    assert decide(tmp_path, 1, 3).exit_code == exit_codes.NUMERIC
+    _record(tmp_path, 10, "preempted", 75)  # numeric order, not lexical
+    assert decide(tmp_path, 1, 3).action == REQUEUE
+
+
+def test_records_of_earlier_runs_are_ignored(tmp_path: Path) -> None:
+    _record(tmp_path, 1, "finished", 0)
+    decision = decide(tmp_path, restart_count=1, max_requeues=3, after_attempt=1)
+    assert decision.action == REQUEUE and "no attempt record" in decision.reason
+
+
+def test_unreadable_record_is_infrastructure(tmp_path: Path) -> None:
+    (tmp_path / "attempts").mkdir()
+    (tmp_path / "attempts" / "attempt-01.json").write_text("{not json")
+    decision = decide(tmp_path, 0, 3)
+    assert decision.action == REQUEUE and "unreadable" in decision.reason
+
+
+def _policy_cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "launch.retry_policy", *map(str, args)],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+def test_cli_prints_action_and_exits_with_the_code(tmp_path: Path) -> None:
+    _record(tmp_path, 1, "preempted", 75)
+    proc = _policy_cli(tmp_path, "--restart-count", "0", "--max-requeues", "2")
+    assert proc.returncode == 0 and proc.stdout.startswith("requeue 0 "), proc
+    proc = _policy_cli(tmp_path, "--restart-count", "2", "--max-requeues", "2")
+    assert proc.returncode == exit_codes.RETRY_BUDGET_EXHAUSTED, proc
+    assert proc.stdout.startswith(f"stop {exit_codes.RETRY_BUDGET_EXHAUSTED} "), proc
+    _record(tmp_path, 2, "failed", exit_codes.USER_CODE)
+    proc = _policy_cli(tmp_path, "--restart-count", "0", "--max-requeues", "2")
+    assert proc.returncode == exit_codes.USER_CODE and proc.stdout.startswith("stop 4 "), proc
+    proc = _policy_cli(tmp_path, "--newest-attempt")
+    assert (proc.returncode, proc.stdout.strip()) == (0, "2"), proc
+
+
+# ------------------------------------------------------------------ rendering and refusals
+
+def _base(corpus: str, root: Path, run_id: str) -> list[str]:
+    return ["recipe=gpt_tiny", f"data.paths=[{corpus}]", f"output_dir={root}",
+            f"run_id={run_id}"]
+
+
+def _dry_run(overrides: list[str]) -> int:
+    return launch_main(["slurm", "--dry-run", *overrides])
+
+
+def _script(root: Path, run_id: str) -> str:
+    return (root / run_id / "slurm" / f"{run_id}.sbatch").read_text()
+
+
+def _sbatch_directives(script: str) -> list[str]:
+    return [line.split(None, 1)[1] for line in script.splitlines() if line.startswith("#SBATCH")]
+
+
+def test_dry_run_renders_a_valid_script(stdlib_corpus: str, tmp_path: Path) -> None:
+    overrides = [*_base(stdlib_corpus, tmp_path, "render"), *LAYOUT_2x1,
+                 "launch.slurm.partition=batch", "launch.slurm.account=proj",
+                 "launch.slurm.signal_grace_s=90", "launch.slurm.time_limit=02:00:00",
+                 "launch.slurm.max_requeues=5",
+                 "launch.slurm.extra_sbatch=['--exclusive','--qos=high']",
+                 "launch.slurm.env_passthrough=[HF_TOKEN,WANDB_API_KEY]"]
+    assert _dry_run(overrides) == 0
+    run_dir = tmp_path / "render"
+    assert (run_dir / "launch-config.yaml").is_file()
+    assert not (run_dir / "submission-slurm.json").exists()
+    script = _script(tmp_path, "render")
+    assert _sbatch_directives(script) == [
+        "--job-name=render", "--nodes=2", "--ntasks-per-node=1", "--time=02:00:00",
+        "--partition=batch", "--account=proj", "--signal=B:USR1@90", "--requeue",
+        "--open-mode=append", f"--output={run_dir}/slurm/%x-%j.out", f"--chdir={os.getcwd()}",
+        "--export=ALL", "--exclusive", "--qos=high"]
+    launcher = (f"{BIN}/torchrun --nnodes=\"$SLURM_NNODES\" --nproc-per-node=1 "
+                "--rdzv-backend=c10d --rdzv-endpoint=\"$MASTER_ADDR:$MASTER_PORT\" "
+                "--rdzv-id=\"$SLURM_JOB_ID\" -m pretrain --config \"$CONFIG\"")
+    assert launcher in " ".join(script.replace("\\\n", " ").split())
+    for needle in (f"CONFIG={run_dir}/launch-config.yaml", f"PYTHON={BIN}/python",
+                   "MAX_REQUEUES=5", "scontrol show hostnames", "NodeAddr=",
+                   "scancel --signal=TERM \"$SLURM_JOB_ID\"", "trap 'on_signal USR1' USR1",
+                   "scontrol requeue \"$SLURM_JOB_ID\"", "-m launch.retry_policy",
+                   "export MCORE_RECIPES_CODE_COMMIT=", "export MCORE_RECIPES_IMAGE_DIGEST=",
+                   "export OMP_NUM_THREADS=1", "export PYTHONUNBUFFERED=1",
+                   "export HF_TOKEN;", "export WANDB_API_KEY;", "restart-${RESTART}.log"):
+        assert needle in script, needle
+    assert "--gpus-per-node" not in script and "--container-image" not in script
+    syntax = subprocess.run(["bash", "-n", str(run_dir / "slurm" / "render.sbatch")],
+                            capture_output=True, text=True)
+    assert syntax.returncode == 0, syntax.stderr
+
+
+def test_render_gpus_container_and_ft_launcher(stdlib_corpus: str, tmp_path: Path) -> None:
+    overrides = [*_base(stdlib_corpus, tmp_path, "gpu"), "launch.nodes=1",
+                 "launch.nproc_per_node=2", "launch.gpus_per_node=2", "launch.backend=ft_launcher",
+                 "launch.slurm.container_image=nvcr.io/nvidia/pytorch:25.01-py3",
+                 "launch.slurm.container_mounts=[/data:/data,/ckpt:/ckpt]"]
+    assert _dry_run(overrides) == 0
+    script = _script(tmp_path, "gpu")
+    assert "--gpus-per-node=2" in _sbatch_directives(script)
+    assert ("--container-image=nvcr.io/nvidia/pytorch:25.01-py3 "
+            "--container-mounts=/data:/data,/ckpt:/ckpt") in script
+    # inside the container the image's launcher runs, not the submitting venv's
+    assert re.search(r"^\s+ft_launcher --nnodes=\"\$SLURM_NNODES\" --nproc-per-node=2 "
+                     r"\\\n\s+--rdzv-backend=c10d --rdzv-endpoint=", script, re.M), script
+    assert "torchrun --nnodes" not in script
+
+
+def test_render_pins_an_absolute_output_dir(stdlib_corpus: str, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert _dry_run([*_base(stdlib_corpus, Path("rel"), "abs"), *LAYOUT_2x1]) == 0
+    pinned = (tmp_path / "rel" / "abs" / "launch-config.yaml").read_text()
+    assert f"output_dir: {tmp_path}/rel" in pinned
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["train.no_such_key=1"], "no_such_key"),
+    (["launch.nodes=3", "launch.nproc_per_node=1"], "launch.nodes=3"),  # 3 ranks, tp=2
+    (["launch.slurm.env_passthrough=[NOT-A-NAME]"], "NOT-A-NAME"),
+    (["output_dir='/tmp/with space'"], "contains whitespace"),
+])
+def test_bad_input_is_refused(stdlib_corpus: str, tmp_path: Path, bad: list[str], message: str,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    code = launch_main(["slurm", *_base(stdlib_corpus, tmp_path, "bad"), *bad])
+    assert code == exit_codes.CONFIG_ERROR
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "bad" / "slurm").exists()
+
+
+def test_run_owned_by_a_live_job_is_refused(stdlib_corpus: str, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    with RunLease(RunLayout(tmp_path, "owned"), attempt=1, timeout_s=60):
+        code = launch_main(["slurm", "--dry-run", *_base(stdlib_corpus, tmp_path, "owned"),
+                            *LAYOUT_2x1])
+    assert code == exit_codes.CONFIG_ERROR
+    assert "owned by a live job" in capsys.readouterr().err
+    assert not (tmp_path / "owned" / "launch-config.yaml").exists()
+
+
+def test_missing_sbatch_is_a_clear_error(stdlib_corpus: str, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    code = launch_main(["slurm", *_base(stdlib_corpus, tmp_path, "nosbatch"), *LAYOUT_2x1])
+    assert code == exit_codes.CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert "sbatch not found on PATH" in err and "--dry-run" in err
+    assert not (tmp_path / "nosbatch").exists()
+
+
+# ------------------------------------------------------------------ the real cluster
+
+@pytest.fixture(scope="session")
+def slurm_env() -> Iterator[dict[str, str]]:
+    """Start the local test cluster (or reuse a healthy one); stop it if this session started it."""
+    if os.geteuid() != 0 or (shutil.which("sbatch") is None and shutil.which("apt-get") is None):
+        pytest.skip("!!! SLURM CLUSTER TESTS SKIPPED: tests/slurm/cluster_up.sh needs root and "
+                    "apt-get (Debian 12) to install and start a local Slurm cluster; these tests "
+                    "must run in CI !!!")
+    up = subprocess.run(["bash", str(SLURM_DIR / "cluster_up.sh")], capture_output=True,
+                        text=True, timeout=900)
+    if up.returncode != 0:
+        pytest.fail(f"cluster_up.sh failed ({up.returncode}):\n{up.stdout}\n{up.stderr}")
+    started = "already up" not in up.stdout
+    root = os.environ.get("MCORE_RECIPES_SLURM_ROOT", "/tmp/mcore-recipes-slurm")
+    yield {**os.environ, "SLURM_CONF": f"{root}/etc/slurm.conf"}
+    if started:
+        subprocess.run(["bash", str(SLURM_DIR / "cluster_down.sh")], capture_output=True,
+                       timeout=120)
+
+
+def _submit(overrides: list[str], env: dict[str, str]) -> str:
+    proc = subprocess.run([sys.executable, "-m", "launch", "slurm", *overrides], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"submit failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    job_id = proc.stdout.strip().splitlines()[-1]
+    assert job_id.isdigit(), proc.stdout
+    return job_id
+
+
+def _job(job_id: str, env: dict[str, str]) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=env,
+                         capture_output=True, text=True, timeout=60).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", out))
+
+
+def _log_tail(run_dir: Path, lines: int = 60) -> str:
+    noise = re.compile(r"frame #|pynvml|^\d: \s|Exception raised from|omitting python frames")
+    text = []
+    for path in sorted((run_dir / "slurm").glob("*.out")):
+        kept = [ln for ln in path.read_text(errors="replace").splitlines() if not noise.search(ln)]
+        text.append(f"--- {path.name} (last {lines} lines, noise filtered)\n" +
+                    "\n".join(kept[-lines:]))
+    return "\n".join(text) or f"(no job output in {run_dir}/slurm)"
+
+
+def _wait_done(job_id: str, run_dir: Path, env: dict[str, str], timeout: float = 420) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = _job(job_id, env)
+        if info.get("JobState") in TERMINAL:
+            return info
+        time.sleep(1)
+    subprocess.run(["scancel", job_id], env=env, timeout=60)
+    raise AssertionError(f"job {job_id} not done after {timeout:.0f}s: {_job(job_id, env)}\n"
+                         f"{_log_tail(run_dir)}")
+
+
+def _wait_steps(run_dir: Path, n: int, job_id: str, env: dict[str, str],
+                timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    path = run_dir / "metrics" / "steps.jsonl"
+    while time.monotonic() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= n:
+            return
+        if _job(job_id, env).get("JobState") in TERMINAL:
+            break
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_id} did not log {n} steps:\n{_log_tail(run_dir)}")
+
+
+def _attempts(run_dir: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((run_dir / "attempts").glob("*.json"))]
+
+
+def _cluster_overrides(base: list[str], root: Path, run_id: str) -> list[str]:
+    return [*base, f"output_dir={root}", f"run_id={run_id}", *LAYOUT_2x1,
+            "train.train_steps=40", "checkpoint.save_interval=10",
+            "launch.slurm.time_limit=00:15:00", "launch.slurm.max_requeues=2"]
+
+
+@pytest.fixture(scope="module")
+def background_jobs(slurm_env: dict[str, str], tiny_overrides: list[str],
+                    tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, Path]]:
+    """Jobs no test interacts with, submitted together so they share the cluster's waits.
+
+    clean: one uninterrupted 2-node run (also the reference for the preemption test);
+    raises: a deterministic user-code failure at step 3.
+    """
+    root = tmp_path_factory.mktemp("slurm")
+    extra = {"clean": [], "raises": ["train.fault=raise@3"]}
+    return {name: (_submit([*_cluster_overrides(tiny_overrides, root, name), *more], slurm_env),
+                   root / name) for name, more in extra.items()}
+
+
+@pytest.fixture(scope="module")
+def clean_run(slurm_env: dict[str, str],
+              background_jobs: dict[str, tuple[str, Path]]) -> tuple[Path, dict]:
+    job_id, run_dir = background_jobs["clean"]
+    return run_dir, _wait_done(job_id, run_dir, slurm_env)
+
+
+@pytest.mark.slow
+def test_job_runs_to_completion(clean_run: tuple[Path, dict]) -> None:
+    run_dir, info = clean_run
+    context = f"{info}\n{_log_tail(run_dir)}"
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), \
+        context
+    [attempt] = _attempts(run_dir)
+    assert (attempt["status"], attempt["exit_code"], attempt["step"]) == ("finished", 0, 40), \
+        context
+    assert json.loads((run_dir / "latest.json").read_text())["step"] == 40
+    ls = subprocess.run([sys.executable, "-m", "resiliency", "ls", str(run_dir)], cwd=REPO,
+                        capture_output=True, text=True, timeout=120)
+    assert re.search(r"^\s+40\s+step-000000040\s+yes\s+yes", ls.stdout, re.M), ls.stdout
+    steps = read_steps(run_dir)
+    assert sorted(steps) == list(range(1, 41))
+    assert steps[40]["loss"] < steps[1]["loss"] - 0.5, (steps[1], steps[40])
+    assert (run_dir / "slurm" / f"{info['JobId']}-restart-0.log").is_file()
+
+
+@pytest.mark.slow
+def test_usr1_saves_requeues_and_resumes_bit_for_bit(
+        slurm_env: dict[str, str], tiny_overrides: list[str], clean_run: tuple[Path, dict],
+        tmp_path: Path) -> None:
+    run_dir = tmp_path / "preempted"
+    job_id = _submit(_cluster_overrides(tiny_overrides, tmp_path, "preempted"), slurm_env)
+    _wait_steps(run_dir, 3, job_id, slurm_env)
+    # What Slurm does at the time limit (--signal=B:USR1@grace), on demand: USR1 to the batch
+    # shell only.
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm_env, check=True,
+                   timeout=60)
+    info = _wait_done(job_id, run_dir, slurm_env)
+    context = f"{info}\n{_log_tail(run_dir)}"
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), \
+        context
+    first, second = _attempts(run_dir)
+    assert (first["status"], first["exit_code"]) == ("preempted", exit_codes.REQUEUE), context
+    saved = first["step"]
+    assert 3 <= saved < 40, context
+    assert (second["status"], second["restored_step"], second["step"]) == \
+        ("finished", saved, 40), context
+    restart_log = (run_dir / "slurm" / f"{job_id}-restart-1.log").read_text()
+    assert f"resumed from step-{saved:09d} at step {saved}" in restart_log, context
+    assert "retry policy: requeue" in (run_dir / "slurm" / f"{job_id}-restart-0.log").read_text()
+    reference, resumed = read_steps(clean_run[0]), read_steps(run_dir)
+    assert sorted(resumed) == sorted(reference) == list(range(1, 41))
+    mismatches = [(s, reference[s]["loss"], resumed[s]["loss"]) for s in reference
+                  if reference[s]["loss"] != resumed[s]["loss"]]
+    assert not mismatches, f"losses differ from the uninterrupted run: {mismatches[:5]}"
+
+
+@pytest.mark.slow
+def test_user_code_failure_is_not_requeued(
+        slurm_env: dict[str, str], background_jobs: dict[str, tuple[str, Path]]) -> None:
+    job_id, run_dir = background_jobs["raises"]
+    info = _wait_done(job_id, run_dir, slurm_env)
+    context = f"{info}\n{_log_tail(run_dir)}"
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == \
+        ("FAILED", f"{exit_codes.USER_CODE}:0", "0"), context
+    [attempt] = _attempts(run_dir)
+    assert (attempt["status"], attempt["exit_code"], attempt["failure_class"]) == \
+        ("failed", exit_codes.USER_CODE, "user_code"), context
+    assert "retry policy: stop 4 deterministic failure" in \
+        (run_dir / "slurm" / f"{job_id}-restart-0.log").read_text(), context
