@@ -97,6 +97,9 @@ def _die_with_parent() -> None:
 
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    # Slurm signals every process of a step: outlive the rank's emergency save.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 def fix_orphaned_writer_manager() -> None:
@@ -112,7 +115,8 @@ def fix_orphaned_writer_manager() -> None:
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if not sys.platform.startswith("linux") or filesystem_async._results_queue is not None:
+    if "J" in skipped() or not sys.platform.startswith("linux") \
+            or filesystem_async._results_queue is not None:
         return
     manager = SyncManager(ctx=mp.get_context("spawn"))
     manager.start(initializer=_die_with_parent)
@@ -133,12 +137,19 @@ FIXES: tuple[Fix, ...] = (
 _applied: list[str] = []
 
 
+def is_affected(mcore_version: str, have_fused_adam: bool) -> bool:
+    """The bugs live in the torch-Adam fallback of the measured megatron-core releases."""
+    return mcore_version.startswith(AFFECTED_MCORE) and not have_fused_adam
+
+
 def needed() -> bool:
-    """True where the torch-Adam fallback and the measured megatron-core bugs meet."""
     from megatron.core.optimizer import distrib_optimizer
 
-    affected = version("megatron-core").startswith(AFFECTED_MCORE)
-    return affected and not distrib_optimizer.HAVE_APEX_OR_TE
+    return is_affected(version("megatron-core"), distrib_optimizer.HAVE_APEX_OR_TE)
+
+
+def skipped() -> set[str]:
+    return {n for n in os.environ.get(SKIP_ENV, "").split(",") if n}
 
 
 def apply() -> list[str]:
@@ -147,9 +158,8 @@ def apply() -> list[str]:
         return list(_applied)
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    skip = {n for n in os.environ.get(SKIP_ENV, "").split(",") if n}
     for fix in FIXES:
-        if fix.name not in skip:
+        if fix.name not in skipped():
             fix.apply(DistributedOptimizer)
             _applied.append(fix.name)
     return list(_applied)

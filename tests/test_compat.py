@@ -1,0 +1,112 @@
+"""Each megatron-core compat fix is needed (the bug bites without it) and version-gated.
+
+Without F/H the restore crashes; without G (dp_reshardable) or I the resumed losses silently
+drift from the uninterrupted run; without J a killed rank leaves orphaned writer processes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pretrain import compat
+from tests.helpers import REPO, losses, pretrain_cmd, run_pretrain
+
+pytestmark = pytest.mark.slow
+STEPS, SAVE_EVERY, KILL_AT = 6, 3, 5
+
+
+def _overrides(tiny: list[str], root: Path, fmt: str) -> list[str]:
+    return [*tiny, f"output_dir={root}", "run_id=run", f"train.train_steps={STEPS}",
+            f"checkpoint.save_interval={SAVE_EVERY}", f"checkpoint.optim_format={fmt}"]
+
+
+@pytest.fixture(scope="module")
+def killed_runs(tmp_path_factory: pytest.TempPathFactory, tiny_overrides: list[str]) -> dict:
+    """Per optimizer format: a run dir holding step 3, its owner killed at step 5."""
+    runs = {}
+    for fmt in ("fully_reshardable", "dp_reshardable"):
+        root = tmp_path_factory.mktemp(fmt)
+        proc = run_pretrain(2, [*_overrides(tiny_overrides, root, fmt), f"train.fault=kill@{KILL_AT}:1"],
+                            check=False)
+        assert proc.returncode != 0
+        runs[fmt] = root
+    base = tmp_path_factory.mktemp("baseline")
+    run_pretrain(2, [*_overrides(tiny_overrides, base, "fully_reshardable"),
+                     "checkpoint.enabled=false"])
+    runs["baseline"] = losses(base / "run")
+    return runs
+
+
+def _resume_without(fix: str, fmt: str, killed_runs: dict, tiny: list[str], tmp_path: Path):
+    root = tmp_path / "copy"
+    shutil.copytree(killed_runs[fmt], root)
+    return root, run_pretrain(2, _overrides(tiny, root, fmt), env={compat.SKIP_ENV: fix},
+                              check=False)
+
+
+@pytest.mark.parametrize("fix, fmt, failure", [
+    ("F", "fully_reshardable", "assert len(steps) == 1"),
+    ("G", "fully_reshardable", "KeyError: 'step'"),
+    ("H", "dp_reshardable", "a view of a leaf Variable that requires grad"),
+])
+def test_fix_prevents_a_crash(fix: str, fmt: str, failure: str, killed_runs: dict,
+                              tiny_overrides: list[str], tmp_path: Path) -> None:
+    _, proc = _resume_without(fix, fmt, killed_runs, tiny_overrides, tmp_path)
+    assert proc.returncode != 0, f"restore passed without fix {fix}: is it still needed?"
+    assert failure in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("fix, fmt", [("G", "dp_reshardable"), ("I", "fully_reshardable"),
+                                      ("I", "dp_reshardable")])
+def test_fix_prevents_silent_drift(fix: str, fmt: str, killed_runs: dict,
+                                   tiny_overrides: list[str], tmp_path: Path) -> None:
+    root, proc = _resume_without(fix, fmt, killed_runs, tiny_overrides, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = losses(root / "run")
+    assert resumed[:SAVE_EVERY] == killed_runs["baseline"][:SAVE_EVERY]
+    assert resumed[SAVE_EVERY + 1:] != killed_runs["baseline"][SAVE_EVERY + 1:], (
+        f"resume without fix {fix} matched the baseline: is it still needed?")
+
+
+def _orphans() -> set[int]:
+    found = set()
+    for proc in psutil.process_iter(["ppid", "cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if proc.info["ppid"] == 1 and "multiprocessing" in cmd:
+            found.add(proc.pid)
+    return found
+
+
+@pytest.mark.parametrize("skip", ["", "J"])
+def test_killed_rank_leaves_no_orphaned_writer(skip: str, tiny_overrides: list[str],
+                                               tmp_path: Path) -> None:
+    before = _orphans()
+    # Output goes to a file: an orphan holding a pipe would block reading it forever.
+    cmd = pretrain_cmd(2, [*_overrides(tiny_overrides, tmp_path, "fully_reshardable"),
+                           f"train.fault=kill@{KILL_AT}:1"])
+    with (tmp_path / "log").open("w") as log:
+        returncode = subprocess.run(cmd, cwd=REPO, env={**os.environ, compat.SKIP_ENV: skip},
+                                    stdout=log, stderr=log, timeout=300).returncode
+    assert returncode != 0
+    orphans = _orphans() - before
+    try:
+        if skip:
+            assert orphans, "without fix J a killed rank should orphan its writer manager"
+        else:
+            assert not orphans, f"orphaned writer processes: {orphans}"
+    finally:
+        for pid in orphans:
+            psutil.Process(pid).kill()
+
+
+def test_fixes_are_version_gated() -> None:
+    assert compat.is_affected("0.16.1", have_fused_adam=False)
+    assert not compat.is_affected("0.16.1", have_fused_adam=True)
+    assert not compat.is_affected("0.19.2", have_fused_adam=False)
+    assert {f.name for f in compat.FIXES} == {"F", "G", "H", "I"}
