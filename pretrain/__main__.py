@@ -68,13 +68,18 @@ def train(run, device: str, dp: int) -> int:  # noqa: ANN001 - RunConfig, import
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(run))
     hooks = build_hooks(run, env, run_dir)
+    trainer = None
     try:
+        for hook in hooks:
+            run = hook.configure(run, dp)
         trainer = Trainer(run, env, dp, run_dir, hooks)
         trainer.fit()
         code = trainer.exit_code
     except Exception as exc:
         from resiliency.failures import classify
 
+        for hook in hooks:
+            hook.on_exception(trainer, exc)
         failure = classify(exc)
         log.exception("training failed (%s, exit %d, %s)", failure.kind, failure.exit_code,
                       "retryable" if failure.retryable else "do not retry")

@@ -91,6 +91,25 @@ def _fix_i(cls: Any) -> None:
     cls.load_state_dict = load_state_dict
 
 
+def vpp_tied_embedding_save_problem(vpp: int | None, tied_embeddings: bool,
+                                    distributed_optimizer: bool, optim_format: str) -> str | None:
+    """K: a measured silent corruption, refused rather than patched (root cause not isolated).
+
+    With virtual pipeline stages, tied embeddings and the distributed optimizer, a
+    ``fully_reshardable`` save writes the first stage's embedding optimizer state (main param
+    and both Adam moments) wrong; a run resumed from it diverges (loss 5.2 -> 5.8 at the next
+    step). Untied embeddings or ``dp_reshardable`` resume bit-exactly.
+    """
+    affected = version("megatron-core").startswith(AFFECTED_MCORE)
+    if affected and (vpp or 1) > 1 and tied_embeddings and distributed_optimizer \
+            and optim_format == "fully_reshardable":
+        return ("megatron-core 0.16 saves a corrupt optimizer state for tied embeddings with "
+                "parallel.vpp>1 and checkpoint.optim_format=fully_reshardable (measured: resumed "
+                "runs diverge). Use checkpoint.optim_format=dp_reshardable, or "
+                "model.share_embeddings_and_output_weights=false.")
+    return None
+
+
 def _die_with_parent() -> None:
     import ctypes
     import signal

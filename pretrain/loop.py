@@ -48,6 +48,10 @@ class StepResult:
 class TrainHook:
     """Base hook: every method is a no-op, so disabled features cost nothing."""
 
+    def configure(self, run: RunConfig, dp: int) -> RunConfig:
+        """Before the model is built (after process groups exist); may adjust the config."""
+        return run
+
     def on_start(self, trainer: "Trainer") -> None:
         pass
 
@@ -60,8 +64,8 @@ class TrainHook:
     def on_end(self, trainer: "Trainer") -> None:
         pass
 
-    def on_exception(self, trainer: "Trainer", exc: BaseException) -> None:
-        pass
+    def on_exception(self, trainer: "Trainer | None", exc: BaseException) -> None:
+        """The run failed (``trainer`` is None when it failed before the model was built)."""
 
     def close(self) -> None:
         pass
@@ -165,16 +169,11 @@ class Trainer:
         return self.parts.plan.global_batch_size * self.run.model.seq_length
 
     def fit(self) -> TrainState:
-        try:
-            for hook in self.hooks:
-                hook.on_start(self)
-            self._loop()
-            for hook in self.hooks:
-                hook.on_end(self)
-        except Exception as exc:
-            for hook in self.hooks:
-                hook.on_exception(self, exc)
-            raise
+        for hook in self.hooks:
+            hook.on_start(self)
+        self._loop()
+        for hook in self.hooks:
+            hook.on_end(self)
         return self.state
 
     def _loop(self) -> None:

@@ -229,6 +229,8 @@ class CheckpointConfig:
     milestone_interval: Optional[int] = None
     full_verify: bool = True
     lease_timeout_s: float = 60.0
+    # Restoring with a different train.global_batch_size: refuse, or scale the LR by this rule.
+    batch_change_lr_scaling: str = "refuse"
 
     def __post_init__(self) -> None:
         _one_of("checkpoint", "optim_format", self.optim_format,
@@ -239,6 +241,8 @@ class CheckpointConfig:
                  f"checkpoint.keep_last={self.keep_last}: at least 2 verified steps are kept, so a "
                  "corrupt newest step always has a fallback")
         _require(self.lease_timeout_s > 0, "checkpoint.lease_timeout_s must be > 0")
+        _one_of("checkpoint", "batch_change_lr_scaling", self.batch_change_lr_scaling,
+                ("refuse", "none", "linear", "sqrt"))
 
 
 @dataclass(kw_only=True)

@@ -68,6 +68,21 @@ def broadcast_object(value: Any, src: int = 0) -> Any:
     return box[0]
 
 
+def select_checkpoint(layout: RunLayout, run_id: str, full_verify: bool) -> Path | None:
+    """Rank 0 picks the newest verified step; every rank gets the same answer (collective)."""
+    choice = None
+    if dist.get_rank() == 0:
+        selection = select_restore_step(layout, run_id, full_verify)
+        for name, reason in selection.skipped:
+            log.warning("restore: skipped %s: %s", name, reason)
+        choice = str(selection.step_dir) if selection.step_dir else None
+    choice = broadcast_object(choice)
+    if choice is None:
+        log.info("restore: no verified checkpoint in %s; starting fresh", layout.run_dir)
+        return None
+    return Path(choice)
+
+
 def model_state_dict(chunks: list[Any]) -> dict[str, Any]:
     if len(chunks) == 1:
         return {"model": chunks[0].sharded_state_dict()}
@@ -83,6 +98,7 @@ class Checkpointer:
         self.queue: Any = None
         self.stats = SaveStats()
         self.restored_step: int | None = None
+        self.lr_scaling: dict[str, Any] | None = None
         self._dataset_snapshot: dict[str, Any] | None = None
         from pretrain.compat import fix_orphaned_writer_manager
 
@@ -297,32 +313,19 @@ class Checkpointer:
         return report
 
     # ------------------------------------------------------------- restore
-    def restore(self) -> int | None:
-        """Load the newest verified step, if any; returns the restored step."""
-        choice = None
-        if self.rank == 0:
-            selection = select_restore_step(self.layout, self.trainer.run.run_id,
-                                            self.cfg.full_verify)
-            for name, reason in selection.skipped:
-                log.warning("restore: skipped %s: %s", name, reason)
-            choice = str(selection.step_dir) if selection.step_dir else None
-        choice = broadcast_object(choice)
-        if choice is None:
-            log.info("restore: no verified checkpoint in %s; starting fresh", self.layout.run_dir)
-            return None
-        step_dir = Path(choice)
-        manifest = read_manifest(step_dir)
-        self._load(step_dir, manifest)
+    def restore(self, step_dir: Path, manifest: Manifest, same_layout: bool) -> int:
+        """Load a step chosen (and topology-validated) by :func:`select_checkpoint`."""
+        self._load(step_dir, manifest, same_layout)
         self.restored_step = manifest.step
         return manifest.step
 
-    def _load(self, step_dir: Path, manifest: Manifest) -> None:
+    def _load(self, step_dir: Path, manifest: Manifest, same_layout: bool) -> None:
         from pretrain.loop import TrainState
 
         trainer = self.trainer
-        same_layout = self._same_layout(manifest)
         self._load_shards(step_dir / MODEL_DIR, manifest)
         train_state = state_io.read_train_state(step_dir)
+        self._scale_lr_for_batch_change(train_state)
         trainer.parts.scheduler.load_state_dict(train_state["scheduler"])
         trainer.state = TrainState(train_state["step"], train_state["consumed_samples"],
                                    train_state["consumed_tokens"])
@@ -336,11 +339,24 @@ class Checkpointer:
         log.info("restore: resumed from %s at step %d (%d samples consumed)", step_dir.name,
                  manifest.step, trainer.state.consumed_samples)
 
-    def _same_layout(self, manifest: Manifest) -> bool:
-        par, plan = self.trainer.run.parallel, self.trainer.parts.plan
-        current = {"tp": par.tp, "pp": par.pp, "cp": par.cp, "ep": par.ep, "vpp": par.vpp or 1,
-                   "dp": plan.dp_size}
-        return current == manifest.parallelism and manifest.world_size == self.world
+    def _scale_lr_for_batch_change(self, train_state: dict[str, Any]) -> None:
+        saved, target = train_state["global_batch_size"], self.trainer.parts.plan.global_batch_size
+        rule = self.cfg.batch_change_lr_scaling
+        if saved == target:
+            return
+        from resiliency.topology import scale_lr
+
+        sched = train_state["scheduler"]
+        # mcore's scheduler reads per-group max_lr/min_lr (restored with the optimizer) first.
+        groups = self.trainer.parts.optimizer.param_groups
+        for values in [sched, *groups]:
+            for key in ("max_lr", "min_lr"):
+                if key in values:
+                    values[key] = scale_lr(values[key], saved, target, rule)
+        train_state["lr"] = scale_lr(train_state["lr"], saved, target, rule)
+        self.lr_scaling = {"rule": rule, "saved_global_batch": saved, "global_batch": target}
+        log.warning("restore: global batch %d -> %d: lr scaled by rule %r (max_lr %.3e)",
+                    saved, target, rule, sched["max_lr"])
 
     def _load_shards(self, model_dir: Path, manifest: Manifest) -> None:
         from megatron.core import dist_checkpointing
@@ -378,7 +394,7 @@ class Checkpointer:
         if self.cfg.load_optimizer and not self._optimizer_has_state():
             problems.append("optimizer state is empty after load")
         if problems:
-            raise RestoreError(f"restored state does not match {manifest.step}: "
+            raise RestoreError(f"restored state does not match step {manifest.step}: "
                                + "; ".join(problems))
 
     def _optimizer_has_state(self) -> bool:

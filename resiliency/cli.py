@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-COMMAND_MODULES = ("resiliency.cli_ckpt",)
+COMMAND_MODULES = ("resiliency.cli_ckpt", "resiliency.cli_validate")
 
 EXIT_OK, EXIT_BAD, EXIT_USAGE = 0, 1, 2
 

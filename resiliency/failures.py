@@ -31,7 +31,11 @@ def classify(exc: BaseException) -> Failure:
     from resiliency.checkpointer import CheckpointSaveError, RestoreError
     from resiliency.lease import LeaseHeldError
 
+    from recipes import ConfigError
+
     message = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, ConfigError):
+        return Failure("config", exit_codes.CONFIG_ERROR, False, message)
     if isinstance(exc, LeaseHeldError):
         return Failure("lease", exit_codes.LEASE_HELD, False, message)
     if isinstance(exc, TopologyRefusedError):

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from pretrain.distributed import DistEnv
     from pretrain.loop import Trainer
     from recipes.schema import RunConfig
+    from resiliency.restore_plan import RestorePlan
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +76,37 @@ class CheckpointHook(TrainHook):
         self.layout = RunLayout(run_dir.parent, run.run_id)
         self.ownership = RunOwnership(self.layout, self.cfg.lease_timeout_s)
         self.checkpointer: Checkpointer | None = None
+        self.plan: "RestorePlan | None" = None
+
+    def configure(self, run: "RunConfig", dp: int) -> "RunConfig":
+        """Take the run's lease, then pick and validate the step to restore (nothing loaded)."""
+        from pretrain.compat import vpp_tied_embedding_save_problem
+        from pretrain.tokenizer import build_tokenizer
+        from recipes import ConfigError
+        from resiliency.restore_plan import plan_restore
+
+        problem = vpp_tied_embedding_save_problem(
+            run.parallel.vpp, run.model.share_embeddings_and_output_weights,
+            run.optimizer.use_distributed_optimizer, self.cfg.optim_format)
+        if problem:
+            raise ConfigError(problem)
+        self.ownership.acquire(self.env.rank, self.env.world_size)
+        if not self.cfg.resume:
+            return run
+        vocab = build_tokenizer(run.data.tokenizer, run.data.tokenizer_path).vocab_size
+        run, self.plan = plan_restore(run, self.layout, self.env.world_size, dp, vocab)
+        return run
 
     def on_start(self, trainer: "Trainer") -> None:
-        attempt = self.ownership.acquire(self.env.rank, self.env.world_size)
-        self.checkpointer = Checkpointer(trainer, self.layout, attempt)
-        restored = self.checkpointer.restore() if self.cfg.resume else None
-        self.ownership.record("running", restored_step=restored)
+        checkpointer = Checkpointer(trainer, self.layout, self.ownership.attempt)
+        self.checkpointer = checkpointer
+        restored = None
+        if self.plan is not None:
+            restored = checkpointer.restore(self.plan.step_dir, self.plan.manifest,
+                                            self.plan.report.same_layout)
+        self.ownership.record("running", restored_step=restored,
+                              topology_changed=bool(self.plan and not self.plan.report.same_layout),
+                              lr_scaling=checkpointer.lr_scaling)
 
     def before_step(self, trainer: "Trainer") -> None:
         assert self.checkpointer is not None
@@ -107,9 +133,10 @@ class CheckpointHook(TrainHook):
         status = "preempted" if trainer.exit_code == exit_codes.REQUEUE else "finished"
         self.ownership.record(status, step=trainer.state.step, exit_code=trainer.exit_code)
 
-    def on_exception(self, trainer: "Trainer", exc: BaseException) -> None:
+    def on_exception(self, trainer: "Trainer | None", exc: BaseException) -> None:
         failure = classify(exc)
-        self.ownership.record("failed", step=trainer.state.step, exit_code=failure.exit_code,
+        step = trainer.state.step if trainer is not None else None
+        self.ownership.record("failed", step=step, exit_code=failure.exit_code,
                               failure_class=failure.kind, error=failure.message[:2000])
 
     def close(self) -> None:
