@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import sys
-from pathlib import Path
 
 from pretrain.logs import setup_logging
 from recipes import ConfigError, load_config, to_yaml
@@ -44,6 +43,8 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         log.error("config error: %s", exc)
         return exit_codes.CONFIG_ERROR
+    from pretrain.session import train
+
     return train(run, device, dp)
 
 
@@ -54,49 +55,6 @@ def _split_args(argv: list[str]) -> tuple[str | None, list[str]]:
     if index + 1 >= len(argv):
         raise SystemExit("--config needs a path")
     return argv[index + 1], argv[:index] + argv[index + 2:]
-
-
-def train(run, device: str, dp: int) -> int:  # noqa: ANN001 - RunConfig, imported lazily
-    from pretrain.distributed import init_distributed, shutdown
-    from pretrain.loop import Trainer
-    from resiliency.hooks import build_hooks
-
-    setup_logging(run.logging.level)
-    env = init_distributed(device)
-    run_dir = Path(run.output_dir) / run.run_id
-    if env.rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(run))
-    hooks = build_hooks(run, env, run_dir)
-    trainer = None
-    try:
-        for hook in hooks:
-            run = hook.configure(run, dp)
-        trainer = Trainer(run, env, dp, run_dir, hooks)
-        trainer.fit()
-        code = trainer.exit_code
-    except Exception as exc:
-        from resiliency.failures import classify
-
-        for hook in hooks:
-            hook.on_exception(trainer, exc)
-        failure = classify(exc)
-        log.exception("training failed (%s, exit %d, %s)", failure.kind, failure.exit_code,
-                      "retryable" if failure.retryable else "do not retry")
-        return failure.exit_code
-    finally:
-        _close_all(hooks)
-    shutdown()
-    return code
-
-
-def _close_all(hooks: list) -> None:  # noqa: ANN001 - TrainHook, imported lazily
-    """Close every hook; a failing close (e.g. disk full) must not mask the run's exit code."""
-    for hook in hooks:
-        try:
-            hook.close()
-        except Exception:  # noqa: BLE001
-            log.exception("closing %s failed", type(hook).__name__)
 
 
 if __name__ == "__main__":
