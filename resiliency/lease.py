@@ -58,7 +58,11 @@ def _pid_start(pid: int) -> float | None:
 
 
 def _job_id() -> str | None:
-    return os.environ.get("MCORE_RECIPES_JOB_ID") or os.environ.get("SLURM_JOB_ID") or None
+    # TORCHELASTIC_RUN_ID is torchrun/ft_launcher's rendezvous id: stable across its restarts.
+    for name in ("MCORE_RECIPES_JOB_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
+        if os.environ.get(name):
+            return os.environ[name]
+    return None
 
 
 @dataclass(frozen=True)
@@ -220,6 +224,10 @@ class RunLease:
     def _check_takeover(self, current: LeaseInfo) -> None:
         now = time.time()
         reason = stale_reason(current, self.timeout_s, now)
+        if reason is None and current.job_id is not None and current.job_id == _job_id():
+            # A launcher restarts a worker group only after tearing the old one down; the new
+            # rank 0 may sit on another host, where the dead owner's pid cannot be checked.
+            reason = f"same job {current.job_id} restarted its worker group"
         if reason is None:
             raise LeaseHeldError(
                 f"run {self.layout.run_dir} is held by {current.describe(now)}. Wait for that "

@@ -70,6 +70,18 @@ def test_fresh_lease_on_other_host_refused(layout: RunLayout) -> None:
         RunLease(layout, attempt=2, timeout_s=10).acquire()
 
 
+def test_same_job_restart_on_other_host_takes_over(layout: RunLayout,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launcher restart may put rank 0 on another host: the same job id proves the old
+    group was torn down, so its fresh-looking lease does not block the restart."""
+    for name in ("MCORE_RECIPES_JOB_ID", "SLURM_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-42")
+    _write_foreign_lease(layout, host="some-other-host", pid=12345, job_id="job-42")
+    RunLease(layout, attempt=2, timeout_s=60).acquire()
+    assert read_lease(layout).attempt == 2
+
+
 def test_dead_pid_on_same_host_taken_over_immediately(layout: RunLayout) -> None:
     _write_foreign_lease(layout, pid=_dead_pid(), heartbeat=time.time())
     RunLease(layout, attempt=2, timeout_s=3600).acquire()
