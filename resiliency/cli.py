@@ -13,7 +13,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-COMMAND_MODULES = ("resiliency.cli_ckpt", "resiliency.cli_validate")
+COMMAND_MODULES = ("resiliency.cli_ckpt", "resiliency.cli_validate", "resiliency.plan",
+                   "resiliency.drill")
 
 EXIT_OK, EXIT_BAD, EXIT_USAGE = 0, 1, 2
 
