@@ -3,7 +3,10 @@
 Kinds: kill (SIGKILL self before the step), hang (block forever), raise (deterministic
 exception), nan (poison gradients after backward), kill_save (SIGKILL once this step's shards
 are written, before the commit), kill_publish (SIGKILL after COMMITTED is written, before the
-rename). Empty in every shipped recipe.
+rename), slow (from this step on, this rank's step burns ``factor`` times its CPU time:
+"slow@<step>:<rank>:<factor>", a straggler). A "/<round>" suffix limits an entry to one launcher
+round (TORCHELASTIC_RESTART_COUNT), so a fault can hit once and the restarted group run clean.
+Empty in every shipped recipe.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
-KINDS = ("kill", "hang", "raise", "nan", "kill_save", "kill_publish")
+KINDS = ("kill", "hang", "raise", "nan", "kill_save", "kill_publish", "slow")
+ROUND_ENV = "TORCHELASTIC_RESTART_COUNT"
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,8 @@ class Fault:
     kind: str
     step: int
     rank: int | None
+    factor: float = 1.0  # slow only
+    round: int | None = None  # launcher round the entry is limited to (None: every round)
 
 
 class InjectedFault(RuntimeError):
@@ -32,24 +38,24 @@ class InjectedFault(RuntimeError):
 
 class FaultInjector:
     def __init__(self, faults: list[Fault], rank: int) -> None:
-        self.faults = [f for f in faults if f.rank is None or f.rank == rank]
+        current_round = int(os.environ.get(ROUND_ENV, "0") or 0)
+        self.faults = [f for f in faults if (f.rank is None or f.rank == rank)
+                       and (f.round is None or f.round == current_round)]
+        self._cpu_start: float | None = None
+        self._step_cpu_s: float | None = None  # last unslowed forward+backward CPU time
 
     @classmethod
     def parse(cls, spec: str, rank: int) -> "FaultInjector":
         faults = []
         for item in filter(None, (part.strip() for part in spec.split(";"))):
-            kind, _, where = item.partition("@")
-            step, _, on_rank = where.partition(":")
-            if kind not in KINDS or not step.isdigit() or (on_rank and not on_rank.isdigit()):
-                raise ValueError(f"train.fault: bad entry {item!r}; expected <kind>@<step>[:<rank>] "
-                                 f"with kind in {KINDS}")
-            faults.append(Fault(kind, int(step), int(on_rank) if on_rank else None))
+            faults.append(_parse_entry(item))
         return cls(faults, rank)
 
     def _due(self, step: int, kinds: tuple[str, ...]) -> list[Fault]:
         return [f for f in self.faults if f.step == step and f.kind in kinds]
 
     def before_step(self, step: int) -> None:
+        self._slow_down(step)
         for fault in self._due(step, ("kill", "hang", "raise")):
             log.warning("fault injection: %s before step %d", fault.kind, step)
             if fault.kind == "kill":
@@ -65,7 +71,18 @@ class FaultInjector:
             log.warning("fault injection: %s at step %d", fault.kind, step)
             os.kill(os.getpid(), signal.SIGKILL)
 
+    def _slow_down(self, step: int) -> None:
+        """Busy-burn CPU (not sleep) so the rank is slower at computing, not just late."""
+        slow = [f for f in self.faults if f.kind == "slow" and step >= f.step]
+        if slow and self._step_cpu_s is not None:
+            deadline = time.process_time() + (slow[0].factor - 1.0) * self._step_cpu_s
+            while time.process_time() < deadline:
+                pass
+        self._cpu_start = time.process_time()
+
     def after_backward(self, step: int, ddp_chunks: list[Any]) -> None:
+        if self._cpu_start is not None:  # the burn ran before _cpu_start: this is unslowed
+            self._step_cpu_s = time.process_time() - self._cpu_start
         if not self._due(step, ("nan",)):
             return
         log.warning("fault injection: NaN gradients at step %d", step)
@@ -73,3 +90,25 @@ class FaultInjector:
             for param in chunk.parameters():
                 if getattr(param, "main_grad", None) is not None:
                     param.main_grad.fill_(float("nan"))
+
+
+def _parse_entry(item: str) -> Fault:
+    entry, _, round_ = item.partition("/")
+    kind, _, where = entry.partition("@")
+    step, on_rank, factor, *rest = where.split(":") + ["", ""]
+    ok = (kind in KINDS and step.isdigit() and (not on_rank or on_rank.isdigit())
+          and not any(rest) and (not round_ or round_.isdigit())
+          and (not factor or (kind == "slow" and _is_factor(factor))))
+    if not ok or (kind == "slow" and not (on_rank and factor)):
+        raise ValueError(f"train.fault: bad entry {item!r}; expected "
+                         f"<kind>@<step>[:<rank>][/<round>] with kind in {KINDS}, or "
+                         "slow@<step>:<rank>:<factor>")
+    return Fault(kind, int(step), int(on_rank) if on_rank else None,
+                 float(factor) if factor else 1.0, int(round_) if round_ else None)
+
+
+def _is_factor(text: str) -> bool:
+    try:
+        return float(text) >= 1.0
+    except ValueError:
+        return False

@@ -246,14 +246,92 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True)
+class FtConfig:
+    """Hang detection by nvidia-resiliency-ext rank monitors (launch.backend=ft_launcher)."""
+    # Section timeouts in seconds. "step" and the out-of-section timeout are replaced by learned
+    # values (multiplier x the slowest observed, at least the floor) once learned.
+    setup_timeout_s: float = 900.0
+    step_timeout_s: float = 600.0
+    checkpointing_timeout_s: float = 900.0
+    out_of_section_timeout_s: float = 600.0
+    learn_timeouts: bool = True
+    learn_after_steps: int = 10
+    timeout_multiplier: float = 5.0
+    # Learned ~1 s timeouts were too tight on a noisy machine: never go below this.
+    timeout_floor_s: float = 10.0
+    check_interval_s: float = 1.0
+    # Dump every rank's Python stacks shortly before its section times out (evidence: which
+    # rank hung and which ones were only waiting for it in a collective).
+    stack_dumps: bool = True
+
+    def __post_init__(self) -> None:
+        for key in ("setup_timeout_s", "step_timeout_s", "checkpointing_timeout_s",
+                    "out_of_section_timeout_s", "timeout_floor_s", "check_interval_s"):
+            _require(getattr(self, key) > 0, f"resiliency.ft.{key} must be > 0")
+        _require(self.timeout_multiplier >= 1, "resiliency.ft.timeout_multiplier must be >= 1")
+        _positive("resiliency.ft", learn_after_steps=self.learn_after_steps)
+
+
+@dataclass(kw_only=True)
+class StragglerConfig:
+    """Straggler reports from nvidia-resiliency-ext's Detector (sections; CUDA kernels on GPU)."""
+    enabled: bool = False
+    report_interval: int = 20  # steps between reports
+    warmup_steps: int = 5  # first steps of every attempt are not timed (allocator, caches)
+    # A rank whose score (best rank's time / its time) is below this is named a straggler.
+    relative_threshold: float = 0.6
+    individual_threshold: float = 0.7  # vs the rank's own best: logged, not a straggler alone
+    stop_if_detected: bool = False  # save and exit STRAGGLER
+
+    def __post_init__(self) -> None:
+        _positive("resiliency.straggler", report_interval=self.report_interval)
+        _require(self.warmup_steps >= 0, "resiliency.straggler.warmup_steps must be >= 0")
+        for key in ("relative_threshold", "individual_threshold"):
+            _require(0 < getattr(self, key) < 1, f"resiliency.straggler.{key} must be in (0, 1)")
+
+
+@dataclass(kw_only=True)
+class MetricsConfig:
+    """Prometheus metrics: <run_dir>/metrics/metrics.prom (rank 0), optionally served over HTTP."""
+    enabled: bool = True
+    write_interval_steps: int = 10
+    http_port: int = 0  # 0: no HTTP endpoint
+
+    def __post_init__(self) -> None:
+        _positive("resiliency.metrics", write_interval_steps=self.write_interval_steps)
+        _require(0 <= self.http_port < 65536, "resiliency.metrics.http_port must be in [0, 65535]")
+
+
+@dataclass(kw_only=True)
+class WatchConfig:
+    """After a restore, compare loss and grad norm with the values logged before the failure."""
+    steps: int = 10  # 0: off
+    loss_tolerance: float = 0.1  # relative increase that counts as a jump
+    grad_norm_tolerance: float = 1.0
+    stop_on_jump: bool = False  # fail the run (numeric, not retried) instead of only logging
+
+    def __post_init__(self) -> None:
+        _require(self.steps >= 0, "resiliency.watch.steps must be >= 0")
+        _require(self.loss_tolerance > 0 and self.grad_norm_tolerance > 0,
+                 "resiliency.watch tolerances must be > 0")
+
+
+@dataclass(kw_only=True)
 class ResiliencyConfig:
     # SIGTERM / SIGUSR1 -> emergency persistent save at the next step boundary -> exit REQUEUE.
     preemption: bool = True
     emergency_save_timeout_s: float = 120.0
+    # Restarts after infrastructure failures (python -m launch local); other failures stop.
+    max_restarts: int = 2
+    ft: FtConfig = field(default_factory=FtConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    watch: WatchConfig = field(default_factory=WatchConfig)
 
     def __post_init__(self) -> None:
         _require(self.emergency_save_timeout_s > 0,
                  "resiliency.emergency_save_timeout_s must be > 0")
+        _require(self.max_restarts >= 0, "resiliency.max_restarts must be >= 0")
 
 
 @dataclass(kw_only=True)

@@ -19,3 +19,8 @@ REQUEUE = 75            # planned exit after an emergency save (EX_TEMPFAIL): re
 
 DO_NOT_RETRY = frozenset({CONFIG_ERROR, TOPOLOGY_REFUSED, USER_CODE, NUMERIC, LEASE_HELD,
                           RETRY_BUDGET_EXHAUSTED, OOM, DATA, CHECKPOINT_IO})
+
+# Added for straggler detection: a run stopped on purpose because a rank is persistently slow
+# (resiliency.straggler.stop_if_detected). Retrying on the same hardware would reproduce it.
+STRAGGLER = 11
+DO_NOT_RETRY = DO_NOT_RETRY | {STRAGGLER}

@@ -154,4 +154,6 @@ def build_hooks(run: "RunConfig", env: "DistEnv", run_dir: Path) -> list[TrainHo
             from resiliency.preemption import PreemptionHook
 
             hooks.append(PreemptionHook(checkpoint, run.resiliency.emergency_save_timeout_s))
-    return hooks
+    from resiliency.ft_hooks import with_monitoring
+
+    return with_monitoring(run, env, run_dir, hooks)

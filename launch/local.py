@@ -1,0 +1,158 @@
+"""Run on this machine under torchrun or nvidia-resiliency-ext's ft_launcher, then decide.
+
+``python -m launch local [--nproc N] [--max-restarts K] key=value ...`` validates the overrides,
+pins the resolved config in ``<run_dir>/launch-config.yaml`` and runs the launcher chosen by
+``launch.backend``:
+
+* ``ft_launcher``: rank monitors watch the sections every rank reports (:mod:`resiliency.ft`);
+  a hung or dead rank gets the whole worker group torn down and restarted in place (at most K
+  times), resuming from the newest verified checkpoint. Ranks that fail deterministically ask
+  ft_launcher not to restart.
+* ``torchrun``: torchrun runs once per launch; this wrapper relaunches it after
+  infrastructure failures, at most K times.
+
+The launcher's output is passed through (and kept in ``<run_dir>/launch-local.log``) and read
+for the events the attempt records need (detection, teardown, exit codes, monitor timeouts).
+When the launcher is done, each attempt of this launch gets its root cause, losses and RTO
+(:mod:`resiliency.ft_postmortem`), and the exit code comes from :mod:`launch.retry_policy`:
+0 when finished, REQUEUE (75) after a preemption, a "do not retry" code otherwise
+(RETRY_BUDGET_EXHAUSTED after K restarts). SIGTERM/SIGINT are forwarded to the launcher, whose
+ranks make an emergency save.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import IO
+
+from launch.common import LaunchPlan, check_run_dir_free, plan_launch, write_resolved_config
+from launch.retry_policy import STOP, Decision, decide, newest_attempt, read_outcome
+from resiliency import exit_codes
+from resiliency.attempts import recorded_attempts
+from resiliency.ft import write_launcher_config
+from resiliency.ft_postmortem import LauncherEvents, finalize_attempts
+from resiliency.layout import RunLayout
+
+log = logging.getLogger(__name__)
+CONFIG_NAME = "launch-config.yaml"
+LOG_NAME = "launch-local.log"
+FORWARDED = (signal.SIGTERM, signal.SIGINT)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="ranks on this machine (default: launch.nproc_per_node)")
+    parser.add_argument("--max-restarts", type=int, default=None,
+                        help="restarts after infrastructure failures "
+                             "(default: resiliency.max_restarts)")
+
+
+def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    if args.nproc is not None:
+        overrides = [*overrides, f"launch.nproc_per_node={args.nproc}"]
+    plan = plan_launch(overrides)
+    check_run_dir_free(plan)
+    config = write_resolved_config(plan, CONFIG_NAME)
+    budget = plan.run.resiliency.max_restarts if args.max_restarts is None else args.max_restarts
+    return LocalSupervisor(plan, config, budget).run()
+
+
+def launcher_command(plan: LaunchPlan, config: Path, restarts: int) -> list[str]:
+    run, bin_dir = plan.run, Path(sys.executable).parent
+    common = ["--standalone", f"--nproc-per-node={run.launch.nproc_per_node}"]
+    tail = ["-m", "pretrain", "--config", str(config)]
+    if run.launch.backend == "torchrun":
+        return [str(bin_dir / "torchrun"), *common, "--max-restarts=0", *tail]
+    ft = run.resiliency.ft
+    return [str(bin_dir / "ft_launcher"), *common, f"--max-restarts={restarts}",
+            f"--monitor-interval={ft.check_interval_s}",
+            # SIGTERM -> SIGKILL grace: room for the ranks' emergency save.
+            f"--term-timeout={run.resiliency.emergency_save_timeout_s + 30:.0f}",
+            f"--ft-cfg-path={write_launcher_config(run, plan.run_dir)}", *tail]
+
+
+class LocalSupervisor:
+    def __init__(self, plan: LaunchPlan, config: Path, max_restarts: int) -> None:
+        self.plan, self.config, self.max_restarts = plan, config, max_restarts
+        self.layout = RunLayout.from_run_dir(plan.run_dir)
+        self.events = LauncherEvents()
+        self.signal: int | None = None
+        self.child: subprocess.Popen[str] | None = None
+        run = plan.run
+        self.tokens_per_step = run.train.global_batch_size * run.model.seq_length
+
+    def run(self) -> int:
+        before = newest_attempt(self.plan.run_dir)
+        previous = {sig: signal.signal(sig, self._forward) for sig in FORWARDED}
+        try:
+            while self.signal is None:
+                used = self._restarts_used(before)
+                self._launch(max(0, self.max_restarts - used))
+                decision = self._decide(before)
+                if decision.action == STOP:
+                    return decision.exit_code
+                if self.signal is not None or self._preempted(before):
+                    return exit_codes.REQUEUE  # the caller (scheduler, user) requeues
+                log.warning("relaunching: %s", decision.reason)
+            return exit_codes.REQUEUE  # stopped by a signal before (re)launching
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _restarts_used(self, before: int) -> int:
+        """Group starts so far (attempt records, or launches that left none) minus the first."""
+        if not self.events.launches:
+            return 0
+        return max(len(self._attempts(before)), len(self.events.launches)) - 1
+
+    def _attempts(self, before: int) -> list[int]:
+        return [a for a in recorded_attempts(self.layout) if a > before]
+
+    def _decide(self, before: int) -> Decision:
+        finalize_attempts(self.layout, self._attempts(before), self.events, self.tokens_per_step)
+        decision = decide(self.plan.run_dir, self._restarts_used(before), self.max_restarts,
+                          before)
+        log.info("launch local: %s", decision.line())
+        return decision
+
+    def _preempted(self, before: int) -> bool:
+        outcome = read_outcome(self.plan.run_dir, before)
+        return outcome.status == "preempted" or outcome.exit_code == exit_codes.REQUEUE
+
+    def _launch(self, restarts: int) -> int:
+        cmd = launcher_command(self.plan, self.config, restarts)
+        log.info("launch local: %s", " ".join(cmd))
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        started = time.time()
+        with open(self.plan.run_dir / LOG_NAME, "a") as keep:
+            self.child = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, bufsize=1)
+            assert self.child.stdout is not None
+            self._pump(self.child.stdout, keep)
+            code = self.child.wait()
+        self.events.launches.append([started, time.time()])
+        self.child = None
+        log.info("launch local: %s exited %d", Path(cmd[0]).name, code)
+        return code
+
+    def _pump(self, stream: IO[str], keep: IO[str]) -> None:
+        for line in stream:
+            self.events.feed(line, time.time())
+            sys.stderr.write(line)
+            keep.write(line)
+        sys.stderr.flush()
+
+    def _forward(self, signum: int, frame: FrameType | None) -> None:
+        self.signal = signum
+        if self.child is not None and self.child.poll() is None:
+            log.warning("launch local: forwarding %s to the launcher",
+                        signal.Signals(signum).name)
+            self.child.send_signal(signum)

@@ -1,0 +1,76 @@
+"""Shared runs for the fault-tolerance tests: ``python -m launch local`` jobs on 2 CPU ranks.
+
+One clean ft_launcher run is shared by test_ft (loss baseline), test_straggler (no false
+positive) and test_metrics (the metrics file): the first test that needs it runs it into the
+session's base temp dir, later ones reuse it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from tests.helpers import REPO
+
+STEPS, SAVE_EVERY = 12, 4
+FLOOR_S, CHECK_S = 4.0, 0.5
+# Small timeouts keep the hang test short; the floor still covers the first (slow) steps.
+FT = ["launch.backend=ft_launcher", "resiliency.ft.learn_after_steps=3",
+      f"resiliency.ft.timeout_floor_s={FLOOR_S}", f"resiliency.ft.check_interval_s={CHECK_S}"]
+STRAGGLER = ["resiliency.straggler.enabled=true", "resiliency.straggler.report_interval=4",
+             "resiliency.straggler.warmup_steps=2"]
+
+
+def base_overrides(tiny: Sequence[str], root: Path, run_id: str) -> list[str]:
+    return [*tiny, f"output_dir={root}", f"run_id={run_id}", f"train.train_steps={STEPS}",
+            f"checkpoint.save_interval={SAVE_EVERY}", *FT, *STRAGGLER]
+
+
+def launch_cmd(overrides: Sequence[str], nproc: int = 2,
+               max_restarts: int | None = None) -> list[str]:
+    extra = [] if max_restarts is None else [f"--max-restarts={max_restarts}"]
+    return [sys.executable, "-m", "launch", "local", f"--nproc={nproc}", *extra, *overrides]
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+def launch_local(overrides: Sequence[str], max_restarts: int | None = None,
+                 timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(launch_cmd(overrides, max_restarts=max_restarts), cwd=REPO, env=env(),
+                          text=True, capture_output=True, timeout=timeout)
+
+
+def clean_run(tiny: Sequence[str], base: Path) -> Path:
+    """The shared clean run (ft_launcher, straggler reports, metrics); its run dir."""
+    root = base / "ft-clean"
+    run_dir = root / "clean"
+    if not (run_dir / "attempts" / "attempt-01.json").exists():
+        proc = launch_local(base_overrides(tiny, root, "clean"))
+        assert proc.returncode == 0, proc.stderr[-6000:]
+    return run_dir
+
+
+def attempt(run_dir: Path, number: int) -> dict[str, Any]:
+    return json.loads((run_dir / "attempts" / f"attempt-{number:02d}.json").read_text())
+
+
+def attempts(run_dir: Path) -> list[dict[str, Any]]:
+    paths = sorted((run_dir / "attempts").glob("attempt-[0-9][0-9].json"))
+    return [json.loads(p.read_text()) for p in paths]
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    path = run_dir / "metrics" / "steps.jsonl"
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if path.exists() and len(path.read_text().splitlines()) >= step:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"step {step} not reached (launcher exit {proc.poll()})")
