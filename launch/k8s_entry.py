@@ -148,6 +148,19 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def with_ft_config(launcher_args: list[str], state_dir: Path) -> list[str]:
+    """ft_launcher refuses to start without its section/timeout config: write it from the
+    pinned run config (the ``--config`` after ``-m pretrain``) into the shared state dir."""
+    if any(a.startswith("--ft-cfg-path") for a in launcher_args) or "--config" not in launcher_args:
+        return launcher_args
+    from recipes.load import load_config_file
+    from resiliency.ft import write_launcher_config
+
+    run = load_config_file(launcher_args[launcher_args.index("--config") + 1])
+    path = write_launcher_config(run, state_dir)
+    return [f"--ft-cfg-path={path}", *launcher_args]
+
+
 def main(argv: list[str]) -> int:
     from pretrain.logs import setup_logging
 
@@ -158,6 +171,8 @@ def main(argv: list[str]) -> int:
     if not budget.start():
         log.error("retry budget of %d restarts used up (%s)", args.retries, budget.path)
         return exit_codes.RETRY_BUDGET_EXHAUSTED
+    if args.launcher == "ft_launcher":
+        args.launcher_args = with_ft_config(args.launcher_args, args.state_dir)
     try:
         outcome = run_launcher(args.launcher, args.launcher_args)
     except _Stopped as exc:

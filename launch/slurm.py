@@ -38,6 +38,10 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     _warn_on_short_grace(plan)
     text = render(plan)  # before writing anything: a value it cannot render is bad input too
     write_resolved_config(plan, CONFIG_NAME)
+    if plan.run.launch.backend == "ft_launcher":
+        from resiliency.ft import write_launcher_config
+
+        write_launcher_config(plan.run, plan.run_dir)
     script = write_script(plan, text)
     if sbatch is None:
         log.info("dry run: rendered %s (not submitted)", script)

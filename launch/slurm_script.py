@@ -145,9 +145,15 @@ def _srun_args(run: RunConfig) -> str:
 
 
 def _launcher(run: RunConfig, inputs: ScriptInputs) -> str:
+    from resiliency.ft import LAUNCHER_CONFIG_FILE
+
     name = LAUNCHERS[run.launch.backend]
     # Inside a container the image provides the environment; outside, the submitting venv does.
-    return name if run.launch.slurm.container_image else _q(inputs.bin_dir / name)
+    launcher = name if run.launch.slurm.container_image else _q(inputs.bin_dir / name)
+    if run.launch.backend == "ft_launcher":
+        # ft_launcher refuses to start without its section/timeout config (written at submit).
+        launcher += f" --ft-cfg-path={_q(inputs.run_dir / LAUNCHER_CONFIG_FILE)}"
+    return launcher
 
 
 SCRIPT = r"""#!/bin/bash

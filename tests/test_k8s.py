@@ -450,3 +450,17 @@ def test_wrapper_recovers_the_worker_exit_code_torchrun_drops(tmp_path: Path) ->
     assert proc.returncode == 128 + exit_codes.REQUEUE, proc.stderr[-3000:]
     state = json.loads((tmp_path / "state" / "job-test" / "node-0.json").read_text())
     assert state == {"retries": 0, "running": False}
+
+
+def test_ft_launcher_entry_gets_its_config(tmp_path: Path) -> None:
+    """ft_launcher refuses to start without --ft-cfg-path: the pod entry writes it."""
+    from launch.k8s_entry import with_ft_config
+    from recipes import load_config, to_yaml
+
+    pinned = tmp_path / "launch-config.yaml"
+    pinned.write_text(to_yaml(load_config(["recipe=gpt_tiny", "launch.backend=ft_launcher"])))
+    args = with_ft_config(["--nnodes=2", "-m", "pretrain", "--config", str(pinned)], tmp_path)
+    flag, path = args[0].split("=", 1)
+    assert flag == "--ft-cfg-path" and Path(path).is_file()
+    assert "rank_section_timeouts" in Path(path).read_text() or "section" in Path(path).read_text()
+    assert args[1:] == ["--nnodes=2", "-m", "pretrain", "--config", str(pinned)]

@@ -183,8 +183,10 @@ def test_render_gpus_container_and_ft_launcher(stdlib_corpus: str, tmp_path: Pat
     assert ("--container-image=nvcr.io/nvidia/pytorch:25.01-py3 "
             "--container-mounts=/data:/data,/ckpt:/ckpt") in script
     # inside the container the image's launcher runs, not the submitting venv's
-    assert re.search(r"^\s+ft_launcher --nnodes=\"\$SLURM_NNODES\" --nproc-per-node=2 "
+    assert re.search(r"^\s+ft_launcher --ft-cfg-path=\S+/ft_launcher.yaml "
+                     r"--nnodes=\"\$SLURM_NNODES\" --nproc-per-node=2 "
                      r"\\\n\s+--rdzv-backend=c10d --rdzv-endpoint=", script, re.M), script
+    assert (tmp_path / "gpu" / "ft_launcher.yaml").is_file(), "the launcher config is written"
     assert "torchrun --nnodes" not in script
 
 
