@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -188,15 +188,3 @@ def apply() -> list[str]:
             _applied.append(patch.name)
     return list(_applied)
 
-
-@contextlib.contextmanager
-def suspended() -> Iterator[None]:
-    """Leave the device-kwargs mode for a block (e.g. a forked checkpoint writer)."""
-    if "device_kwargs" not in _applied:
-        yield
-        return
-    _MODE.__exit__(None, None, None)
-    try:
-        yield
-    finally:
-        _MODE.__enter__()

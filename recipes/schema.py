@@ -108,6 +108,11 @@ class ParallelConfig:
         _require(self.vpp is None or self.pp > 1,
                  f"parallel.vpp={self.vpp} needs parallel.pp > 1 (interleaving needs stages)")
 
+    def layout(self, dp: int) -> dict[str, int]:
+        """The layout as recorded in checkpoint manifests (vpp 1 = not interleaved)."""
+        return {"tp": self.tp, "pp": self.pp, "vpp": self.vpp or 1, "cp": self.cp,
+                "ep": self.ep, "dp": dp}
+
     @property
     def model_parallel_size(self) -> int:
         return self.tp * self.pp * self.cp

@@ -83,10 +83,15 @@ def select_checkpoint(layout: RunLayout, run_id: str, full_verify: bool) -> Path
     return Path(choice)
 
 
-def model_state_dict(chunks: list[Any]) -> dict[str, Any]:
+def chunks_by_key(chunks: list[Any]) -> dict[str, Any]:
+    """Megatron-LM's top-level checkpoint keys: "model", or "model<i>" per virtual stage."""
     if len(chunks) == 1:
-        return {"model": chunks[0].sharded_state_dict()}
-    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+        return {"model": chunks[0]}
+    return {f"model{i}": chunk for i, chunk in enumerate(chunks)}
+
+
+def model_state_dict(chunks: list[Any]) -> dict[str, Any]:
+    return {key: chunk.sharded_state_dict() for key, chunk in chunks_by_key(chunks).items()}
 
 
 class Checkpointer:
@@ -266,11 +271,9 @@ class Checkpointer:
         from dataclasses import asdict
 
         run, parts = self.trainer.run, self.trainer.parts
-        par = run.parallel
         return Manifest(
             run_id=run.run_id, attempt=self.attempt, step=step, world_size=self.world,
-            parallelism={"tp": par.tp, "pp": par.pp, "cp": par.cp, "ep": par.ep,
-                         "vpp": par.vpp or 1, "dp": parts.plan.dp_size},
+            parallelism=run.parallel.layout(parts.plan.dp_size),
             optim_format=self.cfg.optim_format, versions=runtime_versions(),
             code_commit=code_commit(), image_digest=image_digest(),
             dataset=self._dataset(), config=asdict(run), files=files,
@@ -369,19 +372,13 @@ class Checkpointer:
                 metadata={**self._optimizer_metadata(),
                           "distrib_optim_sharding_type": manifest.optim_format})
         loaded = dist_checkpointing.load(sharded, str(model_dir))
-        for key, chunk in self._chunks_by_key(parts.chunks).items():
+        for key, chunk in chunks_by_key(parts.chunks).items():
             chunk.load_state_dict(loaded[key], strict=True)
         if self.cfg.load_optimizer:
             parts.optimizer.load_state_dict(loaded["optimizer"])
         else:
             log.warning("restore: checkpoint.load_optimizer=false: weights only, FRESH optimizer "
                         "state; the loss trajectory will differ from the original run")
-
-    @staticmethod
-    def _chunks_by_key(chunks: list[Any]) -> dict[str, Any]:
-        if len(chunks) == 1:
-            return {"model": chunks[0]}
-        return {f"model{i}": chunk for i, chunk in enumerate(chunks)}
 
     def _check_restored(self, manifest: Manifest, train_state: dict[str, Any]) -> None:
         trainer = self.trainer

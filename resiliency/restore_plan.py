@@ -28,10 +28,8 @@ class RestorePlan:
 
 def target_for(run: RunConfig, world_size: int, dp: int, vocab_size: int,
                tier: str = "persistent") -> Target:
-    par = run.parallel
     return Target(
-        parallelism={"tp": par.tp, "pp": par.pp, "vpp": par.vpp or 1, "cp": par.cp,
-                     "ep": par.ep, "dp": dp},
+        parallelism=run.parallel.layout(dp),
         world_size=world_size, model=dataclasses.asdict(run.model), vocab_size=vocab_size,
         padded_vocab_size=run.model.padded_vocab_size,
         global_batch_size=run.train.global_batch_size,
