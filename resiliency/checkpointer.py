@@ -94,6 +94,18 @@ def model_state_dict(chunks: list[Any]) -> dict[str, Any]:
     return {key: chunk.sharded_state_dict() for key, chunk in chunks_by_key(chunks).items()}
 
 
+def sharded_training_state(parts: Any, optim_format: str, is_loading: bool = False,
+                           with_optimizer: bool = True) -> dict[str, Any]:
+    """Model chunks and (optionally) optimizer as one megatron sharded state dict."""
+    sharded = model_state_dict(parts.chunks)
+    if with_optimizer:
+        sharded["optimizer"] = parts.optimizer.sharded_state_dict(
+            sharded, is_loading=is_loading,
+            metadata={"distrib_optim_sharding_type": optim_format,
+                      "chained_optim_avoid_prefix": True})
+    return sharded
+
+
 class Checkpointer:
     def __init__(self, trainer: "Trainer", layout: RunLayout, attempt: int) -> None:
         self.trainer, self.layout, self.attempt = trainer, layout, attempt
@@ -166,17 +178,10 @@ class Checkpointer:
     def _write_shards(self, tmp: Path) -> Any:
         from megatron.core import dist_checkpointing
 
-        parts = self.trainer.parts
-        sharded = model_state_dict(parts.chunks)
-        sharded["optimizer"] = parts.optimizer.sharded_state_dict(
-            sharded, metadata=self._optimizer_metadata())
+        sharded = sharded_training_state(self.trainer.parts, self.cfg.optim_format)
         return dist_checkpointing.save(sharded, str(tmp / MODEL_DIR),
                                        sharded_strategy=self._save_strategy(),
                                        async_sharded_save=self.cfg.async_save)
-
-    def _optimizer_metadata(self) -> dict[str, Any]:
-        return {"distrib_optim_sharding_type": self.cfg.optim_format,
-                "chained_optim_avoid_prefix": True}
 
     def _save_strategy(self) -> Any:
         from megatron.core import parallel_state as ps
@@ -318,29 +323,38 @@ class Checkpointer:
     # ------------------------------------------------------------- restore
     def restore(self, step_dir: Path, manifest: Manifest, same_layout: bool) -> int:
         """Load a step chosen (and topology-validated) by :func:`select_checkpoint`."""
-        self._load(step_dir, manifest, same_layout)
+        loaded = self._load_shards(step_dir / MODEL_DIR, manifest)
+        rank_state = state_io.load_rank_state(step_dir, self.rank) if same_layout else None
+        self.apply_loaded(loaded, state_io.read_train_state(step_dir), rank_state, step_dir.name)
         self.restored_step = manifest.step
         return manifest.step
 
-    def _load(self, step_dir: Path, manifest: Manifest, same_layout: bool) -> None:
+    def apply_loaded(self, loaded: dict[str, Any], train_state: dict[str, Any],
+                     rank_state: dict[str, Any] | None, source: str) -> None:
+        """Put loaded shards, loop state and RNG (None: topology changed, reseed) in place."""
         from pretrain.loop import TrainState
 
         trainer = self.trainer
-        self._load_shards(step_dir / MODEL_DIR, manifest)
-        train_state = state_io.read_train_state(step_dir)
+        for key, chunk in chunks_by_key(trainer.parts.chunks).items():
+            chunk.load_state_dict(loaded[key], strict=True)
+        if self.cfg.load_optimizer:
+            trainer.parts.optimizer.load_state_dict(loaded["optimizer"])
+        else:
+            log.warning("restore: checkpoint.load_optimizer=false: weights only, FRESH optimizer "
+                        "state; the loss trajectory will differ from the original run")
         self._scale_lr_for_batch_change(train_state)
         trainer.parts.scheduler.load_state_dict(train_state["scheduler"])
         trainer.state = TrainState(train_state["step"], train_state["consumed_samples"],
                                    train_state["consumed_tokens"])
-        if same_layout:
-            state_io.restore_rng(state_io.load_rank_state(step_dir, self.rank), trainer.env.device)
+        if rank_state is not None:
+            state_io.restore_rng(rank_state, trainer.env.device)
         else:
-            seed = state_io.reseed_rng(trainer.run.train.seed, manifest.step, self.rank)
+            seed = state_io.reseed_rng(trainer.run.train.seed, train_state["step"], self.rank)
             log.warning("restore: topology changed; RNG reseeded from (seed, step, rank) = %d",
                         seed)
-        self._check_restored(manifest, train_state)
-        log.info("restore: resumed from %s at step %d (%d samples consumed)", step_dir.name,
-                 manifest.step, trainer.state.consumed_samples)
+        self._check_restored(train_state)
+        log.info("restore: resumed from %s at step %d (%d samples consumed)", source,
+                 train_state["step"], trainer.state.consumed_samples)
 
     def _scale_lr_for_batch_change(self, train_state: dict[str, Any]) -> None:
         saved, target = train_state["global_batch_size"], self.trainer.parts.plan.global_batch_size
@@ -361,37 +375,25 @@ class Checkpointer:
         log.warning("restore: global batch %d -> %d: lr scaled by rule %r (max_lr %.3e)",
                     saved, target, rule, sched["max_lr"])
 
-    def _load_shards(self, model_dir: Path, manifest: Manifest) -> None:
+    def _load_shards(self, model_dir: Path, manifest: Manifest) -> dict[str, Any]:
         from megatron.core import dist_checkpointing
 
-        parts = self.trainer.parts
-        sharded = model_state_dict(parts.chunks)
-        if self.cfg.load_optimizer:
-            sharded["optimizer"] = parts.optimizer.sharded_state_dict(
-                sharded, is_loading=True,
-                metadata={**self._optimizer_metadata(),
-                          "distrib_optim_sharding_type": manifest.optim_format})
-        loaded = dist_checkpointing.load(sharded, str(model_dir))
-        for key, chunk in chunks_by_key(parts.chunks).items():
-            chunk.load_state_dict(loaded[key], strict=True)
-        if self.cfg.load_optimizer:
-            parts.optimizer.load_state_dict(loaded["optimizer"])
-        else:
-            log.warning("restore: checkpoint.load_optimizer=false: weights only, FRESH optimizer "
-                        "state; the loss trajectory will differ from the original run")
+        sharded = sharded_training_state(self.trainer.parts, manifest.optim_format,
+                                         is_loading=True, with_optimizer=self.cfg.load_optimizer)
+        return dist_checkpointing.load(sharded, str(model_dir))
 
-    def _check_restored(self, manifest: Manifest, train_state: dict[str, Any]) -> None:
+    def _check_restored(self, train_state: dict[str, Any]) -> None:
         trainer = self.trainer
         problems = []
-        if trainer.state.step != manifest.step:
-            problems.append(f"step {trainer.state.step} != manifest step {manifest.step}")
+        if trainer.state.step != train_state["step"]:
+            problems.append(f"step {trainer.state.step} != saved step {train_state['step']}")
         lr = float(trainer.parts.optimizer.param_groups[0]["lr"])
         if not math.isclose(lr, train_state["lr"], rel_tol=1e-9, abs_tol=1e-15):
             problems.append(f"lr {lr} != saved lr {train_state['lr']}")
         if self.cfg.load_optimizer and not self._optimizer_has_state():
             problems.append("optimizer state is empty after load")
         if problems:
-            raise RestoreError(f"restored state does not match step {manifest.step}: "
+            raise RestoreError(f"restored state does not match step {train_state['step']}: "
                                + "; ".join(problems))
 
     def _optimizer_has_state(self) -> bool:
