@@ -223,6 +223,29 @@ class TrainConfig:
 
 
 @dataclass(kw_only=True)
+class LocalCheckpointConfig:
+    """Node-local tier (nvidia-resiliency-ext), replicated to peers on other nodes."""
+
+    interval: Optional[int] = None  # steps between local saves; None: tier off
+    dir: Optional[str] = None  # node-local disk; each node writes <dir>/node-<node_rank>/<run_id>
+    replication_factor: int = 2  # copies of each rank's shard, on distinct nodes; 1: no replicas
+    replication_jump: Optional[int] = None  # rank distance between copies; None: ranks per node
+    keep_last: int = 2
+
+    @property
+    def enabled(self) -> bool:
+        return self.interval is not None
+
+    def __post_init__(self) -> None:
+        _positive("checkpoint.local", interval=self.interval, replication_jump=self.replication_jump)
+        _require(self.interval is None or bool(self.dir),
+                 "checkpoint.local.interval is set but checkpoint.local.dir is not: give the "
+                 "node-local directory, e.g. checkpoint.local.dir=/local_nvme/ckpt")
+        _require(self.replication_factor >= 1, "checkpoint.local.replication_factor must be >= 1")
+        _require(self.keep_last >= 1, "checkpoint.local.keep_last must be >= 1")
+
+
+@dataclass(kw_only=True)
 class CheckpointConfig:
     enabled: bool = True
     save_interval: Optional[int] = None  # steps between persistent saves; None: only at the end
@@ -236,6 +259,7 @@ class CheckpointConfig:
     lease_timeout_s: float = 60.0
     # Restoring with a different train.global_batch_size: refuse, or scale the LR by this rule.
     batch_change_lr_scaling: str = "refuse"
+    local: LocalCheckpointConfig = field(default_factory=LocalCheckpointConfig)
 
     def __post_init__(self) -> None:
         _one_of("checkpoint", "optim_format", self.optim_format,
