@@ -132,7 +132,7 @@ class Checkpointer:
             request = self._write_shards(tmp)
             state_io.save_rank_state(tmp, self.rank, state_io.capture_rng(self.trainer.env.device))
             if self.rank == 0:
-                state_io.write_train_state(tmp, self._train_state())
+                state_io.write_train_state(tmp, self.train_state_record())
         except SAVE_ERRORS as exc:
             self._abort(tmp, exc)
         lr = float(self.trainer.parts.optimizer.param_groups[0]["lr"])
@@ -206,7 +206,7 @@ class Checkpointer:
             self.queue = AsyncCallsQueue(persistent=False)
         return self.queue
 
-    def _train_state(self) -> dict[str, Any]:
+    def train_state_record(self) -> dict[str, Any]:
         trainer = self.trainer
         return {
             "step": trainer.state.step,
