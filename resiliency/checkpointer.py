@@ -115,6 +115,7 @@ class Checkpointer:
         self.queue: Any = None
         self.stats = SaveStats()
         self.restored_step: int | None = None
+        self.restored_tier: str | None = None  # "persistent" | "local"
         self.lr_scaling: dict[str, Any] | None = None
         self._dataset_snapshot: dict[str, Any] | None = None
         from pretrain.compat import fix_orphaned_writer_manager
@@ -326,7 +327,7 @@ class Checkpointer:
         loaded = self._load_shards(step_dir / MODEL_DIR, manifest)
         rank_state = state_io.load_rank_state(step_dir, self.rank) if same_layout else None
         self.apply_loaded(loaded, state_io.read_train_state(step_dir), rank_state, step_dir.name)
-        self.restored_step = manifest.step
+        self.restored_step, self.restored_tier = manifest.step, "persistent"
         return manifest.step
 
     def apply_loaded(self, loaded: dict[str, Any], train_state: dict[str, Any],

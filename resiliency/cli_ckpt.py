@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from pathlib import Path
 
 from resiliency.cli import EXIT_BAD, EXIT_OK, EXIT_USAGE, Command
+from resiliency.attempts import recorded_attempts
 from resiliency.layout import COMMITTED_NAME, RunLayout, parse_step
 from resiliency.lease import LeaseInfo, read_lease, stale_reason
 from resiliency.retention import GcPlan, apply_gc, plan_gc
@@ -112,7 +114,38 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(_row(step, path.name, _yes((path / COMMITTED_NAME).is_file()), "-",
                           _human_bytes(_dir_bytes(path)), _human_age(now - path.stat().st_mtime),
                           f"tmp of attempt {attempt:02d} (never restored from)"))
+    local_dir = args.local_dir or _recorded_local_dir(layout)
+    if local_dir:
+        _print_local_tier(Path(local_dir), layout.run_id)
     return EXIT_OK
+
+
+def _recorded_local_dir(layout: RunLayout) -> str | None:
+    """The local tier's dir as the newest attempt that used one recorded it."""
+    for attempt in reversed(recorded_attempts(layout)):
+        try:
+            record = json.loads(layout.attempt_path(attempt).read_text())
+        except (OSError, ValueError):
+            continue
+        if record.get("local_dir"):
+            return str(record["local_dir"])
+    return None
+
+
+def _print_local_tier(local_dir: Path, run_id: str) -> None:
+    from resiliency.local_listing import describe_copies, scan_local_tier
+
+    steps = scan_local_tier(local_dir, run_id)
+    print(f"\nlocal tier:  {local_dir} (node-*/{run_id}/<rank>/; copies: shard owner -> where)")
+    print(_LOCAL_ROW.format("STEP", "COMPLETE", "SIZE", "COPIES").rstrip())
+    for record in steps:
+        print(_LOCAL_ROW.format(record.step, _yes(record.complete), _human_bytes(record.bytes),
+                                describe_copies(record)).rstrip())
+    if not steps:
+        print("(no local checkpoints)")
+
+
+_LOCAL_ROW = "{:>10}  {:<9}  {:>10}  {}"
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -161,6 +194,8 @@ def _add_lease_timeout(p: argparse.ArgumentParser) -> None:
 
 def _add_ls_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="<root>/<run_id>")
+    p.add_argument("--local-dir", help="checkpoint.local.dir to list too (default: as the run's "
+                   "attempt records say; on a cluster, run on each node)")
     _add_lease_timeout(p)
 
 
@@ -188,7 +223,7 @@ def _add_gc_args(p: argparse.ArgumentParser) -> None:
 
 
 COMMANDS = {
-    "ls": Command("list steps and tmp dirs of a run", _add_ls_args, cmd_ls),
+    "ls": Command("list a run's steps and tmp dirs, and its local tier", _add_ls_args, cmd_ls),
     "verify": Command("verify one step dir (exit 0 ok, 1 bad)", _add_verify_args, cmd_verify),
     "gc": Command("delete old steps and dead attempts' tmp dirs", _add_gc_args, cmd_gc),
 }

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import socket
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from pretrain.loop import StepResult, TrainHook
 from resiliency import exit_codes
@@ -20,6 +22,7 @@ if TYPE_CHECKING:
     from pretrain.distributed import DistEnv
     from pretrain.loop import Trainer
     from recipes.schema import RunConfig
+    from resiliency.local_tier import LocalTier
     from resiliency.restore_plan import RestorePlan
 
 log = logging.getLogger(__name__)
@@ -77,6 +80,7 @@ class CheckpointHook(TrainHook):
         self.ownership = RunOwnership(self.layout, self.cfg.lease_timeout_s)
         self.checkpointer: Checkpointer | None = None
         self.plan: "RestorePlan | None" = None
+        self.local: "LocalTier | None" = None
 
     def configure(self, run: "RunConfig", dp: int) -> "RunConfig":
         """Take the run's lease, then pick and validate the step to restore (nothing loaded)."""
@@ -100,30 +104,54 @@ class CheckpointHook(TrainHook):
     def on_start(self, trainer: "Trainer") -> None:
         checkpointer = Checkpointer(trainer, self.layout, self.ownership.attempt)
         self.checkpointer = checkpointer
-        restored = None
-        if self.plan is not None:
-            restored = checkpointer.restore(self.plan.step_dir, self.plan.manifest,
-                                            self.plan.report.same_layout)
-        self.ownership.record("running", restored_step=restored,
+        if self.cfg.local.enabled:
+            from resiliency.local_tier import LocalTier
+
+            self.local = LocalTier(self.cfg.local, trainer, checkpointer)
+        restored, tier = self._restore(checkpointer)
+        if self.local is not None:
+            self.local.discard_after(restored or 0)
+        self.ownership.record("running", restored_step=restored, restored_tier=tier,
                               topology_changed=bool(self.plan and not self.plan.report.same_layout),
-                              lr_scaling=checkpointer.lr_scaling)
+                              lr_scaling=checkpointer.lr_scaling,
+                              local_dir=self.cfg.local.dir if self.local else None)
+
+    def _restore(self, checkpointer: Checkpointer) -> tuple[int | None, str | None]:
+        """The local tier when it holds a newer verified step, else the persistent tier."""
+        persistent = self.plan.manifest.step if self.plan is not None else None
+        if self.local is not None and self.cfg.resume:
+            step = self.local.choose(persistent)
+            if step is not None:
+                self.local.restore(step)
+                return step, "local"
+        if self.plan is None:
+            return None, None
+        return checkpointer.restore(self.plan.step_dir, self.plan.manifest,
+                                    self.plan.report.same_layout), "persistent"
 
     def before_step(self, trainer: "Trainer") -> None:
         assert self.checkpointer is not None
         self.checkpointer.finalize(blocking=False)
 
     def after_step(self, trainer: "Trainer", result: StepResult) -> None:
-        interval = self.cfg.save_interval
-        if interval and result.step % interval == 0:
-            assert self.checkpointer is not None
-            self.checkpointer.save()
+        assert self.checkpointer is not None
+        if _due(self.cfg.save_interval, result.step):
+            with _blocked_time(trainer, "persistent", result.step):
+                self.checkpointer.save()
+        elif self.local is not None and _due(self.cfg.local.interval, result.step):
+            with _blocked_time(trainer, "local", result.step):
+                self.local.save()
 
     def save_now(self, trainer: "Trainer") -> None:
         """Persist the current step unless it is already published (planned exits)."""
         assert self.checkpointer is not None
         checkpointer = self.checkpointer
         checkpointer.finalize(blocking=True)
-        if trainer.state.step not in (checkpointer.stats.last_step, checkpointer.restored_step):
+        persisted = {checkpointer.stats.last_step}
+        if checkpointer.restored_tier == "persistent":
+            persisted.add(checkpointer.restored_step)
+        # A local copy of this step does not count (Megatron-Bridge #5922).
+        if trainer.state.step not in persisted:
             checkpointer.save()
             checkpointer.finalize(blocking=True)
 
@@ -143,6 +171,23 @@ class CheckpointHook(TrainHook):
         if self.checkpointer is not None:
             self.checkpointer.close()
         self.ownership.release()
+
+
+def _due(interval: int | None, step: int) -> bool:
+    return bool(interval) and step % interval == 0
+
+
+@contextlib.contextmanager
+def _blocked_time(trainer: "Trainer", tier: str, step: int) -> Iterator[None]:
+    """Record how long a save kept the training loop waiting (metrics/checkpoints.jsonl)."""
+    started = time.perf_counter()
+    yield
+    if trainer.env.rank == 0:
+        path = trainer.metrics_path.with_name("checkpoints.jsonl")
+        record = {"tier": tier, "step": step, "blocked_s": time.perf_counter() - started,
+                  "time": time.time()}
+        with open(path, "a") as stream:
+            stream.write(json.dumps(record) + "\n")
 
 
 def build_hooks(run: "RunConfig", env: "DistEnv", run_dir: Path) -> list[TrainHook]:
