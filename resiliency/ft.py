@@ -220,9 +220,8 @@ class FaultToleranceHook(TrainHook):
         hook = self.checkpoint
         if hook is None:
             return
-        interval = hook.cfg.save_interval
         hook.after_step = self._checkpointing(  # type: ignore[method-assign]
-            hook.after_step, lambda trainer, result: bool(interval) and result.step % interval == 0)
+            hook.after_step, lambda trainer, result: hook.saves_after(result.step))
         hook.before_step = self._checkpointing(  # type: ignore[method-assign]
             hook.before_step,
             lambda trainer: getattr(hook.checkpointer, "pending", None) is not None)

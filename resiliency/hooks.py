@@ -133,13 +133,27 @@ class CheckpointHook(TrainHook):
         assert self.checkpointer is not None
         self.checkpointer.finalize(blocking=False)
 
+    def tier_due(self, step: int) -> str | None:
+        """Which tier saves after ``step``: persistent wins when both are due."""
+        if _due(self.cfg.save_interval, step):
+            return "persistent"
+        if self.cfg.local.enabled and _due(self.cfg.local.interval, step):
+            return "local"
+        return None
+
+    def saves_after(self, step: int) -> bool:
+        return self.tier_due(step) is not None
+
     def after_step(self, trainer: "Trainer", result: StepResult) -> None:
         assert self.checkpointer is not None
-        if _due(self.cfg.save_interval, result.step):
-            with _blocked_time(trainer, "persistent", result.step):
+        tier = self.tier_due(result.step)
+        if tier is None:
+            return
+        with _blocked_time(trainer, tier, result.step):
+            if tier == "persistent":
                 self.checkpointer.save()
-        elif self.local is not None and _due(self.cfg.local.interval, result.step):
-            with _blocked_time(trainer, "local", result.step):
+            else:
+                assert self.local is not None
                 self.local.save()
 
     def save_now(self, trainer: "Trainer") -> None:

@@ -177,3 +177,25 @@ def test_store_rejects_a_flipped_byte_once_and_keeps_two_steps(tmp_path: Path) -
     assert sorted(p.name for p in fresh.rank_dir.glob("*" + REJECTED_SUFFIX)) == [
         "iter_0000003_0_local.pt.meta.json.rejected", "iter_0000003_0_local.pt.rejected"]
     assert torch.equal(fresh._load((2, 0, "run"))["w"], torch.full((4,), 2.0))
+
+
+def test_dirty_files_of_dead_attempts_are_removed(tmp_path: Path) -> None:
+    manager = VerifiedLocalManager(tmp_path, "run", {"world_size": 1}, keep_last=2)
+    manager._rank = 0
+    manager._save({"w": torch.ones(2)}, (4, 0, "run"))
+    dead = manager.rank_dir / "iter_0000005_0_local.dirty.pt"  # killed mid-write
+    dead.write_bytes(b"partial")
+    assert [i[0] for i in manager._my_ckpt_ids()] == [4]
+    manager.discard_after(4)
+    assert sorted(p.name for p in manager.rank_dir.iterdir()) == [
+        "iter_0000004_0_local.pt", "iter_0000004_0_local.pt.meta.json"]
+
+
+def test_replicas_must_land_on_other_nodes() -> None:
+    from recipes import ConfigError
+    from recipes.schema import LocalCheckpointConfig
+    from resiliency.local_tier import replication_strategy
+
+    cfg = LocalCheckpointConfig(interval=5, dir="/x", replication_factor=2, replication_jump=2)
+    with pytest.raises(ConfigError, match="different node.*replication_factor=1"):
+        replication_strategy(cfg, world_size=2)  # one node of 2 ranks: no other node
