@@ -57,13 +57,23 @@ def render(plan: LaunchPlan, submission: str, code_commit: str | None) -> Render
     _check_grace(plan.run)
     _check_env(k8s)
     name = job_name(plan.run)
-    pod_run = dataclasses.replace(plan.run, output_dir=k8s.shared_mount)
+    pod_run = pod_paths(plan.run, k8s)
     labels = run_labels(plan.run, submission)
     config_map = render_config_map(config_map_name(name), k8s.namespace, labels,
                                    to_yaml(pod_run))
     env = _env(pod_run, name, submission, code_commit)
     job = render_job(pod_run, name, labels, config_map_name(name), env)
     return Rendered(name, k8s.namespace, pod_run, config_map, job)
+
+
+def pod_paths(run: RunConfig, k8s: K8sConfig) -> RunConfig:
+    """Inside the pod, persistent checkpoints live on the shared claim, the local tier on the
+    node-local volume."""
+    checkpoint = run.checkpoint
+    if checkpoint.local.enabled:
+        local = dataclasses.replace(checkpoint.local, dir=k8s.local_mount)
+        checkpoint = dataclasses.replace(checkpoint, local=local)
+    return dataclasses.replace(run, output_dir=k8s.shared_mount, checkpoint=checkpoint)
 
 
 def config_map_name(job: str) -> str:

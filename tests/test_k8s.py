@@ -117,6 +117,14 @@ def test_optional_knobs_render() -> None:
     assert {"name": "NCCL_DEBUG", "value": "WARN"} in container(job)["env"]
 
 
+def test_local_tier_writes_to_the_node_local_volume() -> None:
+    _, rendered = k8s.render_run(RECIPES["gpt_tiny"] + BASE + [
+        "checkpoint.local.interval=10", "checkpoint.local.dir=/ignored/in/pods"])
+    assert rendered.pod_run.checkpoint.local.dir == "/local-ckpt"
+    mounts = container(rendered.job)["volumeMounts"]
+    assert {"name": "local-ckpt", "mountPath": "/local-ckpt"} in mounts
+
+
 def test_job_name_is_a_dns_label_that_leaves_room_for_pod_names() -> None:
     _, rendered = k8s.render_run(["recipe=mixtral_8x7b", "run_id=" + "Run_" * 30] + BASE)
     assert rendered.name.startswith("run-run-run") and len(rendered.name + "-worker-6") <= 63
