@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from resiliency import state as state_io
-from resiliency.checksum import describe_files, file_checksum, share_of
+from resiliency.checksum import (WriterChecksums, describe_files, describe_written,
+                                 file_checksum, share_of)
 from resiliency.layout import RunLayout, payload_files
 from resiliency.manifest import (Manifest, code_commit, image_digest, merge_file_entries,
                                  read_manifest, runtime_versions)
@@ -106,6 +107,25 @@ def sharded_training_state(parts: Any, optim_format: str, is_loading: bool = Fal
     return sharded
 
 
+_WRITER_CHECKSUMS: WriterChecksums | None = None
+
+
+def writer_checksums() -> WriterChecksums:
+    """One per process: megatron's shard writers hash what they write (see checksum.py).
+
+    Installed as the ``open`` that megatron's filesystem_async module resolves when a writer
+    opens a shard file; a megatron version that opens files some other way just reports
+    nothing, and the commit falls back to reading the files back.
+    """
+    global _WRITER_CHECKSUMS
+    if _WRITER_CHECKSUMS is None:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        _WRITER_CHECKSUMS = WriterChecksums()
+        filesystem_async.open = _WRITER_CHECKSUMS.open  # shadows the builtin in that module
+    return _WRITER_CHECKSUMS
+
+
 class Checkpointer:
     def __init__(self, trainer: "Trainer", layout: RunLayout, attempt: int) -> None:
         self.trainer, self.layout, self.attempt = trainer, layout, attempt
@@ -118,6 +138,8 @@ class Checkpointer:
         self.restored_tier: str | None = None  # "persistent" | "local"
         self.lr_scaling: dict[str, Any] | None = None
         self._dataset_snapshot: dict[str, Any] | None = None
+        # Seconds per phase of the last save (logged, and read by bench/).
+        self.phase_times: dict[str, float] = {}
         from pretrain.compat import fix_orphaned_writer_manager
 
         fix_orphaned_writer_manager()
@@ -127,8 +149,9 @@ class Checkpointer:
         """Start a save of the current state; sync saves are published before returning."""
         self.finalize(blocking=True)  # one save in flight at a time
         step = self.trainer.state.step
-        tmp = self._begin(step)
         started = time.perf_counter()
+        tmp = self._begin(step)
+        writer_checksums().drain()  # reports of an aborted save, if any
         try:
             request = self._write_shards(tmp)
             state_io.save_rank_state(tmp, self.rank, state_io.capture_rng(self.trainer.env.device))
@@ -136,6 +159,7 @@ class Checkpointer:
                 state_io.write_train_state(tmp, self.train_state_record())
         except SAVE_ERRORS as exc:
             self._abort(tmp, exc)
+        self.phase_times = {"save_call": time.perf_counter() - started}
         lr = float(self.trainer.parts.optimizer.param_groups[0]["lr"])
         self.pending = PendingSave(step, tmp, started, lr, request)
         if request is None:
@@ -228,12 +252,16 @@ class Checkpointer:
         assert pending is not None
         failure: str | None = None
         self.trainer.faults.at_checkpoint("save", pending.step)
+        phase = time.perf_counter()
         dist.barrier()  # every rank's shards and rank-state file are on disk
+        self.phase_times["writers_wait"] = time.perf_counter() - phase
+        phase = time.perf_counter()
         try:
-            files = broadcast_object(payload_files(pending.tmp_dir) if self.rank == 0 else None)
-            mine = describe_files(pending.tmp_dir, share_of(files, self.rank, self.world))
+            mine = self._describe_payload(pending.tmp_dir)
         except SAVE_ERRORS as exc:  # noqa: BLE001 - reported collectively below
             failure, mine = f"rank {self.rank}: {exc}", []
+        self.phase_times["checksums"] = time.perf_counter() - phase
+        phase = time.perf_counter()
         gathered: list[Any] = [None] * self.world
         dist.all_gather_object(gathered, (failure, mine))
         failures = [f for f, _ in gathered if f]
@@ -247,10 +275,29 @@ class Checkpointer:
         failure = broadcast_object(failure)
         if failure:
             self._abort(pending.tmp_dir, CheckpointSaveError(failure))
+        self.phase_times["publish"] = time.perf_counter() - phase
         duration = time.perf_counter() - pending.started
         self.stats.durations_s.append(duration)
         self.stats.last_success_time, self.stats.last_step = time.time(), pending.step
         self.pending = None
+
+    def _describe_payload(self, tmp_dir: Path) -> list[Any]:
+        """This rank's manifest entries: the files its writers hashed while writing them, plus
+        a round-robin share of the rest (metadata, rank state, anything a writer did not
+        report), which is read back and hashed. Collective."""
+        files = broadcast_object(payload_files(tmp_dir) if self.rank == 0 else None)
+        root = tmp_dir.absolute()
+        written = {}
+        for path, (size, checksum) in writer_checksums().drain().items():
+            rel = Path(path).relative_to(root).as_posix() if path.startswith(f"{root}/") else None
+            if rel in files:
+                written[rel] = (size, checksum)
+        claimed: list[Any] = [None] * self.world
+        dist.all_gather_object(claimed, sorted(written))
+        known = {rel for ranks in claimed for rel in ranks}
+        rest = [rel for rel in files if rel not in known]
+        entries = [describe_written(tmp_dir, rel, *written[rel]) for rel in sorted(written)]
+        return entries + describe_files(tmp_dir, share_of(rest, self.rank, self.world))
 
     def _publish(self, pending: PendingSave, files: list[Any]) -> None:
         self._check_loadable(pending.tmp_dir / MODEL_DIR)

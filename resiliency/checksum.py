@@ -8,8 +8,11 @@ storage corruption, not adversaries; sha256 entries are still verified when a ma
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import logging
+import multiprocessing
+import os
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -127,3 +130,79 @@ def share_of(rel_paths: list[str], rank: int, world_size: int) -> list[str]:
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} not in [0, {world_size})")
     return sorted(rel_paths)[rank::world_size]
+
+
+# ---------------------------------------------------------------- checksums inside the writers
+class _ChecksummingFile:
+    """A binary write stream that crc32c-hashes the bytes on their way to the kernel.
+
+    On a clean close it reports (absolute path, bytes, checksum) to its queue. Anything it
+    cannot vouch for (a seek, an error inside the ``with`` block) reports nothing, so the
+    file is checksummed the slow way, by reading it back.
+    """
+
+    def __init__(self, raw: Any, path: str, queue: Any) -> None:
+        self._raw, self._path, self._queue = raw, path, queue
+        self._crc, self._bytes, self._valid = 0, 0, True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        self._crc = crc32c.crc32c(view, self._crc)
+        self._bytes += view.nbytes
+        return self._raw.write(view)
+
+    def seek(self, *args: Any) -> int:
+        self._valid = False
+        return self._raw.seek(*args)
+
+    def close(self, report: bool = True) -> None:
+        if self._raw.closed:
+            return
+        self._raw.close()
+        if report and self._valid:
+            self._queue.put((self._path, self._bytes, f"{self._crc:08x}"))
+
+    def __enter__(self) -> "_ChecksummingFile":
+        return self
+
+    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+        self.close(report=exc_type is None)
+
+    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, closed, ...
+        return getattr(self._raw, name)
+
+
+class WriterChecksums:
+    """crc32c of checkpoint files computed by the writer processes, so the commit does not have
+    to read every byte back (a second pass over the data). ``open`` is a drop-in for the
+    builtin inside megatron's writer module; its forked writer processes inherit the queue."""
+
+    def __init__(self) -> None:
+        self._queue = multiprocessing.get_context("fork").SimpleQueue()
+
+    def open(self, file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        raw = builtins.open(file, mode, *args, **kwargs)
+        if mode != "wb" or not isinstance(file, (str, os.PathLike)):
+            return raw
+        return _ChecksummingFile(raw, os.path.abspath(file), self._queue)
+
+    def drain(self) -> dict[str, tuple[int, str]]:
+        """Everything reported since the last drain: absolute path -> (bytes, checksum)."""
+        out: dict[str, tuple[int, str]] = {}
+        while not self._queue.empty():
+            path, size, checksum = self._queue.get()
+            out[path] = (size, checksum)
+        return out
+
+
+def describe_written(step_dir: Path, rel_path: str, size: int, checksum: str) -> FileEntry:
+    """Entry for a file whose checksum a writer computed; read back only if its size differs."""
+    path = step_dir / rel_path
+    fsync_file(path)
+    if path.stat().st_size != size:
+        logger.warning("%s: %d bytes on disk, writer hashed %d; checksumming it again", path,
+                       path.stat().st_size, size)
+        return describe_file(step_dir, rel_path, fsync=False)
+    return FileEntry(Path(rel_path).as_posix(), size, checksum, DEFAULT_ALGORITHM)
