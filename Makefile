@@ -36,3 +36,9 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV) data runs .pytest_cache
+
+# P1-P5 as ratios to this machine's limits (README "Benchmarks"); BENCH_ARGS=--full adds the
+# 1.5 GiB-state model and hang detection (~15 min).
+.PHONY: bench
+bench: $(STAMP)
+	$(BIN)/python -m bench $(BENCH_ARGS)

@@ -1,0 +1,329 @@
+"""``python -m bench [--full]``: P1-P5 as ratios to baselines measured in the same run.
+
+Quick (default): the tiny recipe, P1 P2 P3 P5. ``--full``: also the >= 1 GiB-state model for
+P1-P3, and P4 (hang detection). Every figure is the median of ``--reps`` repetitions (min and max
+too); baseline and subject repetitions are interleaved, so machine drift hits both alike.
+Prints a markdown table; ``--json`` / ``--md`` also write it to files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parents[1]
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+WORKER = str(REPO / "bench" / "worker.py")
+GIB = 1 << 30
+
+# The tiny recipe as shipped (TP=2 on 2 ranks), and a 8-layer, hidden-1024 GPT on the same
+# layout whose full training state (fp32 weights + Adam moments) is ~1.5 GiB: I/O dominates.
+CONFIGS: dict[str, list[str]] = {
+    "tiny": ["recipe=gpt_tiny"],
+    "1.5GiB": ["recipe=gpt_tiny", "model.num_layers=8", "model.hidden_size=1024",
+               "model.num_attention_heads=16", "model.ffn_hidden_size=4096",
+               "model.layout_invariant_init=false", "train.micro_batch_size=2",
+               "train.global_batch_size=4"],
+}
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def stats(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "n": len(values)}
+
+
+def overrides(config: str, work: Path, data: str) -> list[str]:
+    return [*CONFIGS[config], f"data.paths=[{data}]", f"output_dir={work / 'runs'}",
+            f"run_id={config}", "train.train_steps=1000", "checkpoint.lease_timeout_s=3",
+            "logging.level=WARNING"]
+
+
+def torchrun(args: list[str], timeout: float = 1200, tries: int = 1) -> None:
+    for attempt in range(tries):
+        proc = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", *args], cwd=REPO,
+                              env=ENV, text=True, capture_output=True, timeout=timeout)
+        if proc.returncode == 0:
+            return
+        err = proc.stderr
+        first = err.find("Traceback")
+        detail = err[first:first + 6000] if first >= 0 else err[-6000:]
+        print(f"[bench] {args[:2]} failed ({proc.returncode}), try {attempt + 1}/{tries}:\n"
+              f"{detail}", file=sys.stderr)
+    raise RuntimeError(f"{args[:2]} failed {tries} times")
+
+
+def worker(mode: str, config: str, work: Path, data: str, *extra: str) -> dict[str, Any]:
+    out = work / f"{mode}-{config}.json"
+    torchrun([WORKER, mode, f"--out={out}", *extra, *overrides(config, work, data)])
+    return json.loads(out.read_text())
+
+
+# ---------------------------------------------------------------- P1 + P2
+def bench_save(config: str, work: Path, data: str, reps: int) -> dict[str, Any]:
+    raw = worker("save", config, work, data, f"--reps={reps}")
+    sync, asyn = raw["sync"], raw["async"]
+    nbytes = raw["bytes"]
+    p1 = [(p["bytes"] / p["save_s"]) / (raw["bytes_per_rank"] * 2 / p["raw_s"]) for p in sync]
+    blocked = [a["blocked_s"] for a in asyn]
+    memcpy = [a["memcpy_s"] for a in asyn]
+    slowdown = [statistics.median(a["busy_steps"]) / statistics.median(a["idle_steps"]) - 1
+                for a in asyn if a["busy_steps"]]
+    phases: dict[str, list[float]] = {}
+    for p in sync:
+        for key, value in p["phases"].items():
+            phases.setdefault(key, []).append(value)
+    return {
+        "bytes": nbytes,
+        "P1": stats(p1),
+        "raw_write_GiBps": stats([raw["bytes_per_rank"] * 2 / p["raw_s"] / GIB for p in sync]),
+        "save_GiBps": stats([p["bytes"] / p["save_s"] / GIB for p in sync]),
+        "save_phases_s": {k: statistics.median(v) for k, v in phases.items()},
+        "reread_checksum_s": stats([p["reread_checksum_s"] for p in sync]),
+        "P2_blocked_over_memcpy": stats([b / m for b, m in zip(blocked, memcpy)]),
+        "P2_blocked_s": stats(blocked),
+        "P2_memcpy_s": stats(memcpy),
+        "P2_save_call_s": stats([a["save_call_s"] for a in asyn]),
+        "P2_commit_s": stats([a["commit_s"] for a in asyn]),
+        "P2_goal_met": statistics.median(blocked) <= 2 * statistics.median(memcpy) + 0.05,
+        "P2_step_slowdown": stats(slowdown) if slowdown else None,
+        "P2_busy_steps": sum(len(a["busy_steps"]) for a in asyn),
+    }
+
+
+# ---------------------------------------------------------------- P3
+def _drop_cache(paths: list[Path]) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _cold_read(paths: list[Path]) -> float:
+    _drop_cache(paths)
+    buf = bytearray(8 << 20)
+    start = time.perf_counter()
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+    elapsed = time.perf_counter() - start
+    _drop_cache(paths)
+    return elapsed
+
+
+def _first_step_after(run_dir: Path, since: float, proc: subprocess.Popen, limit: float) -> float:
+    metrics = run_dir / "metrics" / "steps.jsonl"
+    deadline = time.time() + limit
+    while time.time() < deadline:
+        if metrics.exists():
+            for line in metrics.read_text().splitlines():
+                record = json.loads(line)
+                if record["time"] > since:
+                    return record["time"]
+        if proc.poll() is not None:
+            raise RuntimeError(f"restore run exited {proc.returncode}: "
+                               f"{proc.stderr.read()[-4000:] if proc.stderr else ''}")
+        time.sleep(0.05)
+    raise TimeoutError("no step after restore")
+
+
+def bench_restore(config: str, work: Path, data: str, reps: int) -> dict[str, Any]:
+    run_dir = work / "runs" / config
+    step_dir = max((run_dir / "steps").glob("step-?????????"))
+    files = [p for p in step_dir.rglob("*") if p.is_file()]
+    nbytes = sum(p.stat().st_size for p in files)
+    samples = []
+    for rep in range(reps):
+        sample: dict[str, float] = {}
+        for which in (("floor", "restore") if rep % 2 == 0 else ("restore", "floor")):
+            if which == "floor":
+                out = work / "floor.json"
+                start = time.time()
+                torchrun([WORKER, "floor", f"--out={out}", *overrides(config, work, data)],
+                         tries=2)
+                sample["floor_s"] = json.loads(out.read_text())["ready_time"] - start
+                continue
+            sample["read_s"] = _cold_read(files)
+            time.sleep(3.5)  # the killed run's lease goes stale (checkpoint.lease_timeout_s=3)
+            start = time.time()
+            proc = subprocess.Popen([TORCHRUN, "--standalone", "--nproc-per-node=2", "-m",
+                                     "pretrain", *overrides(config, work, data)],
+                                    cwd=REPO, env=ENV, text=True, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE, start_new_session=True)
+            try:
+                sample["first_step_s"] = _first_step_after(run_dir, start, proc, 900) - start
+            finally:  # the kill of "restore after a kill": the next rep restores again
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        samples.append(sample)
+    ratios = [(s["first_step_s"] - s["floor_s"]) / s["read_s"] for s in samples]
+    met = [(s["first_step_s"] - s["floor_s"]) <= 1.25 * s["read_s"] + 2 for s in samples]
+    return {"bytes": nbytes, "P3": stats(ratios),
+            "first_step_s": stats([s["first_step_s"] for s in samples]),
+            "floor_s": stats([s["floor_s"] for s in samples]),
+            "read_GiBps": stats([nbytes / s["read_s"] / GIB for s in samples]),
+            "P3_goal_met": sum(met) * 2 > len(met)}
+
+
+# ---------------------------------------------------------------- P4, P5
+def bench_hang(work: Path, data: str, reps: int) -> dict[str, Any]:
+    from bench import hang_detection
+
+    results = []
+    for rep in range(reps):
+        rep_dir = work / f"hang-{rep}"
+        args = argparse.Namespace(steps=10, floor=4.0, check_interval=0.5, hang_step=7)
+        proc = hang_detection.run_job(args, rep_dir, data)
+        record = rep_dir / "runs" / "hang" / "attempts" / "attempt-01.json"
+        if not record.exists():
+            raise RuntimeError(f"hang run left no attempt record:\n{proc.stderr[-4000:]}")
+        results.append(hang_detection.report(json.loads(record.read_text()), proc.returncode))
+    return {"monitor_ratio": stats([r["monitor_ratio"] for r in results]),
+            "detection_ratio": stats([r["detection_ratio"] for r in results]),
+            "timeout_s": stats([r["timeout_s"] for r in results])}
+
+
+def bench_overhead(config: str, work: Path, data: str, reps: int) -> dict[str, Any]:
+    raw = worker("overhead", config, work, data, f"--reps={reps}")
+    ratios = [p["framework_s"] / p["bare_s"] for p in raw["pairs"]]
+    shim = raw["shim"]
+    return {"P5": stats(ratios),
+            "bare_step_s": stats([p["bare_s"] for p in raw["pairs"]]),
+            "framework_step_s": stats([p["framework_s"] for p in raw["pairs"]]),
+            "shim_calls_per_step": shim["calls_per_step"],
+            "shim_s_per_step": shim["per_step_s"],
+            "shim_fraction_of_bare_step": shim["per_step_s"] / raw["bare_step_s"]}
+
+
+# ---------------------------------------------------------------- table
+def fmt(s: dict[str, float] | None, digits: int = 3) -> tuple[str, str, str]:
+    if not s:
+        return ("n/a", "", "")
+    return (f"{s['median']:.{digits}f}", f"{s['min']:.{digits}f}", f"{s['max']:.{digits}f}")
+
+
+def table(results: dict[str, Any]) -> str:
+    rows = []
+
+    def row(metric: str, config: str, s: dict | None, goal: str, met: Any, digits: int = 3,
+            note: str = "") -> None:
+        verdict = "" if met is None else ("yes" if met else "**no**")
+        rows.append((metric, config, *fmt(s, digits), goal, verdict, note))
+
+    for config, r in results.get("save", {}).items():
+        gib = r["bytes"] / GIB
+        row("P1 save ÷ raw fsync'd write bandwidth", config, r["P1"], "≥ 0.8",
+            r["P1"]["median"] >= 0.8,
+            note=f"{gib:.3f} GiB; save {r['save_GiBps']['median']:.2f} GiB/s, raw "
+                 f"{r['raw_write_GiBps']['median']:.2f} GiB/s")
+        row("P2 async blocked ÷ (bytes ÷ memcpy)", config, r["P2_blocked_over_memcpy"],
+            "≤ 2× + 50 ms", r["P2_goal_met"], 1,
+            note=f"blocked {r['P2_blocked_s']['median']:.3f} s (call "
+                 f"{r['P2_save_call_s']['median']:.3f} + commit "
+                 f"{r['P2_commit_s']['median']:.3f}), memcpy {r['P2_memcpy_s']['median']:.3f} s")
+        sd = r["P2_step_slowdown"]
+        row("P2 step slowdown while writing", config, sd, "≤ 0.05",
+            None if sd is None else sd["median"] <= 0.05,
+            note=f"{r['P2_busy_steps']} steps overlapped the writer" if sd else
+            "the write finished within the first step")
+    for config, r in results.get("restore", {}).items():
+        row("P3 (restore→first step − floor) ÷ (bytes ÷ read)", config, r["P3"],
+            "≤ 1.25× + 2 s", r["P3_goal_met"], 2,
+            note=f"first step {r['first_step_s']['median']:.1f} s, floor "
+                 f"{r['floor_s']['median']:.1f} s, cold read "
+                 f"{r['read_GiBps']['median']:.2f} GiB/s, {r['bytes'] / GIB:.3f} GiB")
+    if "hang" in results:
+        r = results["hang"]
+        row("P4 hang detection ÷ step timeout", "tiny", r["detection_ratio"], "report", None,
+            note=f"timeout {r['timeout_s']['median']:.1f} s; rank monitor fired at "
+                 f"{r['monitor_ratio']['median']:.3f}× the timeout")
+    for config, r in results.get("overhead", {}).items():
+        row("P5 framework step ÷ bare megatron-core step", config, r["P5"], "≤ 1.01",
+            r["P5"]["median"] <= 1.01,
+            note=f"bare {r['bare_step_s']['median'] * 1e3:.1f} ms/step; CPU shim (not product "
+                 f"cost) ≈ {r['shim_s_per_step'] * 1e3:.1f} ms/step = "
+                 f"{r['shim_fraction_of_bare_step']:.1%} of the bare step")
+    head = ("| metric | model | median | min | max | goal | met | notes |\n"
+            "|---|---|---|---|---|---|---|---|\n")
+    return head + "\n".join("| " + " | ".join(r) + " |" for r in rows) + "\n"
+
+
+SECTIONS = ("P1", "P2", "P3", "P4", "P5")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--full", action="store_true", help="add the 1.5 GiB model and P4")
+    parser.add_argument("--reps", type=int, default=5, help="repetitions per figure (>= 5)")
+    parser.add_argument("--hang-reps", type=int, default=1, help="P4 runs (~1.5 min each)")
+    parser.add_argument("--only", default="", help="comma-separated sections, e.g. P1,P5")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="where checkpoints go (the disk under test); default: a temp dir")
+    parser.add_argument("--keep", action="store_true", help="keep the work dir")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--md", type=Path, default=None)
+    args = parser.parse_args(argv)
+    only = {s.strip().upper() for s in args.only.split(",") if s.strip()} or set(SECTIONS)
+    if not args.full and not args.only:
+        only.discard("P4")  # 1.5 min per run: full mode, or asked for by name
+    configs = list(CONFIGS) if args.full else ["tiny"]
+    work = Path(tempfile.mkdtemp(prefix="bench-", dir=args.workdir))
+    warnings.simplefilter("ignore")
+    sys.path.insert(0, str(REPO))
+    from bench.hang_detection import prepare_corpus
+
+    results: dict[str, Any] = {"configs": {c: CONFIGS[c] for c in configs}, "reps": args.reps,
+                               "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    began = time.perf_counter()
+
+    def section(name: str, fn: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        value = fn()
+        print(f"[bench] {name}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
+        return value
+
+    try:
+        data = prepare_corpus(work)
+        for config in configs:
+            if only & {"P1", "P2", "P3"}:  # P3 restores what the save bench wrote
+                results.setdefault("save", {})[config] = section(
+                    f"P1/P2 {config}", lambda: bench_save(config, work, data, args.reps))
+            if "P3" in only:
+                results.setdefault("restore", {})[config] = section(
+                    f"P3 {config}", lambda: bench_restore(config, work, data, args.reps))
+        if "P4" in only:
+            results["hang"] = section("P4", lambda: bench_hang(work, data, args.hang_reps))
+        if "P5" in only:
+            results.setdefault("overhead", {})["tiny"] = section(
+                "P5 tiny", lambda: bench_overhead("tiny", work, data, args.reps))
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"[bench] work dir kept: {work}", file=sys.stderr)
+    results["wall_s"] = time.perf_counter() - began
+    text = table(results)
+    print(text, end="")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    if args.md:
+        args.md.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,376 @@
+"""Benchmark worker, run under torchrun by ``python -m bench``: one mode per invocation.
+
+* ``save``: P1 (sync save vs. raw fsync'd write) and P2 (async blocking vs. memcpy, step slowdown)
+* ``overhead``: P5 (framework steps with every hook vs. a bare megatron-core loop, same process)
+* ``floor``: P3's process start floor (interpreter + imports + process group), then exit
+
+Baseline and subject repetitions are interleaved in the same process, so machine drift hits both.
+Rank 0 writes the raw samples as JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+T_START = time.time()  # before the heavy imports: the floor mode reports from here
+
+import logging  # noqa: E402
+import warnings  # noqa: E402
+from dataclasses import replace  # noqa: E402
+from functools import partial  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+warnings.simplefilter("ignore")
+MIB = 1 << 20
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+def _setup(overrides: list[str], with_hooks: bool) -> tuple[Any, Any, list[Any]]:
+    from pretrain.distributed import init_distributed, launch_env
+    from pretrain.loop import Trainer
+    from recipes import load_config
+    from recipes.validate import validate_runtime
+
+    run = load_config(overrides)
+    dp = validate_runtime(run, launch_env()[1], "cpu")
+    env = init_distributed("cpu")
+    run_dir = Path(run.output_dir) / run.run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    hooks: list[Any] = []
+    if with_hooks:
+        from resiliency.hooks import build_hooks
+
+        hooks = build_hooks(run, env, run_dir)
+        for hook in hooks:
+            run = hook.configure(run, dp)
+    trainer = Trainer(run, env, dp, run_dir, hooks)
+    return trainer, env, hooks
+
+
+# ---------------------------------------------------------------- baselines
+def raw_write(directory: Path, nbytes: int, rank: int, buf: memoryview) -> float:
+    """Every rank writes its share sequentially (8 MiB writes) and fsyncs; barrier to barrier."""
+    path = directory / f"raw-write-{rank}.bin"
+    _barrier()
+    start = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, buf[:min(left, len(buf))])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    _barrier()
+    elapsed = time.perf_counter() - start
+    path.unlink()
+    return elapsed
+
+
+def memcpy(dst: Any, src: Any) -> float:
+    """Every rank copies its share of the state once (what a snapshot must at least cost)."""
+    _barrier()
+    start = time.perf_counter()
+    dst.copy_(src)
+    _barrier()
+    return time.perf_counter() - start
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _reread(step_dir: Path) -> float:
+    from resiliency.checksum import describe_files
+    from resiliency.layout import payload_files
+
+    start = time.perf_counter()
+    describe_files(step_dir, payload_files(step_dir), fsync=False)
+    return time.perf_counter() - start
+
+
+# ---------------------------------------------------------------- save (P1, P2)
+def _writer_running(ckpt: Any) -> bool:
+    queue = ckpt.queue
+    if queue is None or not queue.get_num_unfinalized_calls():
+        return False
+    call = queue.async_calls[-1]
+    try:
+        return not call.async_caller.is_current_async_call_done(blocking=False, no_dist=True)
+    except TypeError:  # older signature
+        return not call.async_caller.is_current_async_call_done(False)
+
+
+def mode_save(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from resiliency.checkpointer import Checkpointer
+    from resiliency.layout import RunLayout
+
+    trainer, env, _ = _setup(args.overrides, with_hooks=False)
+    layout = RunLayout(trainer.run_dir.parent, trainer.run.run_id)
+    layout.steps_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = Checkpointer(trainer, layout, attempt=1)
+    trainer.train_step()  # optimizer state exists from here on
+    rank, world = env.rank, env.world_size
+    out: dict[str, Any] = {"sync": [], "async": []}
+
+    def one_save() -> tuple[float, int]:
+        _barrier()
+        start = time.perf_counter()
+        ckpt.save()
+        _barrier()
+        elapsed = time.perf_counter() - start
+        nbytes = _dir_bytes(layout.step_dir(trainer.state.step)) if rank == 0 else 0
+        return elapsed, nbytes
+
+    # Warm-up save: sizes the raw-write baseline, first-call imports and caches.
+    _, total = one_save()
+    box = [total]
+    dist.broadcast_object_list(box, src=0)
+    total = box[0]
+    share = -(-total // world)
+    buf = memoryview(os.urandom(8 * MIB))
+    out.update(bytes=total, bytes_per_rank=share)
+    for rep in range(args.reps):
+        trainer.state.step += 1  # a new step dir each time; the model state is the same size
+        pair = {}
+        for which in (("raw", "save") if rep % 2 == 0 else ("save", "raw")):
+            if which == "raw":
+                pair["raw_s"] = raw_write(layout.steps_dir, share, rank, buf)
+            else:
+                pair["save_s"], pair["bytes"] = one_save()
+                pair["phases"] = dict(getattr(ckpt, "phase_times", {}) or {})
+                if rank == 0:  # what the commit cost when it read every file back
+                    pair["reread_checksum_s"] = _reread(layout.step_dir(trainer.state.step))
+        out["sync"].append(pair)
+
+    # P2: async saves; the hook's per-step finalize(blocking=False) is what publishes them.
+    ckpt.cfg = replace(ckpt.cfg, async_save=True)
+    src = torch.empty(share, dtype=torch.uint8).random_(0, 255)
+    dst = torch.empty_like(src)
+    memcpy(dst, src)  # fault the pages in
+    for rep in range(args.reps):
+        record: dict[str, Any] = {"memcpy_s": memcpy(dst, src), "idle_steps": [],
+                                  "busy_steps": []}
+        for _ in range(args.idle_steps):
+            start = time.perf_counter()
+            ckpt.finalize(blocking=False)
+            trainer.train_step()
+            record["idle_steps"].append(time.perf_counter() - start)
+        _barrier()
+        start = time.perf_counter()
+        ckpt.save()
+        record["save_call_s"] = time.perf_counter() - start
+        record["commit_s"] = 0.0
+        for _ in range(args.max_busy_steps):
+            start = time.perf_counter()
+            before = ckpt.queue.get_num_unfinalized_calls()
+            busy = _writer_running(ckpt)
+            ckpt.finalize(blocking=False)
+            finalized = before and not ckpt.queue.get_num_unfinalized_calls()
+            if finalized:
+                record["commit_s"] = time.perf_counter() - start
+            trainer.train_step()
+            step_s = time.perf_counter() - start
+            # A step counts as "during the write" only if the writer outlived it.
+            if busy and not finalized and _writer_running(ckpt):
+                record["busy_steps"].append(step_s)
+            if finalized:
+                break
+        if ckpt.queue.get_num_unfinalized_calls():  # writer slower than max_busy_steps
+            start = time.perf_counter()
+            ckpt.finalize(blocking=True)
+            record["commit_s"] = time.perf_counter() - start
+            record["forced_finalize"] = True
+        record["blocked_s"] = record["save_call_s"] + record["commit_s"]
+        # Any rank blocked blocks all: report the slowest rank.
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, record)
+        out["async"].append(max(gathered, key=lambda r: r["blocked_s"]) | {
+            "idle_steps": record["idle_steps"], "busy_steps": record["busy_steps"]})
+    ckpt.close()
+    return out
+
+
+# ---------------------------------------------------------------- overhead (P5)
+def _bare_forward_step(batches: Any, model: Any) -> tuple[Any, Any]:
+    """The forward step of Megatron-LM's pretrain_gpt.py: masked mean of the token losses."""
+    import torch
+
+    batch = next(batches)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                   labels=batch["labels"])
+
+    def loss_func(loss_mask: Any, out: Any) -> tuple[Any, dict]:
+        losses = out.float().view(-1)
+        mask = loss_mask.view(-1).float()
+        loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
+        return loss, {"lm loss": loss.detach()}
+
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+class BareLoop:
+    """megatron-core's pieces only: the same model/DDP/optimizer/scheduler/dataset objects,
+    driven by get_forward_backward_func and optimizer.step, no hooks, no logging."""
+
+    def __init__(self, parts: Any, seq_length: int) -> None:
+        self.parts, self.seq_length = parts, seq_length
+        self.consumed = len(parts.dataset) // 2  # other samples of the same dataset
+
+    def _batches(self) -> list[dict]:
+        import torch
+
+        plan, data = self.parts.plan, self.parts.dataset
+        out = []
+        for k in range(plan.num_microbatches):
+            samples = [data[i % len(data)] for i in plan.sample_indices(self.consumed, k)]
+            out.append({key: torch.stack([s[key] for s in samples]) for key in samples[0]})
+        self.consumed += plan.global_batch_size
+        return out
+
+    def step(self) -> None:
+        import torch
+        import torch.distributed as dist
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        parts = self.parts
+        for chunk in parts.ddp:
+            chunk.zero_grad_buffer()
+        parts.optimizer.zero_grad()
+        parts.scheduler.step(increment=1)
+        batches = iter(self._batches())
+        losses = get_forward_backward_func()(
+            forward_step_func=_bare_forward_step, data_iterator=batches,
+            model=parts.ddp[0], num_microbatches=parts.plan.num_microbatches,
+            seq_length=self.seq_length, micro_batch_size=parts.plan.micro_batch_size,
+            forward_only=False)
+        parts.optimizer.step()
+        # Megatron-LM's train_step reduces the loss for logging every step, too.
+        local = torch.zeros(1, dtype=torch.float64)
+        if losses:
+            local += torch.stack([x["lm loss"].double() for x in losses]).mean()
+        dist.all_reduce(local)
+        local.item()
+
+
+def _shim_overhead(trainer: Any, steps: int) -> dict[str, Any]:
+    """The CPU shim's per-op TorchFunctionMode: count calls in a step, time one call's cost."""
+    import torch
+
+    from pretrain import cpu_shim
+
+    mode_cls = type(cpu_shim._MODE)
+    original = mode_cls.__torch_function__
+    calls = [0]
+
+    def counting(self: Any, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        calls[0] += 1
+        return original(self, func, types, args, kwargs)
+
+    mode_cls.__torch_function__ = counting
+    try:
+        for _ in range(steps):
+            trainer.train_step()
+    finally:
+        mode_cls.__torch_function__ = original
+    x = torch.ones(4)
+    n = 20000
+    start = time.perf_counter()
+    for _ in range(n):
+        x.add(1)
+    with_mode = (time.perf_counter() - start) / n
+    with torch.overrides._pop_mode_temporarily():
+        start = time.perf_counter()
+        for _ in range(n):
+            x.add(1)
+        without = (time.perf_counter() - start) / n
+    per_call = max(with_mode - without, 0.0)
+    per_step_calls = calls[0] / steps
+    return {"calls_per_step": per_step_calls, "per_call_s": per_call,
+            "per_step_s": per_step_calls * per_call}
+
+
+def mode_overhead(args: argparse.Namespace) -> dict[str, Any]:
+    trainer, env, hooks = _setup(args.overrides, with_hooks=True)
+    for hook in hooks:
+        hook.on_start(trainer)
+    bare = BareLoop(trainer.parts, trainer.run.model.seq_length)
+    for _ in range(2):  # warm-up both paths
+        bare.step()
+    trainer.run.train.train_steps = trainer.state.step + 2
+    trainer._loop()
+    out: dict[str, Any] = {"pairs": []}
+    n = args.block_steps
+    for rep in range(args.reps):
+        pair = {}
+        for which in (("framework", "bare") if rep % 2 == 0 else ("bare", "framework")):
+            _barrier()
+            start = time.perf_counter()
+            if which == "bare":
+                for _ in range(n):
+                    bare.step()
+            else:
+                # The product loop: before_step hooks, faults, train_step, step log, after_step.
+                trainer.run.train.train_steps = trainer.state.step + n
+                trainer._loop()
+            _barrier()
+            pair[which + "_s"] = (time.perf_counter() - start) / n
+        out["pairs"].append(pair)
+    out["shim"] = _shim_overhead(trainer, 3)
+    out["bare_step_s"] = sorted(p["bare_s"] for p in out["pairs"])[len(out["pairs"]) // 2]
+    for hook in hooks:
+        hook.close()
+    return out
+
+
+# ---------------------------------------------------------------- floor (P3)
+def mode_floor(args: argparse.Namespace) -> dict[str, Any]:
+    import pretrain.loop  # noqa: F401 - the trainer's imports (torch, megatron-core)
+    import resiliency.hooks  # noqa: F401
+    from pretrain.distributed import init_distributed
+
+    init_distributed("cpu")
+    _barrier()
+    return {"ready_time": time.time()}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=("save", "overhead", "floor"))
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--idle-steps", type=int, default=3)
+    parser.add_argument("--max-busy-steps", type=int, default=50)
+    parser.add_argument("--block-steps", type=int, default=10)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_intermixed_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger().setLevel(logging.WARNING)
+    result = {"save": mode_save, "overhead": mode_overhead, "floor": mode_floor}[args.mode](args)
+    import torch.distributed as dist
+
+    if int(os.environ.get("RANK", "0")) == 0:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.exit(main(sys.argv[1:]))
