@@ -150,6 +150,7 @@ class Checkpointer:
         self.finalize(blocking=True)  # one save in flight at a time
         step = self.trainer.state.step
         started = time.perf_counter()
+        self.phase_times = {}
         tmp = self._begin(step)
         writer_checksums().drain()  # reports of an aborted save, if any
         try:
@@ -159,7 +160,7 @@ class Checkpointer:
                 state_io.write_train_state(tmp, self.train_state_record())
         except SAVE_ERRORS as exc:
             self._abort(tmp, exc)
-        self.phase_times = {"save_call": time.perf_counter() - started}
+        self.phase_times["save_call"] = time.perf_counter() - started
         lr = float(self.trainer.parts.optimizer.param_groups[0]["lr"])
         self.pending = PendingSave(step, tmp, started, lr, request)
         if request is None:
@@ -203,7 +204,9 @@ class Checkpointer:
     def _write_shards(self, tmp: Path) -> Any:
         from megatron.core import dist_checkpointing
 
+        start = time.perf_counter()
         sharded = sharded_training_state(self.trainer.parts, self.cfg.optim_format)
+        self.phase_times["state_dict"] = time.perf_counter() - start
         return dist_checkpointing.save(sharded, str(tmp / MODEL_DIR),
                                        sharded_strategy=self._save_strategy(),
                                        async_sharded_save=self.cfg.async_save)
