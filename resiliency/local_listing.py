@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from resiliency.local_store import list_local_files, verify_local_file
+from resiliency.local_store import content_problem, list_local_files, read_meta
 
 
 @dataclass
@@ -27,13 +25,6 @@ class LocalStep:
                    for rank in range(self.world_size))
 
 
-def _signature(meta_path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(meta_path.read_text()).get("signature")
-    except (OSError, ValueError):
-        return None
-
-
 def scan_local_tier(local_dir: Path, run_id: str) -> list[LocalStep]:
     """Every step found under ``<local_dir>/node-*/<run_id>/<rank>/``, newest first."""
     steps: dict[int, LocalStep] = {}
@@ -42,10 +33,11 @@ def scan_local_tier(local_dir: Path, run_id: str) -> list[LocalStep]:
         for entry in list_local_files(rank_dir):
             if entry.dirty:
                 continue
-            signature = _signature(entry.meta_path)
-            problem = verify_local_file(entry, signature) if signature else "no checksum sidecar"
+            meta = read_meta(entry)
+            problem = content_problem(entry, meta) if meta else "no checksum sidecar"
             record = steps.setdefault(entry.step, LocalStep(entry.step))
-            record.world_size = record.world_size or (signature or {}).get("world_size")
+            record.world_size = record.world_size or (meta or {}).get("signature", {}).get(
+                "world_size")
             record.bytes += entry.path.stat().st_size
             kind = "own" if str(entry.owner) == rank_dir.name else "replica"
             where = f"{rank_dir.parent.parent.name} rank {rank_dir.name} ({kind})"

@@ -87,14 +87,17 @@ def file_crc32c(path: Path) -> str:
     return f"{value:08x}"
 
 
-def verify_local_file(entry: LocalFile, signature: dict[str, Any]) -> str | None:
-    """None if the file matches its sidecar and this run's signature, else the reason."""
+def read_meta(entry: LocalFile) -> dict[str, Any] | None:
+    """The file's sidecar (checksum, size, signature), or None when missing or unreadable."""
     try:
         meta = json.loads(entry.meta_path.read_text())
-    except (OSError, ValueError) as exc:
-        return f"no readable checksum sidecar ({type(exc).__name__})"
-    if meta.get("signature") != signature:
-        return "signature differs (saved by another run or topology)"
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def content_problem(entry: LocalFile, meta: dict[str, Any]) -> str | None:
+    """None if the file's bytes match its sidecar, else what is wrong."""
     size = entry.path.stat().st_size
     if size != meta.get("bytes"):
         return f"size {size} != recorded {meta.get('bytes')} (truncated or overwritten)"
@@ -171,12 +174,11 @@ class VerifiedLocalManager(LocalCheckpointManager):
     def signature_problem(self) -> str | None:
         """Why this rank's newest local files cannot serve this run, if they cannot."""
         for entry in reversed(list_local_files(self.rank_dir)):
-            try:
-                saved = json.loads(entry.meta_path.read_text()).get("signature")
-            except (OSError, ValueError):
-                continue  # an unreadable sidecar is rejected at verification
-            if saved != self.signature:
-                return describe_signature_change(saved or {}, self.signature)
+            meta = read_meta(entry)
+            if meta is None:
+                continue  # rejected at verification
+            if meta.get("signature") != self.signature:
+                return describe_signature_change(meta.get("signature") or {}, self.signature)
             return None
         return None
 
@@ -196,14 +198,15 @@ class VerifiedLocalManager(LocalCheckpointManager):
 
     # -------------------------------------------------------- helpers
     def _verify(self, entry: LocalFile) -> bool:
-        reason = verify_local_file(entry, self.signature)
-        if reason is None:
-            self._trust(entry.path)
-            return True
-        if reason.startswith("signature"):
-            return False  # another topology's file: not corrupt, just not ours to use
-        self._reject(entry, reason)
-        return False
+        meta = read_meta(entry)
+        if meta is not None and meta.get("signature") != self.signature:
+            return False  # another run's or topology's file: not corrupt, just not ours to use
+        problem = "no readable checksum sidecar" if meta is None else content_problem(entry, meta)
+        if problem is not None:
+            self._reject(entry, problem)
+            return False
+        self._trust(entry.path)
+        return True
 
     def _reject(self, entry: LocalFile, reason: str) -> None:
         log.warning("local checkpoint %s rejected: %s; renamed *%s, it will not be tried again",
