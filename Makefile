@@ -1,6 +1,10 @@
 # Two entry points on a fresh machine: `make pretrain` and `make test`.
-PY ?= python3.11
-VENV ?= .venv
+# PY picks the stack: 3.11 (default) -> .venv with megatron-core 0.16.1 + nvrx 0.4.1;
+# PY=3.12 -> .venv312 with megatron-core 0.19.x + nvrx 0.7.x (pyproject's python_version markers).
+PY ?= 3.11
+PY_VERSION := $(patsubst python%,%,$(PY))
+PYTHON ?= $(or $(wildcard $(shell pyenv prefix $(PY_VERSION) 2>/dev/null)/bin/python$(PY_VERSION)),python$(PY_VERSION))
+VENV ?= $(if $(filter 3.11,$(PY_VERSION)),.venv,.venv$(subst .,,$(PY_VERSION)))
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
@@ -13,11 +17,24 @@ PYTEST_ARGS ?=
 
 install: $(STAMP)
 
-# torch goes first and pinned, so resolving the rest never pulls a multi-GB CUDA build.
+# torch goes first and pinned, so resolving the rest never pulls a multi-GB CUDA build
+# (on 3.11 the local +cpu wheel; on 3.12 PyPI's build, which runs on CPU, ~2.9 GB).
+# nvrx 0.7 is on PyPI only as manylinux_2_39 wheels; on an older glibc (Debian 12: 2.36) pip
+# rejects the tag although the wheel's one extension (the GPU-only CUPTI module) needs
+# GLIBC_2.32, so the wheel is fetched for its own tag and installed retagged.
+NVRX_CURRENT := nvidia-resiliency-ext>=0.7.0,<0.8
 $(STAMP): pyproject.toml
-	$(PY) -m venv $(VENV)
+	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==$(TORCH_VERSION)
+	@if [ "$(PY_VERSION)" != 3.11 ] && ! $(BIN)/pip install -q '$(NVRX_CURRENT)' >/dev/null 2>&1; then \
+	  echo "nvrx: no wheel for this glibc; installing the manylinux_2_39 wheel retagged"; \
+	  rm -rf $(VENV)/wheels; \
+	  $(BIN)/pip download -q --no-deps --only-binary=:all: --platform manylinux_2_39_$(shell uname -m) \
+	    --python-version $(PY_VERSION) -d $(VENV)/wheels '$(NVRX_CURRENT)' && \
+	  for w in $(VENV)/wheels/*-manylinux_2_39_*.whl; do mv "$$w" "$${w%-manylinux_2_39_*}-linux_$(shell uname -m).whl"; done && \
+	  $(BIN)/pip install -q $(VENV)/wheels/*.whl; \
+	fi
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 

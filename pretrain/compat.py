@@ -1,13 +1,18 @@
-"""Fixes for megatron-core bugs on the torch.optim.Adam path (no Apex / Transformer Engine).
+"""Fixes for megatron-core bugs, each gated on the megatron-core releases it was measured on.
 
-That path is taken on CPU and on any GPU box without Apex or TE. Each fix names the bug, is
-gated on the megatron-core versions it was measured on, and can be left out with
-``MCORE_RECIPES_COMPAT_SKIP=F,G`` so a test can show the bug still bites without it.
+F-I live on the torch.optim.Adam path (no Apex / Transformer Engine), taken on CPU and on any GPU
+box without Apex or TE; J is in dist_checkpointing's async writer; K is a refused configuration.
+Each fix names the bug and the megatron-core versions it bites (``Fix.affected``: version
+prefixes, measured by running tests/test_compat.py with the fix left out via
+``MCORE_RECIPES_COMPAT_SKIP=F,G``); a version not listed gets no fix. Re-measure before adding
+a release: a supported version (``SUPPORTED_MCORE``) missing from a fix's list is a measured
+"not needed there", proven by tests/test_compat.py.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from dataclasses import dataclass
 from importlib.metadata import version
@@ -15,8 +20,17 @@ from typing import Any, Callable
 
 import torch
 
+log = logging.getLogger(__name__)
 SKIP_ENV = "MCORE_RECIPES_COMPAT_SKIP"
-AFFECTED_MCORE = ("0.16.",)  # measured on 0.16.1; re-measure before widening
+MCORE_0_16 = "0.16."  # Python 3.11 leg: megatron-core 0.16.1
+MCORE_0_19 = "0.19."  # Python 3.12 leg: megatron-core 0.19.2
+SUPPORTED_MCORE = (MCORE_0_16, MCORE_0_19)
+# Measured on 0.16.1 and on 0.19.2: tests/test_compat.py shows the bug without the fix on both legs.
+BOTH = (MCORE_0_16, MCORE_0_19)
+
+
+def mcore_version() -> str:
+    return version("megatron-core")
 
 
 @dataclass(frozen=True)
@@ -24,6 +38,7 @@ class Fix:
     name: str
     bug: str
     apply: Callable[[Any], None]  # receives megatron's DistributedOptimizer class
+    affected: tuple[str, ...]  # megatron-core version prefixes measured to have the bug
 
 
 def _prime_empty_adam_state(optimizer: Any) -> None:
@@ -91,6 +106,13 @@ def _fix_i(cls: Any) -> None:
     cls.load_state_dict = load_state_dict
 
 
+K_AFFECTED: tuple[str, ...] = BOTH  # 0.19.2: the same divergence (loss 5.33 -> 5.80 at step 4)
+J_AFFECTED: tuple[str, ...] = BOTH  # 0.19.2: still ctx.Manager() in get_write_results_queue
+# 0.19 routes async saves through nvrx's writer, whose own queue Manager is orphaned the same way
+# (measured: a rank killed during an async save leaves it behind, holding the job's stdout).
+J_NVRX_WRITER: tuple[str, ...] = (MCORE_0_19,)
+
+
 def vpp_tied_embedding_save_problem(vpp: int | None, tied_embeddings: bool,
                                     distributed_optimizer: bool, optim_format: str) -> str | None:
     """K: a measured silent corruption, refused rather than patched (root cause not isolated).
@@ -100,12 +122,12 @@ def vpp_tied_embedding_save_problem(vpp: int | None, tied_embeddings: bool,
     and both Adam moments) wrong; a run resumed from it diverges (loss 5.2 -> 5.8 at the next
     step). Untied embeddings or ``dp_reshardable`` resume bit-exactly.
     """
-    affected = version("megatron-core").startswith(AFFECTED_MCORE)
+    affected = mcore_version().startswith(K_AFFECTED) and "K" not in skipped()
     if affected and (vpp or 1) > 1 and tied_embeddings and distributed_optimizer \
             and optim_format == "fully_reshardable":
-        return ("megatron-core 0.16 saves a corrupt optimizer state for tied embeddings with "
-                "parallel.vpp>1 and checkpoint.optim_format=fully_reshardable (measured: resumed "
-                "runs diverge). Use checkpoint.optim_format=dp_reshardable, or "
+        return (f"megatron-core {mcore_version()} saves a corrupt optimizer state for tied "
+                "embeddings with parallel.vpp>1 and checkpoint.optim_format=fully_reshardable "
+                "(measured: resumed runs diverge). Use checkpoint.optim_format=dp_reshardable, or "
                 "model.share_embeddings_and_output_weights=false.")
     return None
 
@@ -121,50 +143,71 @@ def _die_with_parent() -> None:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
+def _writer_queue_modules() -> list[Any]:
+    """The modules whose module-level write-results queue this release's saves use."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    modules = [filesystem_async]  # sync saves (and async ones on 0.16)
+    if mcore_version().startswith(J_NVRX_WRITER):
+        from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async as nvrx_fs
+
+        modules.append(nvrx_fs)
+    return modules
+
+
 def fix_orphaned_writer_manager() -> None:
     """J: dist_checkpointing's write-results queue lives in a spawned multiprocessing Manager.
 
     When a rank is SIGKILLed that Manager (and its resource tracker) outlive it forever,
     holding the rank's stdout/stderr and memory; launchers that restart ranks pile them up.
-    Start the Manager ourselves with PR_SET_PDEATHSIG so it dies with its rank.
+    Start the Manager ourselves with PR_SET_PDEATHSIG so it dies with its rank. From 0.19 on,
+    async saves default to nvidia-resiliency-ext's writer (``async_strategy="nvrx"``), which
+    keeps a queue of its own (``J_NVRX_WRITER``): both are served by this Manager.
     """
     import multiprocessing as mp
     import sys
     from multiprocessing.managers import SyncManager
 
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
     if "J" in skipped() or not sys.platform.startswith("linux") \
-            or filesystem_async._results_queue is not None:
+            or not mcore_version().startswith(J_AFFECTED):
+        return
+    modules = [m for m in _writer_queue_modules() if m._results_queue is None]
+    if not modules:
         return
     manager = SyncManager(ctx=mp.get_context("spawn"))
     manager.start(initializer=_die_with_parent)
-    filesystem_async._results_queue = manager.Queue()
+    for module in modules:
+        module._results_queue = manager.Queue()
 
 
 FIXES: tuple[Fix, ...] = (
     Fix("F", "sharded_state_dict(is_loading=True) on a never-stepped torch Adam asserts "
-             "len(steps) == 1", _fix_f),
+             "len(steps) == 1", _fix_f, BOTH),
     Fix("G", "loading copies the pre-load 'step' over the restored one: KeyError for "
-             "fully_reshardable, a silently reset Adam step for dp_reshardable", _fix_g),
+             "fully_reshardable, a silently reset Adam step for dp_reshardable", _fix_g, BOTH),
     Fix("H", "load_parameter_state_from_dp_reshardable runs in-place ops on leaf views "
-             "outside no_grad", _fix_h),
+             "outside no_grad", _fix_h, BOTH),
     Fix("I", "load_state_dict shares one 'step' tensor across params, so each resumed step "
-             "adds n_params to it (silently wrong bias correction)", _fix_i),
+             "adds n_params to it (silently wrong bias correction)", _fix_i, BOTH),
 )
 
 _applied: list[str] = []
 
 
-def is_affected(mcore_version: str, have_fused_adam: bool) -> bool:
-    """The bugs live in the torch-Adam fallback of the measured megatron-core releases."""
-    return mcore_version.startswith(AFFECTED_MCORE) and not have_fused_adam
+def is_affected(fix: str, mcore: str, have_fused_adam: bool) -> bool:
+    """Whether fix F-I applies: a measured-affected release on the torch-Adam fallback."""
+    entry = next(f for f in FIXES if f.name == fix)
+    return mcore.startswith(entry.affected) and not have_fused_adam
 
 
-def needed() -> bool:
-    from megatron.core.optimizer import distrib_optimizer
+def needed_fixes(mcore: str | None = None, have_fused_adam: bool | None = None) -> list[str]:
+    if mcore is None:
+        mcore = mcore_version()
+    if have_fused_adam is None:
+        from megatron.core.optimizer import distrib_optimizer
 
-    return is_affected(version("megatron-core"), distrib_optimizer.HAVE_APEX_OR_TE)
+        have_fused_adam = bool(distrib_optimizer.HAVE_APEX_OR_TE)
+    return [f.name for f in FIXES if is_affected(f.name, mcore, have_fused_adam)]
 
 
 def skipped() -> set[str]:
@@ -172,13 +215,20 @@ def skipped() -> set[str]:
 
 
 def apply() -> list[str]:
-    """Apply the fixes once where needed(); returns the names applied."""
-    if _applied or not needed():
+    """Apply, once, the fixes this megatron-core needs; returns the names applied."""
+    if _applied:
         return list(_applied)
+    mcore = mcore_version()
+    if not mcore.startswith(SUPPORTED_MCORE):
+        log.warning("megatron-core %s is not a supported release (%s): no compat fix applied",
+                    mcore, ", ".join(f"{p}x" for p in SUPPORTED_MCORE))
+    wanted = set(needed_fixes(mcore)) - skipped()
+    if not wanted:
+        return []
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     for fix in FIXES:
-        if fix.name not in skipped():
+        if fix.name in wanted:
             fix.apply(DistributedOptimizer)
             _applied.append(fix.name)
     return list(_applied)

@@ -1,8 +1,10 @@
 """Device shim: redirect megatron-core's hard CUDA calls to CPU so it trains on gloo.
 
 Applied only when no CUDA device is present. Every patch is one named entry with a one-line
-reason; ``MCORE_RECIPES_SHIM_SKIP=name,name`` leaves patches out so the test suite can prove
-each one is still needed (training fails without it) and still works (training passes with all).
+reason and the megatron-core releases it is needed on (``Patch.affected``, version prefixes as
+in pretrain/compat.py); ``MCORE_RECIPES_SHIM_SKIP=name,name`` leaves patches out so the test
+suite can prove each one is still needed where applied (training fails without it), not applied
+elsewhere, and still works (training passes with all).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
+from pretrain.compat import MCORE_0_16, MCORE_0_19, mcore_version
+
 SKIP_ENV = "MCORE_RECIPES_SHIM_SKIP"
 
 
@@ -23,6 +27,7 @@ class Patch:
     name: str
     reason: str
     apply: Callable[[], None]
+    affected: tuple[str, ...] = (MCORE_0_16, MCORE_0_19)  # megatron-core releases that need it
 
 
 class _NullStream:
@@ -162,8 +167,9 @@ PATCHES: tuple[Patch, ...] = (
           _patch_device_kwargs),
     Patch("tensor_type", "distrib_optimizer/clip_grads accept only param.type()=='torch.cuda.*'",
           _patch_tensor_type),
+    # 0.19 tests HAVE_TE before each fused-op name (measured: MoE trains without this patch).
     Patch("moe_te_names", "moe_utils names TE fused ops only when TE imports -> NameError",
-          _patch_moe_te_names),
+          _patch_moe_te_names, affected=(MCORE_0_16,)),
     Patch("moe_split_sizes", "alltoall split sizes become lists only for CUDA tensors",
           _patch_moe_split_sizes),
 )
@@ -175,15 +181,22 @@ def skipped() -> set[str]:
     return {n for n in os.environ.get(SKIP_ENV, "").split(",") if n}
 
 
+def needed(mcore: str | None = None) -> list[str]:
+    """The patches this megatron-core release needs on CPU."""
+    mcore = mcore or mcore_version()
+    return [p.name for p in PATCHES if mcore.startswith(p.affected)]
+
+
 def apply() -> list[str]:
-    """Apply every patch not listed in MCORE_RECIPES_SHIM_SKIP, once. Returns applied names."""
+    """Apply, once, each needed patch not in MCORE_RECIPES_SHIM_SKIP. Returns applied names."""
     if _applied:
         return list(_applied)
     unknown = skipped() - {p.name for p in PATCHES}
     if unknown:
         raise ValueError(f"{SKIP_ENV} names unknown patches {sorted(unknown)}")
+    wanted = needed()
     for patch in PATCHES:
-        if patch.name not in skipped():
+        if patch.name in wanted and patch.name not in skipped():
             patch.apply()
             _applied.append(patch.name)
     return list(_applied)

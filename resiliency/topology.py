@@ -5,11 +5,17 @@ TP, PP, VPP and DP with weights and Adam moments exactly equal; ``dp_reshardable
 only survives DP changes (otherwise mcore dies with "Global shape mismatch" or a KeyError); an EP
 change of an MoE model fails inside mcore (the number of chained optimizers changes). The model's
 shape never changes across a restore.
+
+Across megatron-core releases (``CROSS_VERSION``, measured with both supported stacks): a 0.16.x
+checkpoint restores under 0.19.x with weights and Adam moments exactly equal (fully_reshardable
+across layouts too; dp_reshardable on the same layout); a 0.19.x checkpoint does not load under
+0.16.x; any other pair is unmeasured and refused.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from importlib import metadata
 from typing import Any, Literal
 
 from resiliency.manifest import Manifest
@@ -20,6 +26,13 @@ MODEL_SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_que
                     "normalization", "add_bias_linear", "share_embeddings_and_output_weights",
                     "position_embedding_type")
 LAYOUT_DIMS = ("tp", "pp", "vpp", "cp", "ep", "dp")
+MCORE = "megatron-core"
+# (saved release series, restoring series) -> None: restores (measured); str: why it is refused.
+CROSS_VERSION: dict[tuple[str, str], str | None] = {
+    ("0.16", "0.19"): None,
+    ("0.19", "0.16"): ("megatron-core 0.19 writes the common state inside the torch_dist shards "
+                       "(no model/common.pt), which megatron-core 0.16 cannot read"),
+}
 
 
 @dataclass(frozen=True)
@@ -34,6 +47,7 @@ class Target:
     load_optimizer: bool
     batch_change_lr_scaling: str  # refuse | none | linear | sqrt
     tier: str = "persistent"
+    mcore_version: str | None = None  # the restoring megatron-core; None: this process's
 
 
 @dataclass(frozen=True)
@@ -78,12 +92,47 @@ def _fmt(value: Any) -> str:
 
 def validate(manifest: Manifest, target: Target) -> TopologyReport:
     report = TopologyReport()
+    _check_version(manifest, target, report)
     _check_model(manifest, target, report)
     _check_layout(manifest, target, report)
     _check_batch(manifest, target, report)
     if report.refused:
         report.options = _options(report)
     return report
+
+
+def _series(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
+def _check_version(manifest: Manifest, target: Target, report: TopologyReport) -> None:
+    """The megatron-core that saved the checkpoint against the one that will restore it."""
+    saved = manifest.versions.get(MCORE)
+    wanted = target.mcore_version or metadata.version(MCORE)
+    if saved is None:
+        row = DimensionVerdict(MCORE, saved, wanted, "reshardable",
+                               "not recorded in the manifest: assumed to be this release")
+    elif _series(saved) == _series(wanted):
+        row = DimensionVerdict(MCORE, saved, wanted, "same")
+    else:
+        pair = (_series(saved), _series(wanted))
+        if pair not in CROSS_VERSION:
+            row = DimensionVerdict(MCORE, saved, wanted, "refused",
+                                   f"restoring a megatron-core {pair[0]} checkpoint with "
+                                   f"{pair[1]} is not measured")
+        elif CROSS_VERSION[pair] is not None:
+            row = DimensionVerdict(MCORE, saved, wanted, "refused", str(CROSS_VERSION[pair]))
+        elif manifest.optim_format == "dp_reshardable" and target.load_optimizer and any(
+                manifest.parallelism.get(d, 1) != target.parallelism.get(d, 1)
+                for d in LAYOUT_DIMS):
+            row = DimensionVerdict(MCORE, saved, wanted, "refused",
+                                   "dp_reshardable optimizer state across megatron-core releases "
+                                   "is measured on the same layout only")
+        else:
+            row = DimensionVerdict(MCORE, saved, wanted, "reshardable",
+                                   f"{pair[0]} -> {pair[1]} measured: weights and Adam moments "
+                                   "restore exactly")
+    report.rows.append(row)
 
 
 def _check_model(manifest: Manifest, target: Target, report: TopologyReport) -> None:
@@ -158,6 +207,11 @@ def _check_batch(manifest: Manifest, target: Target, report: TopologyReport) -> 
 
 def _options(report: TopologyReport) -> list[str]:
     refused = [r.name for r in report.rows if r.verdict == "refused"]
+    if MCORE in refused:
+        saved = next(r.saved for r in report.rows if r.name == MCORE)
+        return [f"restore with the megatron-core that saved it ({saved}): the Python 3.11 stack "
+                "(make install) for 0.16.x, the Python 3.12 stack (make install PY=3.12) "
+                "for 0.19.x"]
     if any(name.startswith("model.") or "vocab" in name for name in refused):
         return ["restore only into the same model (layers, hidden, heads, vocab); a new model "
                 "needs a new run_id"]

@@ -1,7 +1,9 @@
 """Each megatron-core compat fix is needed (the bug bites without it) and version-gated.
 
 Without F/H the restore crashes; without G (dp_reshardable) or I the resumed losses silently
-drift from the uninterrupted run; without J a killed rank leaves orphaned writer processes.
+drift from the uninterrupted run; without J a killed rank leaves orphaned writer processes;
+without K's refusal a VPP + tied-embedding fully_reshardable resume diverges. The module runs on
+both CI legs: every fix is measured needed on megatron-core 0.16.1 and on 0.19.2.
 """
 
 from __future__ import annotations
@@ -9,15 +11,17 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import psutil
 import pytest
 
 from pretrain import compat
+from resiliency.layout import RunLayout
 from tests.helpers import REPO, losses, pretrain_cmd, run_pretrain
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.current_stack]
 STEPS, SAVE_EVERY, KILL_AT = 6, 3, 5
 
 
@@ -83,12 +87,15 @@ def _orphans() -> set[int]:
     return found
 
 
-@pytest.mark.parametrize("skip", ["", "J"])
-def test_killed_rank_leaves_no_orphaned_writer(skip: str, tiny_overrides: list[str],
+@pytest.mark.parametrize("skip, mode", [("", "sync"), ("J", "sync"), ("", "async"),
+                                        ("J", "async")])
+def test_killed_rank_leaves_no_orphaned_writer(skip: str, mode: str, tiny_overrides: list[str],
                                                tmp_path: Path) -> None:
+    """Async saves matter on 0.19, where they go through nvrx's writer and its own queue."""
     before = _orphans()
     # Output goes to a file: an orphan holding a pipe would block reading it forever.
     cmd = pretrain_cmd(2, [*_overrides(tiny_overrides, tmp_path, "fully_reshardable"),
+                           f"checkpoint.async_save={mode == 'async'}",
                            f"train.fault=kill@{KILL_AT}:1"])
     with (tmp_path / "log").open("w") as log:
         returncode = subprocess.run(cmd, cwd=REPO, env={**os.environ, compat.SKIP_ENV: skip},
@@ -105,8 +112,42 @@ def test_killed_rank_leaves_no_orphaned_writer(skip: str, tiny_overrides: list[s
             psutil.Process(pid).kill()
 
 
+def test_k_refusal_prevents_silent_corruption(tiny_overrides: list[str], tmp_path: Path) -> None:
+    def vpp(root: Path) -> list[str]:
+        return [*_overrides(tiny_overrides, root, "fully_reshardable"), "parallel.tp=1",
+                "parallel.pp=2", "parallel.vpp=2"]
+
+    refused = run_pretrain(2, vpp(tmp_path / "refused"), check=False)
+    assert refused.returncode != 0 and "saves a corrupt optimizer state" in refused.stderr
+    orig, copy = tmp_path / "orig", tmp_path / "copy"
+    run_pretrain(2, vpp(orig), env={compat.SKIP_ENV: "K"})
+    shutil.copytree(orig, copy)
+    layout = RunLayout(copy, "run")
+    shutil.rmtree(layout.step_dir(STEPS))
+    layout.latest_path.unlink()
+    run_pretrain(2, vpp(copy), env={compat.SKIP_ENV: "K"})  # resumes from step 3
+    original, resumed = losses(orig / "run"), losses(copy / "run")
+    assert resumed[:SAVE_EVERY] == original[:SAVE_EVERY]
+    assert resumed[SAVE_EVERY:] != original[SAVE_EVERY:], (
+        "a VPP + tied-embedding fully_reshardable resume matched: is refusal K still needed?")
+
+
 def test_fixes_are_version_gated() -> None:
-    assert compat.is_affected("0.16.1", have_fused_adam=False)
-    assert not compat.is_affected("0.16.1", have_fused_adam=True)
-    assert not compat.is_affected("0.19.2", have_fused_adam=False)
-    assert {f.name for f in compat.FIXES} == {"F", "G", "H", "I"}
+    """Measured: 0.19.2 still has every bug (the tests above pass on both CI legs); a release
+    nobody measured gets no fix rather than a guess."""
+    every = ["F", "G", "H", "I"]
+    assert compat.needed_fixes("0.16.1", have_fused_adam=False) == every
+    assert compat.needed_fixes("0.16.1", have_fused_adam=True) == []
+    assert compat.needed_fixes("0.19.2", have_fused_adam=False) == every
+    assert compat.needed_fixes("0.19.2", have_fused_adam=True) == []
+    assert compat.needed_fixes("0.17.1", have_fused_adam=False) == []
+    assert compat.J_AFFECTED == compat.K_AFFECTED == compat.SUPPORTED_MCORE
+    assert compat.J_NVRX_WRITER == (compat.MCORE_0_19,)
+    assert {f.name for f in compat.FIXES} == set(every)
+
+
+def test_this_stack_applies_what_it_needs() -> None:
+    code = "from pretrain import compat; print(','.join(compat.apply()))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    assert out == [",".join(compat.needed_fixes())]
