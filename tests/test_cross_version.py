@@ -167,7 +167,13 @@ def test_019_checkpoint_is_refused_by_016(stdlib_corpus: str, tmp_path: Path) ->
     new, old = _stack("0.19"), _stack("0.16")
     root = tmp_path / "saved-0.19"
     _pretrain(new, stdlib_corpus, root, "tp2", steps=SAVE_STEP)
+    validate_cli = subprocess.run(
+        [str(old / "bin" / "python"), "-m", "resiliency", "validate", str(root / "run"),
+         "--world-size=2"], cwd=REPO, capture_output=True, text=True, timeout=120, env=_env())
+    assert validate_cli.returncode == exit_codes.TOPOLOGY_REFUSED, validate_cli.stdout
+    assert "megatron-core 0.19 writes the common state" in validate_cli.stdout
     proc = _pretrain(old, stdlib_corpus, root, "tp2", check=False)
-    assert proc.returncode == exit_codes.TOPOLOGY_REFUSED, proc.stderr[-3000:]
+    assert proc.returncode != 0
+    assert f"(topology, exit {exit_codes.TOPOLOGY_REFUSED}, do not retry)" in proc.stderr
     assert "megatron-core 0.19 writes the common state inside the torch_dist shards" in proc.stderr
     assert "restore with the megatron-core that saved it (0.19." in proc.stderr
