@@ -87,7 +87,13 @@ def _validate_cli(run_dir: Path, nproc: int, overrides: list[str]) -> subprocess
                           cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("source, target", RESHARDS, ids=[f"{s}-to-{t}" for s, t in RESHARDS])
+CURRENT_STACK = {("tp2", "pp2"), ("tp2", "pp2vpp2"), ("pp2", "tp2")}  # also on megatron-core 0.19
+
+
+@pytest.mark.parametrize("source, target", [
+    pytest.param(s, t, id=f"{s}-to-{t}",
+                 marks=[pytest.mark.current_stack] * ((s, t) in CURRENT_STACK))
+    for s, t in RESHARDS])
 def test_fully_reshardable_restores_exactly(originals: dict, tiny_overrides: list[str],
                                             tmp_path: Path, source: str, target: str) -> None:
     root = _resume_copy(originals[source], tmp_path)
@@ -104,6 +110,7 @@ def test_fully_reshardable_restores_exactly(originals: dict, tiny_overrides: lis
                          _full_state(originals[source], STEPS, tmp_path))
 
 
+@pytest.mark.current_stack
 def test_dp_reshardable_restores_across_dp(originals: dict, tiny_overrides: list[str],
                                            tmp_path: Path) -> None:
     root = _resume_copy(originals["dp2-dp_resh"], tmp_path)

@@ -13,7 +13,7 @@ import pytest
 
 from tests.helpers import losses, run_pretrain
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.current_stack]
 
 LAYOUTS = {
     "tp2": ["parallel.tp=2"],
