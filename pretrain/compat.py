@@ -180,6 +180,21 @@ def fix_orphaned_writer_manager() -> None:
         module._results_queue = manager.Queue()
 
 
+# nvidia-resiliency-ext moved its straggler package (same Detector API) under attribution/ in 0.7.
+NVRX_STRAGGLER_PACKAGE = {"0.4.": "nvidia_resiliency_ext.straggler",
+                          "0.7.": "nvidia_resiliency_ext.attribution.straggler"}
+
+
+def nvrx_straggler(submodule: str = "") -> Any:
+    """nvrx's straggler package (or one of its submodules) for the installed nvrx release."""
+    import importlib
+
+    nvrx = version("nvidia-resiliency-ext")
+    package = next((p for v, p in NVRX_STRAGGLER_PACKAGE.items() if nvrx.startswith(v)),
+                   NVRX_STRAGGLER_PACKAGE["0.7."])
+    return importlib.import_module(f"{package}.{submodule}" if submodule else package)
+
+
 FIXES: tuple[Fix, ...] = (
     Fix("F", "sharded_state_dict(is_loading=True) on a never-stepped torch Adam asserts "
              "len(steps) == 1", _fix_f, BOTH),

@@ -78,6 +78,8 @@ def install(device: str) -> None:
     if device == "cuda":
         return
     install_cupti_stub()
-    from nvidia_resiliency_ext.straggler import straggler as detector_module
+    from pretrain.compat import nvrx_straggler
+
+    detector_module = nvrx_straggler("straggler")
 
     detector_module.time = _cpu_clock()  # type: ignore[attr-defined]

@@ -80,9 +80,9 @@ class StragglerHook(TrainHook):
 
     def on_start(self, trainer: "Trainer") -> None:
         install(self.env.device)
-        from nvidia_resiliency_ext import straggler
+        from pretrain.compat import nvrx_straggler
 
-        self.detector = straggler.Detector
+        self.detector = nvrx_straggler().Detector
         # report_time_interval is for generate_report_if_interval_elapsed, which is not used:
         # reports come every report_interval steps, the same step on every rank.
         self.detector.initialize(scores_to_compute="all", gather_on_rank0=True,

@@ -41,8 +41,10 @@ def test_summary_names_only_ranks_slower_than_their_peers() -> None:
 
 def test_cpu_sections_time_work_not_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
     install("cpu")  # CUPTI stub + CPU-time section clock
-    from nvidia_resiliency_ext import straggler
-    from nvidia_resiliency_ext.straggler.statistics import Statistic
+    from pretrain.compat import nvrx_straggler
+
+    straggler = nvrx_straggler()
+    Statistic = nvrx_straggler("statistics").Statistic
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     straggler.Detector.initialize(report_time_interval=1e9)
