@@ -20,7 +20,7 @@ import torch
 from resiliency.local_store import REJECTED_SUFFIX, VerifiedLocalManager, list_local_files
 from tests.helpers import REPO, TORCHRUN, losses, read_steps
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.current_stack]
 
 STEPS, KILL_AT, LOCAL_STEP, PERSISTENT_STEP = 12, 9, 8, 5
 # Data parallel with the distributed optimizer: each rank's shard holds its own optimizer slice.
