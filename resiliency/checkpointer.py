@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -140,6 +141,7 @@ class Checkpointer:
         self._dataset_snapshot: dict[str, Any] | None = None
         # Seconds per phase of the last save (logged, and read by bench/).
         self.phase_times: dict[str, float] = {}
+        self._gc_thread: threading.Thread | None = None
         from pretrain.compat import fix_orphaned_writer_manager
 
         fix_orphaned_writer_manager()
@@ -309,10 +311,29 @@ class Checkpointer:
         final = publish(self.layout, pending.tmp_dir, pending.step)
         log.info("checkpoint step %d published: %s (%.2f s)", pending.step, final,
                  time.perf_counter() - pending.started)
+        self._join_gc()
         plan = plan_gc(self.layout, self.trainer.run.run_id, self.cfg.keep_last,
                        self.cfg.milestone_interval, protected=set(), live_attempt=self.attempt)
-        for path in apply_gc(plan):
-            log.info("retention: removed %s", path.name)
+        if plan.deletions:
+            # Unlinking a GiB-sized old step took 0.25 s of a 0.33 s async commit: do it off
+            # the training thread. A dir is renamed to .trash- before it is emptied, so a crash
+            # midway leaves trash the next collection removes, never a half-deleted step.
+            self._gc_thread = threading.Thread(target=self._apply_gc, args=(plan,),
+                                               name="checkpoint-gc", daemon=True)
+            self._gc_thread.start()
+
+    @staticmethod
+    def _apply_gc(plan: Any) -> None:
+        try:
+            for path in apply_gc(plan):
+                log.info("retention: removed %s", path.name)
+        except Exception:  # noqa: BLE001 - the published step stands; the next save retries
+            log.exception("retention: garbage collection failed")
+
+    def _join_gc(self) -> None:
+        if self._gc_thread is not None:
+            self._gc_thread.join()
+            self._gc_thread = None
 
     @staticmethod
     def _check_loadable(model_dir: Path) -> None:
@@ -453,6 +474,7 @@ class Checkpointer:
         return all(any(len(s) > 0 for s in o.state.values()) for o in inner)
 
     def close(self) -> None:
+        self._join_gc()
         if self.queue is not None:
             self.queue.close()
             self.queue = None

@@ -24,6 +24,7 @@ def test_table_has_one_well_formed_row_per_figure():
                "hang": {"detection_ratio": _s(1.2), "monitor_ratio": _s(1.1), "timeout_s": _s(10)},
                "overhead": {"tiny": {"P5": _s(1.0), "bare_step_s": _s(0.1),
                                      "framework_step_s": _s(0.1), "shim_calls_per_step": 10,
+                                     "hooks_ms_per_step": {"PreemptionHook.before_step": 1.0},
                                      "shim_s_per_step": 0.001,
                                      "shim_fraction_of_bare_step": 0.01}}}
     lines = table(results).strip().splitlines()
