@@ -324,7 +324,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="add the 1.5 GiB model and P4")
     parser.add_argument("--reps", type=int, default=5, help="repetitions per figure (>= 5)")
-    parser.add_argument("--hang-reps", type=int, default=1, help="P4 runs (~1.5 min each)")
+    parser.add_argument("--hang-reps", type=int, default=5, help="P4 runs (~40 s each)")
     parser.add_argument("--only", default="", help="comma-separated sections, e.g. P1,P5")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where checkpoints go (the disk under test); default: a temp dir")
@@ -334,7 +334,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     only = {s.strip().upper() for s in args.only.split(",") if s.strip()} or set(SECTIONS)
     if not args.full and not args.only:
-        only.discard("P4")  # 1.5 min per run: full mode, or asked for by name
+        only.discard("P4")  # ~40 s per run: full mode, or asked for by name
     configs = list(CONFIGS) if args.full else ["tiny"]
     work = Path(tempfile.mkdtemp(prefix="bench-", dir=args.workdir))
     warnings.simplefilter("ignore")
