@@ -38,7 +38,10 @@ CODE_CLASSES = {exit_codes.USER_CODE: "user_code", exit_codes.NUMERIC: "numeric"
 _JOIN = re.compile(r"attempts to join the next round of the rendezvous")
 _DETECT = re.compile(r"Worker group (FAILED|UNHEALTHY)")
 _EXIT = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
-_MONITOR = re.compile(r"\[RankMonServer\d+@[^\]]*?:(\d+)\] (?:Section '([^']+)' has been open"
+# The rank monitor's timeout line: nvrx 0.4 "[RankMonServer<r>@<host>:<rank>] Section ...";
+# nvrx 0.7 "[workload:?(<rank>) infra:?(?)] rank_monitor_server.py:<n> [Cycle <c>] Section ...".
+_MONITOR = re.compile(r"(?:\[RankMonServer\d+@[^\]]*?:(\d+)\]|\[workload:\?\((\d+)\)[^\]]*\] \S+)"
+                      r" (?:\[Cycle \d+\] )?(?:Section '([^']+)' has been open"
                       r"|Was (out of section)) for ([\d.]+) seconds\. Timeout is ([\d.]+)")
 
 
@@ -67,8 +70,9 @@ class LauncherEvents:
                                "local_rank": int(m.group(2)), "pid": int(m.group(3))})
         elif m := _MONITOR.search(line):
             self.monitor_timeouts.append({
-                "time": now, "rank": int(m.group(1)), "section": m.group(2) or "out_of_section",
-                "open_s": float(m.group(4)), "timeout_s": float(m.group(5))})
+                "time": now, "rank": int(m.group(1) or m.group(2)),
+                "section": m.group(3) or "out_of_section",
+                "open_s": float(m.group(5)), "timeout_s": float(m.group(6))})
 
 
 # ------------------------------------------------------------------ progress

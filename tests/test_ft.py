@@ -83,6 +83,7 @@ def test_post_restore_watch_flags_jumps_only() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.current_stack
 def test_hang_is_detected_restarted_and_resumes_exactly(
         tiny_overrides: list[str], tmp_path: Path,
         tmp_path_factory: pytest.TempPathFactory) -> None:

@@ -39,6 +39,7 @@ def test_summary_names_only_ranks_slower_than_their_peers() -> None:
     assert summary.gpu_relative == {}  # no CUDA kernel scores on CPU
 
 
+@pytest.mark.current_stack
 def test_cpu_sections_time_work_not_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
     install("cpu")  # CUPTI stub + CPU-time section clock
     from pretrain.compat import nvrx_straggler
@@ -64,6 +65,7 @@ def test_cpu_sections_time_work_not_waiting(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.current_stack
 def test_slow_rank_is_named_within_two_intervals(tiny_overrides: list[str],
                                                  tmp_path: Path) -> None:
     # The torchrun backend: straggler detection does not need ft_launcher.
