@@ -133,45 +133,59 @@ def share_of(rel_paths: list[str], rank: int, world_size: int) -> list[str]:
 
 
 # ---------------------------------------------------------------- checksums inside the writers
-class _ChecksummingFile:
+class ChecksummingStream:
     """A binary write stream that crc32c-hashes the bytes on their way to the kernel.
 
-    On a clean close it reports (absolute path, bytes, checksum) to its queue. Anything it
-    cannot vouch for (a seek, an error inside the ``with`` block) reports nothing, so the
-    file is checksummed the slow way, by reading it back.
+    A seek makes the running checksum meaningless: ``valid`` turns False and the file must be
+    checksummed by reading it back.
     """
 
-    def __init__(self, raw: Any, path: str, queue: Any) -> None:
-        self._raw, self._path, self._queue = raw, path, queue
-        self._crc, self._bytes, self._valid = 0, 0, True
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+        self.crc, self.nbytes, self.valid = 0, 0, True
+
+    @property
+    def checksum(self) -> str:
+        return f"{self.crc:08x}"
 
     def write(self, data: Any) -> int:
         view = memoryview(data)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
-        self._crc = crc32c.crc32c(view, self._crc)
-        self._bytes += view.nbytes
+        self.crc = crc32c.crc32c(view, self.crc)
+        self.nbytes += view.nbytes
         return self._raw.write(view)
 
     def seek(self, *args: Any) -> int:
-        self._valid = False
+        self.valid = False
         return self._raw.seek(*args)
+
+    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, closed, ...
+        return getattr(self._raw, name)
+
+
+class _ChecksummingFile(ChecksummingStream):
+    """A writer's shard file: on a clean close it reports (absolute path, bytes, checksum) to
+    its queue. Anything it cannot vouch for (a seek, an error inside the ``with`` block)
+    reports nothing, so the file is checksummed the slow way, by reading it back.
+    """
+
+    def __init__(self, raw: Any, path: str, queue: Any) -> None:
+        super().__init__(raw)
+        self._path, self._queue = path, queue
 
     def close(self, report: bool = True) -> None:
         if self._raw.closed:
             return
         self._raw.close()
-        if report and self._valid:
-            self._queue.put((self._path, self._bytes, f"{self._crc:08x}"))
+        if report and self.valid:
+            self._queue.put((self._path, self.nbytes, self.checksum))
 
     def __enter__(self) -> "_ChecksummingFile":
         return self
 
     def __exit__(self, exc_type: Any, *rest: Any) -> None:
         self.close(report=exc_type is None)
-
-    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, closed, ...
-        return getattr(self._raw, name)
 
 
 class WriterChecksums:

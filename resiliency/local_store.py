@@ -19,15 +19,15 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
-import crc32c
 import torch
 from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.base_manager import (
     SameMachineReplicationException)
 from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import (
     LocalCheckpointManager)
 
+from resiliency.checksum import ChecksummingStream, file_checksum
 from resiliency.layout import atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -63,30 +63,6 @@ def list_local_files(rank_dir: Path) -> list[LocalFile]:
     return sorted((f for f in found if f is not None), key=lambda f: (f.step, f.owner))
 
 
-class _ChecksummingWriter:
-    """File wrapper that checksums bytes as ``torch.save`` writes them (no second pass)."""
-
-    def __init__(self, stream: BinaryIO) -> None:
-        self.stream, self.crc, self.size = stream, 0, 0
-
-    def write(self, data: Any) -> int:
-        self.crc = crc32c.crc32c(data, self.crc)
-        written = self.stream.write(data)
-        self.size += len(memoryview(data).cast("B"))
-        return written
-
-    def flush(self) -> None:
-        self.stream.flush()
-
-
-def file_crc32c(path: Path) -> str:
-    value = 0
-    with open(path, "rb") as stream:
-        while chunk := stream.read(8 << 20):
-            value = crc32c.crc32c(chunk, value)
-    return f"{value:08x}"
-
-
 def read_meta(entry: LocalFile) -> dict[str, Any] | None:
     """The file's sidecar (checksum, size, signature), or None when missing or unreadable."""
     try:
@@ -101,7 +77,7 @@ def content_problem(entry: LocalFile, meta: dict[str, Any]) -> str | None:
     size = entry.path.stat().st_size
     if size != meta.get("bytes"):
         return f"size {size} != recorded {meta.get('bytes')} (truncated or overwritten)"
-    actual = file_crc32c(entry.path)
+    actual = file_checksum(entry.path)
     if actual != meta.get("crc32c"):
         return f"crc32c {actual} != recorded {meta.get('crc32c')} (corrupt)"
     return None
@@ -128,12 +104,13 @@ class VerifiedLocalManager(LocalCheckpointManager):
         final = self._local_ckpt_path_from_id(ckpt_id, False)
         try:
             with open(dirty, "xb") as stream:
-                writer = _ChecksummingWriter(stream)
+                writer = ChecksummingStream(stream)
                 torch.save(state_dict, writer)  # nosec B614 - our own files, loaded by nvrx
         except FileExistsError as exc:
             raise SameMachineReplicationException(ckpt_id) from exc
+        checksum = writer.checksum if writer.valid else file_checksum(dirty)
         meta = {"step": ckpt_id[0], "owner_rank": ckpt_id[1], "holder_rank": self.rank,
-                "bytes": writer.size, "crc32c": f"{writer.crc:08x}", "signature": self.signature}
+                "bytes": dirty.stat().st_size, "crc32c": checksum, "signature": self.signature}
         atomic_write_json(final.with_name(final.name + META_SUFFIX), meta)
         dirty.rename(final)
         self._trust(final)
