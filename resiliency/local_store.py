@@ -91,7 +91,6 @@ class VerifiedLocalManager(LocalCheckpointManager):
         super().__init__(node_dir, session_id=run_id, repl_strategy=repl_strategy)
         self.signature, self.keep_last = signature, keep_last
         self._trusted: dict[str, tuple[int, int]] = {}  # name -> (size, mtime_ns) verified
-        self.excluded_steps: set[int] = set()
 
     @property
     def rank_dir(self) -> Path:
@@ -120,7 +119,7 @@ class VerifiedLocalManager(LocalCheckpointManager):
         self._ensure_dir()
         ids = []
         for entry in list_local_files(self.rank_dir):
-            if entry.dirty or entry.step in self.excluded_steps:
+            if entry.dirty:
                 continue
             if self._is_trusted(entry.path) or self._verify(entry):
                 ids.append((entry.step, entry.owner, self.session_id))

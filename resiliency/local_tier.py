@@ -80,7 +80,6 @@ class LocalTier:
                      "optim_format": LOCAL_OPTIM_FORMAT}
         self.manager = VerifiedLocalManager(node_dir(cfg), run.run_id, signature, cfg.keep_last,
                                             replication_strategy(cfg, world))
-        self.last_step: int | None = None
 
     # ------------------------------------------------------------ restore
     def choose(self, persistent_step: int | None) -> int | None:
@@ -93,7 +92,6 @@ class LocalTier:
         for step in sorted({s for s in gather(self.manager.failed_restore()) if s is not None}):
             self._info("local step %d: a restore from it did not finish in an earlier attempt; "
                        "not trying it again", step)
-            self.manager.excluded_steps.add(step)
             self.manager.reject_step(step, "its restore did not finish in an earlier attempt")
         latest = self.manager.find_latest()
         if latest < 0:
@@ -122,7 +120,6 @@ class LocalTier:
                                        f"local step {step} ({self.manager.rank_dir.parent})")
         self.manager.clear_restoring()
         self.checkpointer.restored_step, self.checkpointer.restored_tier = step, "local"
-        self.last_step = step
         self._info("local tier: restored step %d in %.2f s", step, time.perf_counter() - started)
 
     def discard_after(self, step: int) -> None:
@@ -144,7 +141,6 @@ class LocalTier:
         sharded["rank_state"] = rank_state_object(state_io.capture_rng(self.trainer.env.device))
         tasd, _ = MCoreTensorAwareStateDict.from_state_dict(sharded, algo=ALGO)
         self.manager.save(tasd, step, is_async=False)
-        self.last_step = step
 
     def _info(self, message: str, *args: Any) -> None:
         if dist.get_rank() == 0:

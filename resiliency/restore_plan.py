@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
 import torch.distributed as dist
@@ -35,8 +34,7 @@ def target_for(run: RunConfig, world_size: int, dp: int, vocab_size: int,
         padded_vocab_size=run.model.padded_vocab_size,
         global_batch_size=run.train.global_batch_size,
         load_optimizer=run.checkpoint.load_optimizer,
-        batch_change_lr_scaling=run.checkpoint.batch_change_lr_scaling, tier=tier,
-        mcore_version=metadata.version("megatron-core"))
+        batch_change_lr_scaling=run.checkpoint.batch_change_lr_scaling, tier=tier)
 
 
 def check_topology(manifest: Manifest, target: Target) -> TopologyReport:
