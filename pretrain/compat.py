@@ -132,7 +132,9 @@ def vpp_tied_embedding_save_problem(vpp: int | None, tied_embeddings: bool,
     return None
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """For helper processes of a rank (writer queues, the checkpoint writer): SIGKILLed when
+    the rank dies, deaf to the SIGTERM/SIGUSR1 that Slurm sends every process of a step."""
     import ctypes
     import signal
 
@@ -175,7 +177,7 @@ def fix_orphaned_writer_manager() -> None:
     if not modules:
         return
     manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=_die_with_parent)
+    manager.start(initializer=die_with_parent)
     for module in modules:
         module._results_queue = manager.Queue()
 

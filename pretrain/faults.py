@@ -3,7 +3,8 @@
 Kinds: kill (SIGKILL self before the step), hang (block forever), raise (deterministic
 exception), nan (poison gradients after backward), kill_save (SIGKILL once this step's shards
 are written, before the commit), kill_publish (SIGKILL after COMMITTED is written, before the
-rename), slow (from this step on, this rank's step burns ``factor`` times its CPU time:
+rename), kill_writer (SIGKILL this rank's checkpoint writer process once this step's async
+save is handed to it), slow (from this step on, this rank's step burns ``factor`` times its CPU time:
 "slow@<step>:<rank>:<factor>", a straggler). A "/<round>" suffix limits an entry to one launcher
 round (TORCHELASTIC_RESTART_COUNT), so a fault can hit once and the restarted group run clean.
 Empty in every shipped recipe.
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
-KINDS = ("kill", "hang", "raise", "nan", "kill_save", "kill_publish", "slow")
+KINDS = ("kill", "hang", "raise", "nan", "kill_save", "kill_publish", "kill_writer", "slow")
 ROUND_ENV = "TORCHELASTIC_RESTART_COUNT"
 
 
@@ -65,11 +66,12 @@ class FaultInjector:
                     time.sleep(3600)
             raise InjectedFault(f"injected failure before step {step}")
 
-    def at_checkpoint(self, phase: str, step: int) -> None:
-        """Called by the checkpointer at its ``save`` / ``publish`` points."""
+    def at_checkpoint(self, phase: str, step: int, pid: int | None = None) -> None:
+        """Called by the checkpointer at its ``save`` / ``publish`` / ``writer`` points; kills
+        ``pid`` (the writer process) or this rank."""
         for fault in self._due(step, (f"kill_{phase}",)):
             log.warning("fault injection: %s at step %d", fault.kind, step)
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(pid or os.getpid(), signal.SIGKILL)
 
     def _slow_down(self, step: int) -> None:
         """Busy-burn CPU (not sleep) so the rank is slower at computing, not just late."""

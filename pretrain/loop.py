@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -158,6 +159,10 @@ class Trainer:
         init_model_parallel(run.parallel)
         seed_everything(run.train.seed)
         self.parts = build_components(run, env, dp, run_dir)
+        # The model, optimizer and imports live for the whole run: keep them out of every later
+        # full collection (megatron collects after each optimizer state dict: 0.2 s -> 0.01 s
+        # for a 1.5 GiB model).
+        gc.freeze()
         self.state = TrainState()
         self.faults = FaultInjector.parse(run.train.fault, env.rank)
         self.stop_requested = False

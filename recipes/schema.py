@@ -251,6 +251,10 @@ class CheckpointConfig:
     save_interval: Optional[int] = None  # steps between persistent saves; None: only at the end
     optim_format: str = "fully_reshardable"
     async_save: bool = False
+    # Keep a host copy of the checkpointed state between saves and save from it: saves skip
+    # page faults on fresh memory (and async saves need no fork). Costs host memory equal to
+    # the rank's checkpoint bytes.
+    staging_buffers: bool = True
     resume: bool = True
     load_optimizer: bool = True
     keep_last: int = 2

@@ -9,8 +9,10 @@ rank loads it, and the loaded state is checked against the manifest before train
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,9 +28,11 @@ from resiliency.checksum import (WriterChecksums, describe_files, describe_writt
 from resiliency.layout import RunLayout, payload_files
 from resiliency.manifest import (Manifest, code_commit, image_digest, merge_file_entries,
                                  read_manifest, runtime_versions)
+from resiliency.optim_gather import staged_fully_reshardable
 from resiliency.publish import begin_step, publish, set_aside, write_manifest_and_commit
 from resiliency.retention import apply_gc, plan_gc
 from resiliency.select import select_restore_step
+from resiliency.staging import StagingBuffers, stage_sharded_state, staging_for
 from resiliency.verify import verify_step_dir
 
 if TYPE_CHECKING:
@@ -97,34 +101,42 @@ def model_state_dict(chunks: list[Any]) -> dict[str, Any]:
 
 
 def sharded_training_state(parts: Any, optim_format: str, is_loading: bool = False,
-                           with_optimizer: bool = True) -> dict[str, Any]:
-    """Model chunks and (optionally) optimizer as one megatron sharded state dict."""
+                           with_optimizer: bool = True,
+                           staging: StagingBuffers | None = None) -> dict[str, Any]:
+    """Model chunks and (optionally) optimizer as one megatron sharded state dict; with
+    ``staging``, a fully-reshardable optimizer state is built into its buffers."""
     sharded = model_state_dict(parts.chunks)
     if with_optimizer:
-        sharded["optimizer"] = parts.optimizer.sharded_state_dict(
-            sharded, is_loading=is_loading,
-            metadata={"distrib_optim_sharding_type": optim_format,
-                      "chained_optim_avoid_prefix": True})
+        fast = staging is not None and not is_loading and optim_format == "fully_reshardable"
+        with (staged_fully_reshardable(parts.optimizer, staging) if fast
+              else contextlib.nullcontext()):
+            sharded["optimizer"] = parts.optimizer.sharded_state_dict(
+                sharded, is_loading=is_loading,
+                metadata={"distrib_optim_sharding_type": optim_format,
+                          "chained_optim_avoid_prefix": True})
     return sharded
 
 
 _WRITER_CHECKSUMS: WriterChecksums | None = None
 
 
-def writer_checksums() -> WriterChecksums:
-    """One per process: megatron's shard writers hash what they write (see checksum.py).
-
-    Installed as the ``open`` that megatron's filesystem_async module resolves when a writer
-    opens a shard file; a megatron version that opens files some other way just reports
-    nothing, and the commit falls back to reading the files back.
-    """
+def install_writer_checksums(reports: Any = None) -> WriterChecksums:
+    """Installed as the ``open`` that megatron's filesystem_async module resolves when a writer
+    opens a shard file (in this process and the writers it forks); a megatron version that opens
+    files some other way just reports nothing, and the commit falls back to reading files back.
+    ``reports``: the queue of the rank that owns this (spawned) writer process."""
     global _WRITER_CHECKSUMS
     if _WRITER_CHECKSUMS is None:
         from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-        _WRITER_CHECKSUMS = WriterChecksums()
+        _WRITER_CHECKSUMS = WriterChecksums(reports)
         filesystem_async.open = _WRITER_CHECKSUMS.open  # shadows the builtin in that module
     return _WRITER_CHECKSUMS
+
+
+def writer_checksums() -> WriterChecksums:
+    """One per process: megatron's shard writers hash what they write (see checksum.py)."""
+    return install_writer_checksums()
 
 
 class Checkpointer:
@@ -142,6 +154,7 @@ class Checkpointer:
         # Seconds per phase of the last save (logged, and read by bench/).
         self.phase_times: dict[str, float] = {}
         self._gc_thread: threading.Thread | None = None
+        self.staging = self._staging() if self.cfg.staging_buffers else None
         from pretrain.compat import fix_orphaned_writer_manager
 
         fix_orphaned_writer_manager()
@@ -170,13 +183,21 @@ class Checkpointer:
         else:
             request.add_finalize_fn(self._commit)
             self._async_queue().schedule_async_request(request)
+            writer = getattr(self.queue, "writer", None)  # the spawned writer, if any
+            if writer is not None and writer.process is not None:
+                self.trainer.faults.at_checkpoint("writer", step, writer.process.pid)
             if self.rank == 0:
                 log.info("checkpoint step %d: writing in the background", step)
 
     def finalize(self, blocking: bool = False) -> None:
         """Publish async saves whose writers are done (collective: call on every rank)."""
         if self.queue is not None and self.queue.get_num_unfinalized_calls():
-            self.queue.maybe_finalize_async_calls(blocking=blocking)
+            try:
+                self.queue.maybe_finalize_async_calls(blocking=blocking)
+            except SAVE_ERRORS as exc:
+                if self.pending is None:  # the commit itself failed and cleaned up already
+                    raise
+                self._abort(self.pending.tmp_dir, exc)  # e.g. ENOSPC in a background writer
 
     def _begin(self, step: int) -> Path:
         """Rank 0 creates the tmp dir; a failure there is raised on every rank alike."""
@@ -207,8 +228,13 @@ class Checkpointer:
         from megatron.core import dist_checkpointing
 
         start = time.perf_counter()
-        sharded = sharded_training_state(self.trainer.parts, self.cfg.optim_format)
+        sharded = sharded_training_state(self.trainer.parts, self.cfg.optim_format,
+                                         staging=self.staging)
         self.phase_times["state_dict"] = time.perf_counter() - start
+        if self.staging is not None:
+            start = time.perf_counter()
+            stage_sharded_state(sharded, self.staging)
+            self.phase_times["stage"] = time.perf_counter() - start
         return dist_checkpointing.save(sharded, str(tmp / MODEL_DIR),
                                        sharded_strategy=self._save_strategy(),
                                        async_sharded_save=self.cfg.async_save)
@@ -227,13 +253,25 @@ class Checkpointer:
         return FullyParallelSaveStrategyWrapper(
             strategy, ps.get_data_parallel_group(with_context_parallel=True))
 
+    def _staging(self) -> StagingBuffers:
+        params = [p for chunk in self.trainer.parts.chunks for p in chunk.parameters()]
+        param_bytes = sum(p.numel() * p.element_size() for p in params)
+        ranks_on_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        return staging_for(self.cfg.async_save, param_bytes, ranks_on_node)
+
     def _async_queue(self) -> Any:
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
+        from resiliency.async_writer import SpawnedWriterQueue
+
         if self.queue is None:
-            # The temporal (fork) caller: the persistent one leaked later in-place updates
-            # into the checkpoint in our measurements (see shared cpu-feasibility notes).
-            self.queue = AsyncCallsQueue(persistent=False)
+            if self.staging is not None and self.staging.shared:
+                # The state is a private copy in shared memory: a spawned writer saves it.
+                self.queue = SpawnedWriterQueue(writer_checksums().reports)
+            else:
+                # Fork per save (the fork is the snapshot); megatron's persistent caller leaked
+                # later in-place updates of live tensors (see shared cpu-feasibility notes).
+                self.queue = AsyncCallsQueue(persistent=False)
         return self.queue
 
     def train_state_record(self) -> dict[str, Any]:
@@ -374,8 +412,9 @@ class Checkpointer:
 
         self.pending = None
         space = self._space_report()  # before cleanup frees the partial write
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+        # Any rank that sees the failure removes the dir: an async failure reaches ranks at
+        # different points, and the launcher may stop the others before they get here.
+        shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointSaveError(
             f"checkpoint save into {tmp} failed: {exc}. {space} The tmp dir was "
             f"removed; earlier published steps in {self.layout.steps_dir} are untouched.") from exc

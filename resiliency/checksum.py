@@ -191,22 +191,24 @@ class _ChecksummingFile(ChecksummingStream):
 class WriterChecksums:
     """crc32c of checkpoint files computed by the writer processes, so the commit does not have
     to read every byte back (a second pass over the data). ``open`` is a drop-in for the
-    builtin inside megatron's writer module; its forked writer processes inherit the queue."""
+    builtin inside megatron's writer module; its forked (or spawned, see async_writer.py) writer processes report through one queue."""
 
-    def __init__(self) -> None:
-        self._queue = multiprocessing.get_context("fork").SimpleQueue()
+    def __init__(self, reports: Any = None) -> None:
+        # A spawn-context queue also reaches a spawned writer process (a fork-context lock
+        # cannot be passed to one); forked writers inherit it either way.
+        self.reports = reports or multiprocessing.get_context("spawn").SimpleQueue()
 
     def open(self, file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
         raw = builtins.open(file, mode, *args, **kwargs)
         if mode != "wb" or not isinstance(file, (str, os.PathLike)):
             return raw
-        return _ChecksummingFile(raw, os.path.abspath(file), self._queue)
+        return _ChecksummingFile(raw, os.path.abspath(file), self.reports)
 
     def drain(self) -> dict[str, tuple[int, str]]:
         """Everything reported since the last drain: absolute path -> (bytes, checksum)."""
         out: dict[str, tuple[int, str]] = {}
-        while not self._queue.empty():
-            path, size, checksum = self._queue.get()
+        while not self.reports.empty():
+            path, size, checksum = self.reports.get()
             out[path] = (size, checksum)
         return out
 

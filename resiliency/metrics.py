@@ -107,15 +107,20 @@ class MetricsHook(TrainHook):
         self.step_times.append(result.step_time_s)
         saved = self._update(trainer, result.step)
         if saved or result.step % self.cfg.write_interval_steps == 0:
-            self.write()
+            self.write_or_warn()
 
     def on_end(self, trainer: "Trainer") -> None:
         self._update(trainer, trainer.state.step)
-        self.write()
+        self.write_or_warn()
 
     def on_exception(self, trainer: "Trainer | None", exc: BaseException) -> None:
         if trainer is None:
             return  # failed before owning the run (e.g. lease held): the file is not ours
+        self.write_or_warn()
+
+    def write_or_warn(self) -> None:
+        """Metrics are not worth a training failure: a full disk (say, while an async save
+        writes) must surface as that save's failure, which cleans up after itself."""
         try:
             self.write()
         except OSError as err:

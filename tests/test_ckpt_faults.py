@@ -105,12 +105,14 @@ def small_disk(tmp_path: Path):  # noqa: ANN201 - yields a Path
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
 def test_full_disk_fails_the_save_cleanly(small_disk: Path, tiny_overrides: list[str],
-                                          tmp_path: Path) -> None:
-    # Each save is ~4.2 MiB: steps 3 and 6 fit in 11 MiB, step 9 does not.
+                                          tmp_path: Path, mode: str) -> None:
+    # Each save is ~4.2 MiB: steps 3 and 6 fit in 11 MiB, step 9 does not. Async: the spawned
+    # writer hits ENOSPC and the rank learns of it when it finalizes the save.
     overrides = [*tiny_overrides, f"output_dir={small_disk}", "run_id=run",
                  f"data.cache_dir={tmp_path / 'cache'}", f"train.train_steps={STEPS}",
-                 "checkpoint.save_interval=3"]
+                 "checkpoint.save_interval=3", f"checkpoint.async_save={mode == 'async'}"]
     proc = run_pretrain(2, overrides, check=False)
     assert proc.returncode != 0
     assert "The disk is (nearly) full" in proc.stderr, proc.stderr[-3000:]
@@ -121,4 +123,19 @@ def test_full_disk_fails_the_save_cleanly(small_disk: Path, tiny_overrides: list
     assert all(verify_step_dir(layout.step_dir(s), "run").ok for s in (3, 6))
     record = json.loads(sorted(layout.attempts_dir.glob("*.json"))[-1].read_text())
     assert record["status"] == "failed" and record["failure_class"] == "checkpoint"
-    assert max(read_steps(small_disk / "run")) == 9
+    assert max(read_steps(small_disk / "run")) == (9 if mode == "sync" else 10)
+
+
+def test_killed_writer_process_fails_the_run_and_keeps_earlier_steps(
+        tiny_overrides: list[str], tmp_path: Path) -> None:
+    """Rank 1's async writer is SIGKILLed while it holds step 6: the rank says so and the run
+    stops (no hang on the peers); step 3 stays published and verified, step 6 never appears."""
+    overrides = [*tiny_overrides, f"output_dir={tmp_path}", "run_id=run",
+                 f"train.train_steps={STEPS}", "checkpoint.save_interval=3",
+                 "checkpoint.async_save=true", "train.fault=kill_writer@6:1"]
+    proc = run_pretrain(2, overrides, check=False, timeout=180)
+    assert proc.returncode != 0
+    assert "checkpoint writer process exited with code -9" in proc.stderr, proc.stderr[-3000:]
+    layout = RunLayout(tmp_path, "run")
+    assert layout.published_steps() == [3]
+    assert verify_step_dir(layout.step_dir(3), "run").ok
