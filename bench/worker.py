@@ -99,6 +99,45 @@ def _reread(step_dir: Path) -> float:
     return time.perf_counter() - start
 
 
+RAW_WRITER = """
+import os, sys
+path, left = sys.argv[1], int(sys.argv[2])
+buf = memoryview(os.urandom(8 << 20))
+fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+while left > 0:
+    left -= os.write(fd, buf[:min(left, len(buf))])
+os.fsync(fd)
+os.close(fd)
+os.unlink(path)
+"""
+
+
+def _any_rank(flag: bool) -> bool:
+    import torch
+    import torch.distributed as dist
+
+    box = torch.tensor([int(flag)])
+    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    return bool(box.item())
+
+
+def steps_during_raw_write(trainer: Any, directory: Path, nbytes: int, rank: int) -> list[float]:
+    """P2's floor: step times while a separate nice-19 process writes the same bytes with
+    fsync (what any background writer costs training on this machine's I/O path)."""
+    import subprocess
+
+    _barrier()
+    proc = subprocess.Popen([sys.executable, "-c", RAW_WRITER, str(directory / f"raw-bg-{rank}"),
+                             str(nbytes)], preexec_fn=lambda: os.nice(19))
+    steps = []
+    while _any_rank(proc.poll() is None):  # steps are collective: all ranks agree to go on
+        start = time.perf_counter()
+        trainer.train_step()
+        steps.append(time.perf_counter() - start)
+    _barrier()
+    return steps
+
+
 # ---------------------------------------------------------------- save (P1, P2)
 def _writer_running(ckpt: Any) -> bool:
     queue = ckpt.queue
@@ -158,12 +197,17 @@ def mode_save(args: argparse.Namespace) -> dict[str, Any]:
 
     # P2: async saves; the hook's per-step finalize(blocking=False) is what publishes them.
     ckpt.cfg = replace(ckpt.cfg, async_save=True)
+    ckpt.staging = ckpt._staging()  # shared-memory buffers for the spawned writer
+    trainer.state.step += 1
+    ckpt.save()  # warm-up: allocates the staging buffers and starts the writer process
+    ckpt.finalize(blocking=True)
     src = torch.empty(share, dtype=torch.uint8).random_(0, 255)
     dst = torch.empty_like(src)
     memcpy(dst, src)  # fault the pages in
     for rep in range(args.reps):
         record: dict[str, Any] = {"memcpy_s": memcpy(dst, src), "idle_steps": [],
                                   "busy_steps": []}
+        record["raw_busy_steps"] = steps_during_raw_write(trainer, layout.steps_dir, share, rank)
         for _ in range(args.idle_steps):
             start = time.perf_counter()
             ckpt.finalize(blocking=False)
@@ -199,7 +243,8 @@ def mode_save(args: argparse.Namespace) -> dict[str, Any]:
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, record)
         out["async"].append(max(gathered, key=lambda r: r["blocked_s"]) | {
-            "idle_steps": record["idle_steps"], "busy_steps": record["busy_steps"]})
+            "idle_steps": record["idle_steps"], "busy_steps": record["busy_steps"],
+            "raw_busy_steps": record["raw_busy_steps"]})
     ckpt.close()
     return out
 
