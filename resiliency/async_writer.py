@@ -13,7 +13,6 @@ needs CUDA in the worker.
 from __future__ import annotations
 
 import atexit
-import logging
 import multiprocessing as mp
 import os
 import queue
@@ -23,7 +22,6 @@ from megatron.core.dist_checkpointing.strategies.async_utils import (AsyncCaller
                                                                      AsyncCallsQueue,
                                                                      AsyncRequest)
 
-log = logging.getLogger(__name__)
 WRITER_NICE = 19
 POLL_S = 0.05
 
