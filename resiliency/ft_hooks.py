@@ -25,7 +25,8 @@ def with_monitoring(run: "RunConfig", env: "DistEnv", run_dir: Path,
     """
     cfg = run.resiliency
     checkpoint = next((h for h in hooks if isinstance(h, CheckpointHook)), None)
-    evidence = AttemptEvidenceHook(env, run_dir, checkpoint) if checkpoint else None
+    evidence = (AttemptEvidenceHook(env, run_dir, checkpoint, cfg.ft.check_interval_s)
+                if checkpoint else None)
     front: list[TrainHook] = [evidence] if evidence else []
     if under_ft_launcher():
         front.append(FaultToleranceHook(cfg.ft, env, run_dir, checkpoint))
