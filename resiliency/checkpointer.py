@@ -233,7 +233,7 @@ class Checkpointer:
         self.phase_times["state_dict"] = time.perf_counter() - start
         if self.staging is not None:
             start = time.perf_counter()
-            stage_sharded_state(sharded, self.staging)
+            stage_sharded_state(sharded, self.staging, snapshot=self.cfg.async_save)
             self.phase_times["stage"] = time.perf_counter() - start
         return dist_checkpointing.save(sharded, str(tmp / MODEL_DIR),
                                        sharded_strategy=self._save_strategy(),

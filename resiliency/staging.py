@@ -65,9 +65,16 @@ def staging_key(sharded: Any) -> str:
     return f"{sharded.key}|{tuple(sharded.global_offset)}|{span}"
 
 
-def stage_sharded_state(sharded_state: dict[str, Any], staging: StagingBuffers) -> int:
-    """Point every sharded tensor (and factory) at a staged copy of its data; returns bytes
-    copied. Tensors that already are staging buffers are left as they are."""
+def _is_view(tensor: torch.Tensor) -> bool:
+    # megatron's writer clones exactly these (into fresh memory) before writing a CPU tensor.
+    return tensor.untyped_storage().size() != tensor.numel() * tensor.element_size()
+
+
+def stage_sharded_state(sharded_state: dict[str, Any], staging: StagingBuffers,
+                        snapshot: bool = True) -> int:
+    """Point sharded tensors (and factories) at staged copies of their data; returns bytes
+    copied. Tensors that already are staging buffers are left as they are. ``snapshot=False``
+    (sync saves) stages only the views megatron would clone: the rest is written in place."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
@@ -77,6 +84,8 @@ def stage_sharded_state(sharded_state: dict[str, Any], staging: StagingBuffers) 
             continue
         data = item.data
         if not isinstance(data, torch.Tensor) or staging.owns(data):
+            continue
+        if not snapshot and not data.is_cuda and not _is_view(data):
             continue
         item.data = staging.stage(staging_key(item), data)
         copied += data.numel() * data.element_size()
