@@ -30,7 +30,7 @@ class WriterDied(RuntimeError):
     """The writer process exited before reporting the save it was given."""
 
 
-def _writer_main(rank: int, requests: Any, done: Any, checksum_queue: Any) -> None:
+def _writer_main(requests: Any, done: Any, checksum_queue: Any) -> None:
     """Writer process: run each save's write function; report (call_idx, error or None)."""
     from pretrain.compat import die_with_parent
     from resiliency.checkpointer import install_writer_checksums
@@ -64,13 +64,11 @@ class SpawnedWriter(AsyncCaller):
     def schedule_async_call(self, async_req: AsyncRequest) -> None:
         if async_req.async_fn is None:
             return
-        import torch.distributed as dist
-
         if self.process is None:
             # Not a daemon: megatron's write function forks its writer processes from here.
             self.process = self._ctx.Process(
                 target=_writer_main, name="checkpoint-writer",
-                args=(dist.get_rank(), self._requests, self._done, self._checksum_queue))
+                args=(self._requests, self._done, self._checksum_queue))
             self.process.start()
             # A rank leaving on an error must not wait for (or keep) its writer; normal exits
             # close the queue first, which waits for the last save.
