@@ -1,7 +1,8 @@
 """Fixes for megatron-core bugs, each gated on the megatron-core releases it was measured on.
 
 F-I live on the torch.optim.Adam path (no Apex / Transformer Engine), taken on CPU and on any GPU
-box without Apex or TE; J is in dist_checkpointing's async writer; K is a refused configuration.
+box without Apex or TE; J is in dist_checkpointing's async writer; K is a refused configuration;
+L is in the tensor-parallel layers of a model built without initialisation (restores).
 Each fix names the bug and the megatron-core versions it bites (``Fix.affected``: version
 prefixes, measured by running tests/test_compat.py with the fix left out via
 ``MCORE_RECIPES_COMPAT_SKIP=F,G``); a version not listed gets no fix. Re-measure before adding
@@ -113,6 +114,34 @@ J_AFFECTED: tuple[str, ...] = BOTH  # 0.19.2: still ctx.Manager() in get_write_r
 J_NVRX_WRITER: tuple[str, ...] = (MCORE_0_19,)
 
 
+L_AFFECTED: tuple[str, ...] = (MCORE_0_16,)  # 0.19.2 sets the attributes without the init
+
+
+def fix_uninitialised_tp_attributes(chunks: list[Any]) -> None:
+    """L: with ``perform_initialization=False`` (set when a checkpoint will be restored),
+    0.16's tensor-parallel layers never mark their weights as tensor-parallel: the marking
+    lives inside the init helper. Grad-norm clipping then counts each TP shard as a duplicate
+    and a resumed run silently takes different steps (measured: grad norm 4.507 -> 4.489 at
+    the first resumed step, losses drift from the next one).
+    """
+    if "L" in skipped() or not mcore_version().startswith(L_AFFECTED):
+        return
+    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                                      VocabParallelEmbedding,
+                                                      set_tensor_model_parallel_attributes)
+
+    partition_dim = ((VocabParallelEmbedding, 0), (ColumnParallelLinear, 0),
+                     (RowParallelLinear, 1))
+    for chunk in chunks:
+        for module in chunk.modules():
+            weight = getattr(module, "weight", None)
+            dim = next((d for cls, d in partition_dim if isinstance(module, cls)), None)
+            if dim is None or weight is None or hasattr(weight, "tensor_model_parallel"):
+                continue
+            # megatron's GPT layers all use stride 1 (the init helper's default).
+            set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
+
+
 def vpp_tied_embedding_save_problem(vpp: int | None, tied_embeddings: bool,
                                     distributed_optimizer: bool, optim_format: str) -> str | None:
     """K: a measured silent corruption, refused rather than patched (root cause not isolated).
@@ -162,13 +191,15 @@ def fix_orphaned_writer_manager() -> None:
 
     When a rank is SIGKILLed that Manager (and its resource tracker) outlive it forever,
     holding the rank's stdout/stderr and memory; launchers that restart ranks pile them up.
-    Start the Manager ourselves with PR_SET_PDEATHSIG so it dies with its rank. From 0.19 on,
-    async saves default to nvidia-resiliency-ext's writer (``async_strategy="nvrx"``), which
-    keeps a queue of its own (``J_NVRX_WRITER``): both are served by this Manager.
+    From 0.19 on, async saves default to nvidia-resiliency-ext's writer (``async_strategy=
+    "nvrx"``), which keeps a queue of its own (``J_NVRX_WRITER``). Both get a directory-backed
+    queue instead (resiliency/file_queue.py): no process to orphan, and no Manager to spawn,
+    which took ~0.9 s of every (re)start here.
     """
-    import multiprocessing as mp
+    import atexit
     import sys
-    from multiprocessing.managers import SyncManager
+
+    from resiliency.file_queue import FileQueue
 
     if "J" in skipped() or not sys.platform.startswith("linux") \
             or not mcore_version().startswith(J_AFFECTED):
@@ -176,10 +207,11 @@ def fix_orphaned_writer_manager() -> None:
     modules = [m for m in _writer_queue_modules() if m._results_queue is None]
     if not modules:
         return
-    manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=die_with_parent)
+    results = FileQueue.create()
+    owner = os.getpid()
+    atexit.register(lambda: os.getpid() == owner and results.remove())
     for module in modules:
-        module._results_queue = manager.Queue()
+        module._results_queue = results
 
 
 # nvidia-resiliency-ext moved its straggler package (same Detector API) under attribution/ in 0.7.

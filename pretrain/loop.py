@@ -111,8 +111,12 @@ def build_components(run: RunConfig, env: DistEnv, dp: int, run_dir: Path) -> Co
     tcfg = model_lib.transformer_config(run.model, run.parallel, env.device, bf16)
     chunks = model_lib.build_chunks(run.model, run.parallel, tcfg, padded,
                                     use_te=env.device == "cuda" and _have_te())
-    if run.model.layout_invariant_init:
+    if run.model.layout_invariant_init and run.model.perform_initialization:
         model_lib.layout_invariant_init(chunks, run.model, run.train.seed)
+    if not run.model.perform_initialization:
+        from pretrain.compat import fix_uninitialised_tp_attributes
+
+        fix_uninitialised_tp_attributes(chunks)
     for chunk in chunks:
         chunk.to(env.torch_device)
     ddp = model_lib.wrap_ddp(chunks, tcfg, run.optimizer.use_distributed_optimizer, bf16)

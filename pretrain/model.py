@@ -50,7 +50,8 @@ def transformer_config(model: ModelConfig, par: ParallelConfig, device: str, bf1
         virtual_pipeline_model_parallel_size=par.vpp, context_parallel_size=par.cp,
         expert_model_parallel_size=par.ep, sequence_parallel=par.sequence_parallel,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=bf16,
-        use_cpu_initialization=not on_gpu, perform_initialization=True,
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=model.perform_initialization,
         # The fused kernels below exist only as CUDA extensions.
         bias_dropout_fusion=on_gpu, bias_activation_fusion=on_gpu and not swiglu,
         masked_softmax_fusion=on_gpu, apply_rope_fusion=False, persist_layer_norm=on_gpu,

@@ -55,6 +55,11 @@ class ModelConfig:
     # Initialise every weight from (seed, global parameter name) so any TP/PP/DP layout starts
     # from identical weights. Costs a full-tensor RNG draw per shard: meant for small models.
     layout_invariant_init: bool = False
+    # false: allocate the weights without drawing them (megatron's perform_initialization).
+    # The checkpoint hook sets it when it will restore a step, whose weights replace every
+    # parameter anyway (0.5 s of a 1.5 GiB model's restart here); without a step to restore
+    # it is refused.
+    perform_initialization: bool = True
     num_experts: Optional[int] = None
     moe_router_topk: int = 2
     moe_ffn_hidden_size: Optional[int] = None

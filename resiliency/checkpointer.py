@@ -31,7 +31,6 @@ from resiliency.manifest import (Manifest, code_commit, image_digest, merge_file
 from resiliency.optim_gather import staged_fully_reshardable
 from resiliency.publish import begin_step, publish, set_aside, write_manifest_and_commit
 from resiliency.retention import apply_gc, plan_gc
-from resiliency.select import select_restore_step
 from resiliency.staging import StagingBuffers, stage_sharded_state, staging_for
 from resiliency.verify import verify_step_dir
 
@@ -72,21 +71,6 @@ def broadcast_object(value: Any, src: int = 0) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=src)
     return box[0]
-
-
-def select_checkpoint(layout: RunLayout, run_id: str, full_verify: bool) -> Path | None:
-    """Rank 0 picks the newest verified step; every rank gets the same answer (collective)."""
-    choice = None
-    if dist.get_rank() == 0:
-        selection = select_restore_step(layout, run_id, full_verify)
-        for name, reason in selection.skipped:
-            log.warning("restore: skipped %s: %s", name, reason)
-        choice = str(selection.step_dir) if selection.step_dir else None
-    choice = broadcast_object(choice)
-    if choice is None:
-        log.info("restore: no verified checkpoint in %s; starting fresh", layout.run_dir)
-        return None
-    return Path(choice)
 
 
 def chunks_by_key(chunks: list[Any]) -> dict[str, Any]:
@@ -451,6 +435,8 @@ class Checkpointer:
         if self.cfg.load_optimizer:
             trainer.parts.optimizer.load_state_dict(loaded["optimizer"])
         else:
+            # Main (fp32) params were copied from the weights at build time; refresh them.
+            trainer.parts.optimizer.reload_model_params()
             log.warning("restore: checkpoint.load_optimizer=false: weights only, FRESH optimizer "
                         "state; the loss trajectory will differ from the original run")
         self._scale_lr_for_batch_change(train_state)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import socket
@@ -95,11 +96,18 @@ class CheckpointHook(TrainHook):
         if problem:
             raise ConfigError(problem)
         self.ownership.acquire(self.env.rank, self.env.world_size)
-        if not self.cfg.resume:
+        if self.cfg.resume:
+            vocab = build_tokenizer(run.data.tokenizer, run.data.tokenizer_path).vocab_size
+            run, self.plan = plan_restore(run, self.layout, self.env.world_size, dp, vocab)
+        if self.plan is None:
+            if not run.model.perform_initialization:
+                raise ConfigError("model.perform_initialization=false leaves the weights "
+                                  "uninitialised, and there is no checkpoint to restore them "
+                                  f"from in {self.layout.steps_dir}; drop the override")
             return run
-        vocab = build_tokenizer(run.data.tokenizer, run.data.tokenizer_path).vocab_size
-        run, self.plan = plan_restore(run, self.layout, self.env.world_size, dp, vocab)
-        return run
+        # Every parameter is about to be overwritten by the checkpoint: skip drawing them.
+        return dataclasses.replace(run, model=dataclasses.replace(run.model,
+                                                                  perform_initialization=False))
 
     def on_start(self, trainer: "Trainer") -> None:
         checkpointer = Checkpointer(trainer, self.layout, self.ownership.attempt)

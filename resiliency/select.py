@@ -11,7 +11,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Mapping
 
 from resiliency.layout import RunLayout, step_name
 from resiliency.verify import Verdict, verify_step_dir
@@ -56,14 +56,17 @@ def _skip(skipped: list[tuple[str, str]], name: str, reason: str) -> None:
     skipped.append((name, reason))
 
 
-def select_restore_step(layout: RunLayout, run_id: str, full_verify: bool) -> Selection:
+def select_restore_step(layout: RunLayout, run_id: str, full_verify: bool,
+                        rejected: Mapping[int, str] | None = None) -> Selection:
+    """``rejected``: steps already found bad (step -> reason), e.g. by a collective re-hash."""
     skipped: list[tuple[str, str]] = []
     hint, problem = read_latest_hint(layout)
     if problem is not None:
         _skip(skipped, LATEST_NAME, problem)
-    verdicts: dict[int, Verdict] = {}
+    verdicts = {step: Verdict(False, step, reason) for step, reason in (rejected or {}).items()}
     if hint is not None:
-        verdicts[hint] = verify_step_dir(layout.step_dir(hint), run_id, full_verify)
+        if hint not in verdicts:
+            verdicts[hint] = verify_step_dir(layout.step_dir(hint), run_id, full_verify)
         if not verdicts[hint].ok:
             _skip(skipped, LATEST_NAME, f"points to step {hint}: {verdicts[hint].reason}")
     for step in reversed(layout.published_steps()):

@@ -119,11 +119,11 @@ def _check_entry(root: Path, entry: FileEntry, full: bool) -> str | None:
     if st.st_size != entry.bytes:
         return f"file {entry.path!r} has {st.st_size} bytes, manifest says {entry.bytes}"
     if full:
-        return _checksum_problem(path, entry)
+        return checksum_problem(path, entry)
     return None
 
 
-def _checksum_problem(path: Path, entry: FileEntry) -> str | None:
+def checksum_problem(path: Path, entry: FileEntry) -> str | None:
     if entry.algorithm not in ALGORITHMS:
         return f"file {entry.path!r} uses unknown checksum algorithm {entry.algorithm!r}"
     actual = file_checksum(path, entry.algorithm)
@@ -131,3 +131,16 @@ def _checksum_problem(path: Path, entry: FileEntry) -> str | None:
         return (f"file {entry.path!r} {entry.algorithm} mismatch: "
                 f"{actual} != manifest {entry.checksum}")
     return None
+
+
+def balanced_share(files: list[FileEntry], rank: int, world_size: int) -> list[FileEntry]:
+    """This rank's part of ``files`` when every rank re-hashes some: largest first, each to the
+    rank with the fewest bytes so far (same answer on every rank)."""
+    loads = [0] * world_size
+    mine = []
+    for entry in sorted(files, key=lambda e: (-e.bytes, e.path)):
+        owner = loads.index(min(loads))
+        loads[owner] += entry.bytes
+        if owner == rank:
+            mine.append(entry)
+    return mine

@@ -2,8 +2,9 @@
 
 Without F/H the restore crashes; without G (dp_reshardable) or I the resumed losses silently
 drift from the uninterrupted run; without J a killed rank leaves orphaned writer processes;
-without K's refusal a VPP + tied-embedding fully_reshardable resume diverges. The module runs on
-both CI legs: every fix is measured needed on megatron-core 0.16.1 and on 0.19.2.
+without L (0.16 only) a restore's uninitialised weights lose their tensor-parallel marking and
+the losses drift; without K's refusal a VPP + tied-embedding fully_reshardable resume diverges.
+The module runs on both CI legs: F-K are measured needed on megatron-core 0.16.1 and 0.19.2.
 """
 
 from __future__ import annotations
@@ -76,6 +77,20 @@ def test_fix_prevents_silent_drift(fix: str, fmt: str, killed_runs: dict,
     assert resumed[:SAVE_EVERY] == killed_runs["baseline"][:SAVE_EVERY]
     assert resumed[SAVE_EVERY + 1:] != killed_runs["baseline"][SAVE_EVERY + 1:], (
         f"resume without fix {fix} matched the baseline: is it still needed?")
+
+
+def test_l_marks_uninitialised_weights_tensor_parallel(killed_runs: dict,
+                                                      tiny_overrides: list[str],
+                                                      tmp_path: Path) -> None:
+    """Restores build the model uninitialised; on 0.16 only fix L keeps the TP marking."""
+    root, proc = _resume_without("L", "fully_reshardable", killed_runs, tiny_overrides, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = losses(root / "run")
+    if compat.mcore_version().startswith(compat.L_AFFECTED):
+        assert resumed[SAVE_EVERY + 1:] != killed_runs["baseline"][SAVE_EVERY + 1:], (
+            "resume without fix L matched the baseline: is it still needed?")
+    else:  # measured not needed: this release marks the weights itself
+        assert resumed == killed_runs["baseline"]
 
 
 def _orphans() -> set[int]:

@@ -141,6 +141,10 @@ def test_weights_only_restore_is_allowed_and_warned(originals: dict, tiny_overri
     proc = _run(tiny_overrides, root, "tp2", ["checkpoint.load_optimizer=false"])
     assert "FRESH optimizer state" in proc.stderr
     assert f"resumed from step-{SAVE_STEP:09d}" in proc.stderr
+    # Step 5's loss is the forward pass of the restored step-4 weights (built uninitialised,
+    # perform_initialization=false): only the optimizer is fresh.
+    assert losses(root / "run")[-1] == pytest.approx(
+        losses(originals["dp2-dp_resh"] / "run")[-1], abs=TOLERANCE)
 
 
 def test_moe_expert_parallel_change_is_refused(tiny_overrides: list[str], tmp_path: Path) -> None:

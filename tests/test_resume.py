@@ -132,3 +132,13 @@ def test_second_writer_is_refused(tiny_overrides: list[str], tmp_path: Path) -> 
 
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
+
+
+def test_uninitialised_weights_without_a_checkpoint_are_refused(tiny_overrides: list[str],
+                                                                tmp_path: Path) -> None:
+    base = [*_base(tiny_overrides, tmp_path, "run", "tp2"), "model.perform_initialization=false"]
+    proc = run_pretrain(2, base, check=False, timeout=120)
+    assert proc.returncode != 0
+    assert f"(config, exit {exit_codes.CONFIG_ERROR}, do not retry)" in proc.stderr
+    assert "model.perform_initialization=false leaves the weights uninitialised" in proc.stderr
+    assert not RunLayout(tmp_path, "run").published_steps()
