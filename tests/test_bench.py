@@ -18,7 +18,8 @@ def test_table_has_one_well_formed_row_per_figure():
             "P2_blocked_s": _s(1.0), "P2_memcpy_s": _s(0.1), "P2_save_call_s": _s(0.9),
             "P2_commit_s": _s(0.1), "P2_goal_met": False, "P2_step_slowdown": None,
             "P2_busy_steps": 0}
-    restore = {"bytes": 1 << 30, "P3": _s(1.0), "first_step_s": _s(5.0), "floor_s": _s(3.0),
+    restore = {"bytes": 1 << 30, "P3": _s(1.0), "resumed_s": _s(4.0), "first_step_s": _s(5.0),
+               "floor_s": _s(3.0),
                "read_GiBps": _s(1.0), "P3_goal_met": True}
     results = {"save": {"tiny": save}, "restore": {"tiny": restore},
                "hang": {"detection_ratio": _s(1.2), "monitor_ratio": _s(1.1), "timeout_s": _s(10)},
