@@ -158,20 +158,30 @@ def _forward_step(device: torch.device, batches: Iterator[dict], model: Any) -> 
 class Trainer:
     def __init__(self, run: RunConfig, env: DistEnv, dp: int, run_dir: Path,
                  hooks: list[TrainHook] | None = None) -> None:
-        self.run, self.env, self.run_dir = run, env, run_dir
+        self.env, self.dp, self.run_dir = env, dp, run_dir
         self.hooks = hooks or []
         init_model_parallel(run.parallel)
-        seed_everything(run.train.seed)
-        self.parts = build_components(run, env, dp, run_dir)
-        # The model, optimizer and imports live for the whole run: keep them out of every later
-        # full collection (megatron collects after each optimizer state dict: 0.2 s -> 0.01 s
-        # for a 1.5 GiB model).
-        gc.freeze()
+        self.rebuild(run)
         self.state = TrainState()
         self.faults = FaultInjector.parse(run.train.fault, env.rank)
         self.stop_requested = False
         self.exit_code = 0  # hooks set a non-zero code for planned exits (e.g. preemption)
         self.metrics_path = run_dir / "metrics" / "steps.jsonl"
+
+    def rebuild(self, run: RunConfig) -> None:
+        """(Re)build model, optimizer and data for ``run`` from the seed, as a fresh start would
+        (a restore whose chosen step failed its re-hash rebuilds for the next step)."""
+        self.run = run
+        if hasattr(self, "parts"):  # free the old model (frozen below) before building anew
+            gc.unfreeze()
+            del self.parts
+            gc.collect()
+        seed_everything(run.train.seed)
+        self.parts = build_components(run, self.env, self.dp, self.run_dir)
+        # The model, optimizer and imports live for the whole run: keep them out of every later
+        # full collection (megatron collects after each optimizer state dict: 0.2 s -> 0.01 s
+        # for a 1.5 GiB model).
+        gc.freeze()
 
     @property
     def tokens_per_step(self) -> int:

@@ -417,7 +417,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------- restore
     def restore(self, step_dir: Path, manifest: Manifest, same_layout: bool) -> int:
-        """Load a step chosen (and topology-validated) by :func:`select_checkpoint`."""
+        """Load a step chosen, topology-validated and re-hashed by restore_plan.py."""
         loaded = self._load_shards(step_dir / MODEL_DIR, manifest)
         rank_state = state_io.load_rank_state(step_dir, self.rank) if same_layout else None
         self.apply_loaded(loaded, state_io.read_train_state(step_dir), rank_state, step_dir.name)

@@ -81,6 +81,8 @@ class CheckpointHook(TrainHook):
         self.ownership = RunOwnership(self.layout, self.cfg.lease_timeout_s)
         self.checkpointer: Checkpointer | None = None
         self.plan: "RestorePlan | None" = None
+        self.initialise = True  # the run's own model.perform_initialization
+        self.dp = 1
         self.local: "LocalTier | None" = None
 
     def configure(self, run: "RunConfig", dp: int) -> "RunConfig":
@@ -96,20 +98,44 @@ class CheckpointHook(TrainHook):
         if problem:
             raise ConfigError(problem)
         self.ownership.acquire(self.env.rank, self.env.world_size)
+        self.initialise = run.model.perform_initialization
+        self.dp = dp
         if self.cfg.resume:
             vocab = build_tokenizer(run.data.tokenizer, run.data.tokenizer_path).vocab_size
             run, self.plan = plan_restore(run, self.layout, self.env.world_size, dp, vocab)
+        return self._model_init_for_plan(run)
+
+    def _model_init_for_plan(self, run: "RunConfig") -> "RunConfig":
+        from recipes import ConfigError
+
         if self.plan is None:
-            if not run.model.perform_initialization:
+            if not self.initialise:
                 raise ConfigError("model.perform_initialization=false leaves the weights "
                                   "uninitialised, and there is no checkpoint to restore them "
                                   f"from in {self.layout.steps_dir}; drop the override")
-            return run
+            return dataclasses.replace(run, model=dataclasses.replace(
+                run.model, perform_initialization=True))
         # Every parameter is about to be overwritten by the checkpoint: skip drawing them.
         return dataclasses.replace(run, model=dataclasses.replace(run.model,
                                                                   perform_initialization=False))
 
+    def _confirm_plan(self, trainer: "Trainer") -> None:
+        """The chosen step was re-hashed while the model was built; when a file is bad, plan
+        the next step and rebuild the model for it (uninitialised only if it has a step)."""
+        from resiliency.restore_plan import plan_restore
+
+        rejected: dict[int, str] = {}
+        while self.plan is not None and (problem := self.plan.confirm()) is not None:
+            rejected[self.plan.manifest.step] = problem
+            log.warning("restore: step %d failed its re-hash (%s); planning the next step and "
+                        "rebuilding the model", self.plan.manifest.step, problem)
+            vocab = trainer.parts.tokenizer.vocab_size
+            run, self.plan = plan_restore(trainer.run, self.layout, self.env.world_size,
+                                          self.dp, vocab, rejected)
+            trainer.rebuild(self._model_init_for_plan(run))
+
     def on_start(self, trainer: "Trainer") -> None:
+        self._confirm_plan(trainer)
         checkpointer = Checkpointer(trainer, self.layout, self.ownership.attempt)
         self.checkpointer = checkpointer
         if self.cfg.local.enabled:

@@ -1,11 +1,14 @@
-"""Choose the step to restore and validate its topology, before any model is built."""
+"""Choose the step to restore and validate its topology, before any model is built; its files
+are re-hashed while the model is built, and confirmed before anything is loaded."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Mapping
 
 import torch.distributed as dist
 
@@ -26,46 +29,48 @@ class RestorePlan:
     step_dir: Path
     manifest: Manifest
     report: TopologyReport
+    # This rank's share of the step's files, re-hashed in the background while the model is
+    # built (I/O next to CPU work); None when checkpoint.full_verify is off.
+    rehash: Future[str | None] | None = field(default=None, compare=False)
 
-
-def select_checkpoint(layout: RunLayout, run_id: str, full_verify: bool) -> Path | None:
-    """The newest verified step, the same on every rank (collective).
-
-    Rank 0 picks the newest step whose marker, manifest and file sizes check out; with
-    ``full_verify`` every rank then re-hashes its share of that step's files (one read of the
-    checkpoint spread over all ranks, which also warms the page cache for the load). A bad
-    file rejects the step for every rank and the pick moves on to the next one.
-    """
-    rejected: dict[int, str] = {}
-    logged: set[tuple[str, str]] = set()
-    while True:
-        choice = None
-        if dist.get_rank() == 0:
-            selection = select_restore_step(layout, run_id, full_verify=False, rejected=rejected)
-            for skipped in selection.skipped:
-                if skipped not in logged:  # a re-pick lists earlier skips again
-                    logged.add(skipped)
-                    log.warning("restore: skipped %s: %s", *skipped)
-            choice = (str(selection.step_dir), selection.step) if selection.step_dir else None
-        choice = broadcast_object(choice)
-        if choice is None:
-            log.info("restore: no verified checkpoint in %s; starting fresh", layout.run_dir)
+    def confirm(self) -> str | None:
+        """Collective: the first checksum problem any rank found in its share, or None."""
+        if self.rehash is None:
             return None
-        step_dir, step = Path(choice[0]), choice[1]
-        problem = _rehash_together(step_dir) if full_verify else None
-        if problem is None:
-            return step_dir
-        rejected[step] = problem
+        problems: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, self.rehash.result())
+        return next((p for p in problems if p is not None), None)
 
 
-def _rehash_together(step_dir: Path) -> str | None:
-    """First checksum problem any rank found in its share of ``step_dir``'s files, or None."""
-    files = read_manifest(step_dir).files
-    mine = balanced_share(files, dist.get_rank(), dist.get_world_size())
-    problem = next((p for e in mine if (p := checksum_problem(step_dir / e.path, e))), None)
-    problems: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(problems, problem)
-    return next((p for p in problems if p is not None), None)
+def pick_checkpoint(layout: RunLayout, run_id: str, rejected: Mapping[int, str]) -> Path | None:
+    """Rank 0 picks the newest step whose marker, manifest and file sizes check out and that is
+    not ``rejected``; every rank gets the same answer (collective)."""
+    choice = None
+    if dist.get_rank() == 0:
+        selection = select_restore_step(layout, run_id, full_verify=False, rejected=rejected)
+        for name, reason in selection.skipped:
+            log.warning("restore: skipped %s: %s", name, reason)
+        choice = str(selection.step_dir) if selection.step_dir else None
+    choice = broadcast_object(choice)
+    if choice is None:
+        log.info("restore: no verified checkpoint in %s; starting fresh", layout.run_dir)
+        return None
+    return Path(choice)
+
+
+def start_rehash(step_dir: Path, manifest: Manifest) -> Future[str | None]:
+    """Re-hash this rank's share of the files on a helper thread (reads and crc32c release
+    the GIL); together the ranks read the checkpoint once, which warms the page cache for
+    the load."""
+    mine = balanced_share(manifest.files, dist.get_rank(), dist.get_world_size())
+
+    def first_problem() -> str | None:
+        return next((p for e in mine if (p := checksum_problem(step_dir / e.path, e))), None)
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="rehash")
+    future = pool.submit(first_problem)
+    pool.shutdown(wait=False)  # the thread exits once the job is done
+    return future
 
 
 def target_for(run: RunConfig, world_size: int, dp: int, vocab_size: int,
@@ -91,14 +96,21 @@ def check_topology(manifest: Manifest, target: Target) -> TopologyReport:
     return report
 
 
-def plan_restore(run: RunConfig, layout: RunLayout, world_size: int, dp: int,
-                 vocab_size: int) -> tuple[RunConfig, RestorePlan | None]:
-    """Returns the run config to build (checkpoint's padded vocab pinned) and what to load."""
-    step_dir = select_checkpoint(layout, run.run_id, run.checkpoint.full_verify)
+def plan_restore(run: RunConfig, layout: RunLayout, world_size: int, dp: int, vocab_size: int,
+                 rejected: Mapping[int, str] | None = None
+                 ) -> tuple[RunConfig, RestorePlan | None]:
+    """Returns the run config to build (checkpoint's padded vocab pinned) and what to load.
+
+    With ``checkpoint.full_verify`` the plan's files are still being re-hashed: call
+    :meth:`RestorePlan.confirm` (all ranks) before loading; on a problem, plan again with the
+    step in ``rejected``.
+    """
+    step_dir = pick_checkpoint(layout, run.run_id, rejected or {})
     if step_dir is None:
         return run, None
     manifest = read_manifest(step_dir)
+    rehash = start_rehash(step_dir, manifest) if run.checkpoint.full_verify else None
     report = check_topology(manifest, target_for(run, world_size, dp, vocab_size))
     padded = manifest.tokenizer.get("padded_vocab_size")
     model = dataclasses.replace(run.model, padded_vocab_size=padded)
-    return dataclasses.replace(run, model=model), RestorePlan(step_dir, manifest, report)
+    return dataclasses.replace(run, model=model), RestorePlan(step_dir, manifest, report, rehash)

@@ -87,6 +87,8 @@ def test_every_corruption_is_rejected_and_the_newest_good_step_used(
         assert lines and reason in lines[0], (name, lines)
     assert "latest.json" in proc.stderr and "restore: skipped latest.json" in proc.stderr
     assert "resumed from step-000000003 at step 3" in proc.stderr
+    # Step 8 passes the quick pick; its re-hash (while the model is built) rejects it.
+    assert "restore: step 8 failed its re-hash" in proc.stderr
     assert "step-000000011" not in proc.stderr.split("resumed from")[0]
     assert losses(root / "run") == baseline, "steps 4..10 re-done from step 3 must match"
     assert verify_step_dir(layout.step_dir(STEPS), "run").ok
