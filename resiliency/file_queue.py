@@ -10,7 +10,6 @@ directory that the next queue on the machine removes.
 
 from __future__ import annotations
 
-import logging
 import os
 import pickle
 import queue
@@ -20,8 +19,6 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
-
-log = logging.getLogger(__name__)
 
 PREFIX = "mcore-recipes-results-"
 SUFFIX = ".pkl"

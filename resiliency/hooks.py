@@ -82,7 +82,6 @@ class CheckpointHook(TrainHook):
         self.checkpointer: Checkpointer | None = None
         self.plan: "RestorePlan | None" = None
         self.initialise = True  # the run's own model.perform_initialization
-        self.dp = 1
         self.local: "LocalTier | None" = None
 
     def configure(self, run: "RunConfig", dp: int) -> "RunConfig":
@@ -99,7 +98,6 @@ class CheckpointHook(TrainHook):
             raise ConfigError(problem)
         self.ownership.acquire(self.env.rank, self.env.world_size)
         self.initialise = run.model.perform_initialization
-        self.dp = dp
         if self.cfg.resume:
             vocab = build_tokenizer(run.data.tokenizer, run.data.tokenizer_path).vocab_size
             run, self.plan = plan_restore(run, self.layout, self.env.world_size, dp, vocab)
@@ -113,6 +111,7 @@ class CheckpointHook(TrainHook):
                 raise ConfigError("model.perform_initialization=false leaves the weights "
                                   "uninitialised, and there is no checkpoint to restore them "
                                   f"from in {self.layout.steps_dir}; drop the override")
+            # Back on for a rebuild whose first plan had turned it off.
             return dataclasses.replace(run, model=dataclasses.replace(
                 run.model, perform_initialization=True))
         # Every parameter is about to be overwritten by the checkpoint: skip drawing them.
@@ -131,7 +130,7 @@ class CheckpointHook(TrainHook):
                         "rebuilding the model", self.plan.manifest.step, problem)
             vocab = trainer.parts.tokenizer.vocab_size
             run, self.plan = plan_restore(trainer.run, self.layout, self.env.world_size,
-                                          self.dp, vocab, rejected)
+                                          trainer.dp, vocab, rejected)
             trainer.rebuild(self._model_init_for_plan(run))
 
     def on_start(self, trainer: "Trainer") -> None:
