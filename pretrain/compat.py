@@ -162,8 +162,8 @@ def vpp_tied_embedding_save_problem(vpp: int | None, tied_embeddings: bool,
 
 
 def die_with_parent() -> None:
-    """For helper processes of a rank (writer queues, the checkpoint writer): SIGKILLed when
-    the rank dies, deaf to the SIGTERM/SIGUSR1 that Slurm sends every process of a step."""
+    """For helper processes of a rank (the checkpoint writer): SIGKILLed when the rank dies,
+    deaf to the SIGTERM/SIGUSR1 that Slurm sends every process of a step."""
     import ctypes
     import signal
 

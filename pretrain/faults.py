@@ -4,9 +4,10 @@ Kinds: kill (SIGKILL self before the step), hang (block forever), raise (determi
 exception), nan (poison gradients after backward), kill_save (SIGKILL once this step's shards
 are written, before the commit), kill_publish (SIGKILL after COMMITTED is written, before the
 rename), kill_writer (SIGKILL this rank's checkpoint writer process once this step's async
-save is handed to it), slow (from this step on, this rank's step burns ``factor`` times its CPU time:
-"slow@<step>:<rank>:<factor>", a straggler). A "/<round>" suffix limits an entry to one launcher
-round (TORCHELASTIC_RESTART_COUNT), so a fault can hit once and the restarted group run clean.
+save is handed to it), slow (from this step on, this rank's step burns ``factor`` times its
+CPU time: "slow@<step>:<rank>:<factor>", a straggler). A "/<round>" suffix limits an entry to
+one launcher round (TORCHELASTIC_RESTART_COUNT), so a fault can hit once and the restarted
+group run clean.
 Empty in every shipped recipe.
 """
 

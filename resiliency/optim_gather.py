@@ -57,7 +57,8 @@ def _fill_local_shards(opt: Any, gbuf_range_map: dict[str, Any],
 
 
 def _gathered_buckets(opt: Any, gbuf_idx: int, bucket_maps: list[dict[str, Any]],
-                      keys: tuple[str, ...], staging: StagingBuffers) -> list[dict[str, torch.Tensor]]:
+                      keys: tuple[str, ...],
+                      staging: StagingBuffers) -> list[dict[str, torch.Tensor]]:
     """Per bucket: key -> the whole bucket's state (all DP shards) in a staging buffer."""
     group = opt.data_parallel_group_gloo
     dp, out = group.size(), []

@@ -71,14 +71,14 @@ def _is_view(tensor: torch.Tensor) -> bool:
 
 
 def stage_sharded_state(sharded_state: dict[str, Any], staging: StagingBuffers,
-                        snapshot: bool = True) -> int:
-    """Point sharded tensors (and factories) at staged copies of their data; returns bytes
-    copied. Tensors that already are staging buffers are left as they are. ``snapshot=False``
-    (sync saves) stages only the views megatron would clone: the rest is written in place."""
+                        snapshot: bool = True) -> None:
+    """Point sharded tensors (and factories) at staged copies of their data. Tensors that
+    already are staging buffers are left as they are. ``snapshot=False`` (sync saves) stages
+    only the views megatron would clone: the rest is written in place."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    copied, cuda = 0, False
+    cuda = False
     for item in nested_values(sharded_state):
         if not isinstance(item, (ShardedTensor, ShardedTensorFactory)):
             continue
@@ -88,11 +88,9 @@ def stage_sharded_state(sharded_state: dict[str, Any], staging: StagingBuffers,
         if not snapshot and not data.is_cuda and not _is_view(data):
             continue
         item.data = staging.stage(staging_key(item), data)
-        copied += data.numel() * data.element_size()
         cuda = cuda or data.is_cuda
     if cuda:
         torch.cuda.synchronize()
-    return copied
 
 
 def shm_free_bytes() -> int:
