@@ -260,6 +260,9 @@ class CheckpointConfig:
     # page faults on fresh memory (and async saves need no fork). Costs host memory equal to
     # the rank's checkpoint bytes.
     staging_buffers: bool = True
+    # Shard files each rank writes in parallel (megatron's thread_count). On one local disk
+    # one sequential stream per rank was fastest; parallel file systems may want more.
+    writer_threads: int = 1
     resume: bool = True
     load_optimizer: bool = True
     keep_last: int = 2
@@ -274,7 +277,7 @@ class CheckpointConfig:
         _one_of("checkpoint", "optim_format", self.optim_format,
                 ("fully_reshardable", "dp_reshardable"))
         _positive("checkpoint", save_interval=self.save_interval,
-                  milestone_interval=self.milestone_interval)
+                  milestone_interval=self.milestone_interval, writer_threads=self.writer_threads)
         _require(self.keep_last >= 2,
                  f"checkpoint.keep_last={self.keep_last}: at least 2 verified steps are kept, so a "
                  "corrupt newest step always has a fallback")

@@ -31,6 +31,7 @@ from resiliency.manifest import (Manifest, code_commit, image_digest, merge_file
 from resiliency.optim_gather import staged_fully_reshardable
 from resiliency.publish import begin_step, publish, set_aside, write_manifest_and_commit
 from resiliency.retention import apply_gc, plan_gc
+from resiliency.shard_writer import in_process_writes
 from resiliency.staging import StagingBuffers, stage_sharded_state, staging_for
 from resiliency.verify import verify_step_dir
 
@@ -85,14 +86,15 @@ def model_state_dict(chunks: list[Any]) -> dict[str, Any]:
 
 
 def sharded_training_state(parts: Any, optim_format: str, is_loading: bool = False,
-                           with_optimizer: bool = True,
-                           staging: StagingBuffers | None = None) -> dict[str, Any]:
+                           with_optimizer: bool = True, staging: StagingBuffers | None = None,
+                           snapshot: bool = True) -> dict[str, Any]:
     """Model chunks and (optionally) optimizer as one megatron sharded state dict; with
-    ``staging``, a fully-reshardable optimizer state is built into its buffers."""
+    ``staging``, a fully-reshardable optimizer state is built into its buffers (or, without
+    ``snapshot``, left in place where it can be written as it is)."""
     sharded = model_state_dict(parts.chunks)
     if with_optimizer:
         fast = staging is not None and not is_loading and optim_format == "fully_reshardable"
-        with (staged_fully_reshardable(parts.optimizer, staging) if fast
+        with (staged_fully_reshardable(parts.optimizer, staging, snapshot) if fast
               else contextlib.nullcontext()):
             sharded["optimizer"] = parts.optimizer.sharded_state_dict(
                 sharded, is_loading=is_loading,
@@ -213,24 +215,34 @@ class Checkpointer:
 
         start = time.perf_counter()
         sharded = sharded_training_state(self.trainer.parts, self.cfg.optim_format,
-                                         staging=self.staging)
+                                         staging=self.staging, snapshot=self.cfg.async_save)
         self.phase_times["state_dict"] = time.perf_counter() - start
         if self.staging is not None:
             start = time.perf_counter()
             stage_sharded_state(sharded, self.staging, snapshot=self.cfg.async_save)
             self.phase_times["stage"] = time.perf_counter() - start
-        return dist_checkpointing.save(sharded, str(tmp / MODEL_DIR),
-                                       sharded_strategy=self._save_strategy(),
-                                       async_sharded_save=self.cfg.async_save)
+        request = dist_checkpointing.save(sharded, str(tmp / MODEL_DIR),
+                                          sharded_strategy=self._save_strategy(),
+                                          async_sharded_save=True)
+        if not self.cfg.async_save:
+            start = time.perf_counter()
+            in_process_writes(request).execute_sync()
+            self.phase_times["write"] = time.perf_counter() - start
+            return None
+        if self.staging is not None and self.staging.shared:  # the spawned writer runs it
+            return in_process_writes(request)
+        return request  # fork per save: the fork is the snapshot
 
     def _save_strategy(self) -> Any:
         from megatron.core import parallel_state as ps
-        from megatron.core.dist_checkpointing.serialization import (
-            get_default_save_sharded_strategy)
         from megatron.core.dist_checkpointing.strategies.fully_parallel import (
             FullyParallelSaveStrategyWrapper)
+        from megatron.core.dist_checkpointing.strategies.torch import (
+            TorchDistSaveShardedStrategy)
 
-        strategy = get_default_save_sharded_strategy()
+        # megatron's default (torch_dist, version 1), with our number of writers per rank.
+        strategy = TorchDistSaveShardedStrategy("torch_dist", 1,
+                                                thread_count=self.cfg.writer_threads)
         if ps.get_data_parallel_world_size(with_context_parallel=True) == 1:
             return strategy
         # Replicas are split across DP ranks, so each byte is written once, by one rank.

@@ -78,9 +78,21 @@ def _gathered_buckets(opt: Any, gbuf_idx: int, bucket_maps: list[dict[str, Any]]
     return out
 
 
-def build(opt: Any, model_sharded_state_dict: dict[str, Any], staging: StagingBuffers) -> dict:
+def _in_place(live: torch.Tensor, shape: torch.Size) -> torch.Tensor | None:
+    """``live`` reshaped to ``shape`` if the writer can save it as it is: a whole fp32 tensor
+    (a view would make torch.save write its entire storage, so megatron clones those)."""
+    whole = live.untyped_storage().nbytes() == live.numel() * live.element_size()
+    if whole and live.is_contiguous() and live.dtype == torch.float32 \
+            and live.numel() == shape.numel() and not live.is_cuda:
+        return live.view(shape)
+    return None
+
+
+def build(opt: Any, model_sharded_state_dict: dict[str, Any], staging: StagingBuffers,
+          snapshot: bool = True) -> dict:
     """What ``opt.sharded_param_state_fully_reshardable(sd, is_loading=False)`` returns, with
-    every tensor a staging buffer."""
+    every tensor a staging buffer. ``snapshot=False`` (a sync save: training waits for the
+    write) leaves whole host tensors of a DP=1 optimizer in place instead of copying them."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
     from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
@@ -97,17 +109,25 @@ def build(opt: Any, model_sharded_state_dict: dict[str, Any], staging: StagingBu
                     if dp > 1 else None)
         for model_param, (start, end, bucket_id) in buffer.param_index_map.items():
             sharded = metadata_of[model_param]
-            outputs = {k: staging.get(f"{PREFIX}.{k}.{staging_key(sharded)}",
-                                      sharded.data.shape, torch.float32) for k in keys}
+            outputs = {}
             if gathered is None:
-                tensors = opt._get_main_param_and_optimizer_states(model_param)
-                for key, out in outputs.items():
-                    out.view(-1).copy_(tensors[key].detach().view(-1))
+                live = opt._get_main_param_and_optimizer_states(model_param)
+                for key in keys:
+                    source = live[key].detach()
+                    out = None if snapshot else _in_place(source, sharded.data.shape)
+                    if out is None:
+                        out = staging.get(f"{PREFIX}.{key}.{staging_key(sharded)}",
+                                          sharded.data.shape, torch.float32)
+                        out.view(-1).copy_(source.view(-1))
+                    outputs[key] = out
             else:
                 bucket_start = buffer.buckets[bucket_id].offset
-                for key, out in outputs.items():
+                for key in keys:
+                    out = staging.get(f"{PREFIX}.{key}.{staging_key(sharded)}",
+                                      sharded.data.shape, torch.float32)
                     world = gathered[bucket_id][key]
                     out.view(-1).copy_(world[start - bucket_start:end - bucket_start])
+                    outputs[key] = out
             tensors = {}
             for key, data in outputs.items():
                 kwargs = dict(key=f"{PREFIX}.{key}.{sharded.key}", data=data, dtype=data.dtype,
@@ -129,7 +149,8 @@ def _distributed_optimizers(optimizer: Any) -> list[Any]:
 
 
 @contextlib.contextmanager
-def staged_fully_reshardable(optimizer: Any, staging: StagingBuffers) -> Iterator[None]:
+def staged_fully_reshardable(optimizer: Any, staging: StagingBuffers,
+                             snapshot: bool = True) -> Iterator[None]:
     """While active, save-side fully-reshardable state of every DistributedOptimizer in
     ``optimizer`` is built by :func:`build`; loading and unsupported layouts use megatron's."""
     patched = []
@@ -145,7 +166,7 @@ def staged_fully_reshardable(optimizer: Any, staging: StagingBuffers) -> Iterato
             if is_loading or (metadata or {}).get(
                     "distrib_optim_fully_reshardable_mem_efficient", False):
                 return _original(model_sd, is_loading=is_loading, metadata=metadata)
-            return build(_opt, model_sd, staging)
+            return build(_opt, model_sd, staging, snapshot)
 
         opt.sharded_param_state_fully_reshardable = fast  # this instance only, until exit
         patched.append(opt)

@@ -25,12 +25,13 @@ def _compare(overrides: list[str], tmp_path: Path) -> list[dict]:
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("layout", [
-    ["parallel.tp=2"],                       # DP=1: one copy per param
-    ["parallel.tp=1"],                       # DP=2: gathered over the gloo DP group
-    ["recipe=gpt_tiny_moe", "parallel.ep=2"],  # chained optimizers (dense + expert)
+@pytest.mark.parametrize("layout,in_place", [
+    (["parallel.tp=2"], True),                       # DP=1: one copy per param
+    (["parallel.tp=1"], False),                      # DP=2: gathered over the gloo DP group
+    (["recipe=gpt_tiny_moe", "parallel.ep=2"], True),  # chained optimizers (dense + expert)
 ], ids=["tp2", "dp2", "moe-ep2"])
-def test_staged_optimizer_state_equals_megatrons(layout: list[str], tiny_overrides: list[str],
+def test_staged_optimizer_state_equals_megatrons(layout: list[str], in_place: bool,
+                                                 tiny_overrides: list[str],
                                                  tmp_path: Path) -> None:
     reports = _compare([*tiny_overrides, *layout], tmp_path)
     for rank, report in enumerate(reports):
@@ -38,6 +39,10 @@ def test_staged_optimizer_state_equals_megatrons(layout: list[str], tiny_overrid
         assert report["compared"] > 0
         # Every optimizer tensor came from the fast path (a silent fallback would also match).
         assert report["fast_tensors"] == report["compared"] - report["non_tensors"], report
+        # Sync saves write Adam's moments of a DP=1 optimizer in place, still equal to
+        # megatron's; gathered (DP>1) state is always copied.
+        assert report["in_place_mismatches"] == [], (rank, report["in_place_mismatches"][:5])
+        assert (report["in_place"] > 0) == in_place, report
 
 
 def test_async_staging_uses_shared_memory_only_when_dev_shm_holds_it(caplog) -> None:

@@ -2,8 +2,9 @@
 
 Trains a few steps, then compares ``sharded_training_state`` built by megatron with the one
 built into staging buffers (twice, with a step between, so reused buffers must be refreshed).
-Rank 0 writes every rank's {"compared", "fast_tensors", "non_tensors", "mismatches"} to
-``--out``.
+A sync save's variant (``snapshot=False``) must equal it too, with whole live tensors left in
+place. Rank 0 writes every rank's {"compared", "fast_tensors", "non_tensors", "mismatches",
+"in_place", "in_place_mismatches"} to ``--out``.
 """
 
 from __future__ import annotations
@@ -76,12 +77,18 @@ def main() -> None:
     trainer = Trainer(run, env, dp, Path(run.output_dir) / run.run_id, [])
     staging = StagingBuffers()
     report: dict[str, Any] = {"compared": 0, "fast_tensors": 0, "non_tensors": 0,
-                              "mismatches": []}
+                              "mismatches": [], "in_place": 0, "in_place_mismatches": []}
     for _ in range(2):
         trainer.train_step()
         ref = sharded_training_state(trainer.parts, "fully_reshardable")
         fast = sharded_training_state(trainer.parts, "fully_reshardable", staging=staging)
         report["mismatches"] += compare(ref["optimizer"], fast["optimizer"])
+        # A sync save's state (no snapshot): whole live tensors are used as they are.
+        sync = sharded_training_state(trainer.parts, "fully_reshardable", staging=staging,
+                                      snapshot=False)
+        report["in_place_mismatches"] += compare(ref["optimizer"], sync["optimizer"])
+        report["in_place"] += sum(1 for _, data in _described(sync["optimizer"]).values()
+                                  if data is not None and not staging.owns(data))
         described = _described(fast["optimizer"])
         report["compared"] += len(described)
         report["non_tensors"] += sum(1 for _, data in described.values() if data is None)
