@@ -53,7 +53,7 @@ def load(directory: Path) -> dict[str, Any]:
 
 
 def zip_crcs(directory: Path) -> list[int]:
-    """CRC-32 fields of the central directory entries (torch.save outputs) concatenated in the shard files."""
+    """CRC-32 fields of the zip central directories of the torch.save records in the shards."""
     import struct
 
     crcs = []
