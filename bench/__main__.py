@@ -254,9 +254,11 @@ def bench_hang(work: Path, data: str, reps: int) -> dict[str, Any]:
 
 
 def bench_overhead(config: str, work: Path, data: str, reps: int) -> dict[str, Any]:
-    # One framework step, one bare step, alternating (the finest interleave there is); every
-    # 10 pairs make one repetition: median framework step / median bare step.
-    per_rep = 10
+    # One framework step, one bare step, alternating (the finest interleave there is); each
+    # pair's ratio compares two steps a fraction of a second apart, so machine drift cancels;
+    # every 30 pairs make one repetition: the median of their ratios (a step stalled by another
+    # tenant of the machine is not overhead).
+    per_rep = 30
     # No periodic saves (the recipe's save_interval): checkpoint cost is P1/P2's business.
     raw = worker("overhead", config, work, data, f"--reps={per_rep * reps}", "--block-steps=1",
                  more=("checkpoint.save_interval=null",))
@@ -266,7 +268,7 @@ def bench_overhead(config: str, work: Path, data: str, reps: int) -> dict[str, A
     def med(group: list[dict], key: str) -> float:
         return statistics.median(p[key] for p in group)
 
-    ratios = [med(g, "framework_s") / med(g, "bare_s") for g in groups]
+    ratios = [statistics.median(p["framework_s"] / p["bare_s"] for p in g) for g in groups]
     shim = raw["shim"]
     return {"P5": stats(ratios),
             "bare_step_s": stats([med(g, "bare_s") for g in groups]),

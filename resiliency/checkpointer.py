@@ -140,6 +140,7 @@ class Checkpointer:
         # Seconds per phase of the last save (logged, and read by bench/).
         self.phase_times: dict[str, float] = {}
         self._gc_thread: threading.Thread | None = None
+        self._strategy: Any = None  # megatron save strategy, built by the first save
         self.staging = self._staging() if self.cfg.staging_buffers else None
         from pretrain.compat import fix_orphaned_writer_manager
 
@@ -221,9 +222,11 @@ class Checkpointer:
             start = time.perf_counter()
             stage_sharded_state(sharded, self.staging, snapshot=self.cfg.async_save)
             self.phase_times["stage"] = time.perf_counter() - start
+        first = self._strategy is None
         request = dist_checkpointing.save(sharded, str(tmp / MODEL_DIR),
                                           sharded_strategy=self._save_strategy(),
-                                          async_sharded_save=True)
+                                          async_sharded_save=True,
+                                          validate_access_integrity=first)
         if not self.cfg.async_save:
             start = time.perf_counter()
             in_process_writes(request).execute_sync()
@@ -234,20 +237,27 @@ class Checkpointer:
         return request  # fork per save: the fork is the snapshot
 
     def _save_strategy(self) -> Any:
+        """One strategy for the whole run: the state dict's structure does not change within
+        a run, so megatron caches the save plan in it (and the replica distribution over DP
+        ranks) after the first save, which alone validates the sharding (Megatron-LM's
+        --ckpt-assume-constant-structure)."""
         from megatron.core import parallel_state as ps
         from megatron.core.dist_checkpointing.strategies.fully_parallel import (
             FullyParallelSaveStrategyWrapper)
         from megatron.core.dist_checkpointing.strategies.torch import (
             TorchDistSaveShardedStrategy)
 
-        # megatron's default (torch_dist, version 1), with our number of writers per rank.
-        strategy = TorchDistSaveShardedStrategy("torch_dist", 1,
-                                                thread_count=self.cfg.writer_threads)
-        if ps.get_data_parallel_world_size(with_context_parallel=True) == 1:
-            return strategy
-        # Replicas are split across DP ranks, so each byte is written once, by one rank.
-        return FullyParallelSaveStrategyWrapper(
-            strategy, ps.get_data_parallel_group(with_context_parallel=True))
+        if self._strategy is None:
+            # megatron's default (torch_dist, version 1), with our number of writers per rank.
+            strategy = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True,
+                                                    thread_count=self.cfg.writer_threads)
+            if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
+                # Replicas are split across DP ranks: each byte is written once, by one rank.
+                strategy = FullyParallelSaveStrategyWrapper(
+                    strategy, ps.get_data_parallel_group(with_context_parallel=True),
+                    do_cache_distribution=True)
+            self._strategy = strategy
+        return self._strategy
 
     def _staging(self) -> StagingBuffers:
         params = [p for chunk in self.trainer.parts.chunks for p in chunk.parameters()]
