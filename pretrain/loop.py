@@ -44,6 +44,7 @@ class StepResult:
     lr: float
     step_time_s: float
     tokens_per_s: float
+    stop_asked: bool = False  # some rank's hook asked to stop (TrainHook.wants_stop)
 
 
 class TrainHook:
@@ -61,6 +62,12 @@ class TrainHook:
 
     def after_step(self, trainer: "Trainer", result: StepResult) -> None:
         pass
+
+    def wants_stop(self, trainer: "Trainer") -> bool:
+        """Asked on every rank at the end of each step: if any rank answers True, every rank's
+        StepResult has ``stop_asked`` set. Ranks agree on it in the step's loss all-reduce,
+        so asking costs no collective of its own."""
+        return False
 
     def on_end(self, trainer: "Trainer") -> None:
         pass
@@ -232,22 +239,25 @@ class Trainer:
         self.state.step += 1
         self.state.consumed_samples += parts.plan.global_batch_size
         self.state.consumed_tokens += self.tokens_per_step
-        loss = self._reduce_loss(losses)
+        loss, stop_asked = self._reduce_loss(losses)
         elapsed = time.perf_counter() - start
         lr = parts.optimizer.param_groups[0]["lr"]
         return StepResult(self.state.step, loss, float(grad_norm or 0.0), float(lr), elapsed,
-                          self.tokens_per_step / elapsed)
+                          self.tokens_per_step / elapsed, stop_asked)
 
-    def _reduce_loss(self, losses: list[dict]) -> float:
-        """Mean loss over microbatches and DP ranks, known on every rank."""
+    def _reduce_loss(self, losses: list[dict]) -> tuple[float, bool]:
+        """Mean loss over microbatches and DP ranks, and whether any rank's hook wants to
+        stop, known on every rank (one all-reduce)."""
         from megatron.core import parallel_state as ps
 
-        local = torch.zeros(1, dtype=torch.float64, device=self.env.torch_device)
+        local = torch.zeros(2, dtype=torch.float64, device=self.env.torch_device)
         if losses and ps.is_pipeline_last_stage(ignore_virtual=True):
-            local += torch.stack([x["lm loss"].double() for x in losses]).mean()
+            local[0] += torch.stack([x["lm loss"].double() for x in losses]).mean()
+        local[1] = float(any(hook.wants_stop(self) for hook in self.hooks))
         dist.all_reduce(local)
+        loss_sum, stop_votes = local.tolist()
         last_stage_ranks = self.env.world_size // self.run.parallel.pp
-        return float(local.item() / last_stage_ranks)
+        return loss_sum / last_stage_ranks, stop_votes > 0
 
     def _log(self, result: StepResult) -> None:
         if self.env.rank != 0:

@@ -1,7 +1,8 @@
 """Preemption: SIGTERM/SIGUSR1 -> emergency persistent save at the next step boundary -> REQUEUE.
 
-The handler only sets a flag; ranks agree on it with one all-reduce per step, so every rank
-saves at the same step even if the signal reached only some of them. The save is bounded:
+The handler only sets a flag; ranks agree on it at the end of every step, in the same
+all-reduce as the step's loss (``TrainHook.wants_stop``), so every rank saves at the same step
+even if the signal reached only some of them, and the check costs no collective of its own. The save is bounded:
 past ``emergency_save_timeout_s`` the process exits with REQUEUE anyway (the last published
 step is still intact), so a Terminating pod or a Slurm grace period is never overrun.
 """
@@ -14,14 +15,11 @@ import signal
 import threading
 from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
-
 from pretrain.loop import TrainHook
 from resiliency import exit_codes
 
 if TYPE_CHECKING:
-    from pretrain.loop import Trainer
+    from pretrain.loop import StepResult, Trainer
     from resiliency.hooks import CheckpointHook
 
 log = logging.getLogger(__name__)
@@ -41,10 +39,12 @@ class PreemptionHook(TrainHook):
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.received = signum
 
-    def before_step(self, trainer: "Trainer") -> None:
-        flag = torch.tensor([0 if self.received is None else 1], device=trainer.env.torch_device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if not flag.item():
+    def wants_stop(self, trainer: "Trainer") -> bool:
+        return self.received is not None
+
+    def after_step(self, trainer: "Trainer", result: "StepResult") -> None:
+        # The last step ends the run anyway (and on_end saves it): nothing to requeue.
+        if not result.stop_asked or trainer.state.step >= trainer.run.train.train_steps:
             return
         name = signal.Signals(self.received).name if self.received else "a peer's signal"
         log.warning("preemption (%s): emergency save at step %d, then exit %d (requeue)",
