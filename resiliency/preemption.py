@@ -2,9 +2,10 @@
 
 The handler only sets a flag; ranks agree on it at the end of every step, in the same
 all-reduce as the step's loss (``TrainHook.wants_stop``), so every rank saves at the same step
-even if the signal reached only some of them, and the check costs no collective of its own. The save is bounded:
-past ``emergency_save_timeout_s`` the process exits with REQUEUE anyway (the last published
-step is still intact), so a Terminating pod or a Slurm grace period is never overrun.
+even if the signal reached only some of them, and the check costs no collective of its own.
+The save is bounded: past ``emergency_save_timeout_s`` the process exits with REQUEUE anyway
+(the last published step is still intact), so a Terminating pod or a Slurm grace period is
+never overrun.
 """
 
 from __future__ import annotations
