@@ -34,9 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     plan = _absolute_output_dir(plan_launch(overrides))
     check_run_dir_free(plan)
-    sbatch = None if args.dry_run else _find_sbatch()
     _warn_on_short_grace(plan)
     text = render(plan)  # before writing anything: a value it cannot render is bad input too
+    # After every check of the input: a bad value is reported as such, on any machine.
+    sbatch = None if args.dry_run else _find_sbatch()
     write_resolved_config(plan, CONFIG_NAME)
     if plan.run.launch.backend == "ft_launcher":
         from resiliency.ft import write_launcher_config
