@@ -109,25 +109,23 @@ def build(opt: Any, model_sharded_state_dict: dict[str, Any], staging: StagingBu
                     if dp > 1 else None)
         for model_param, (start, end, bucket_id) in buffer.param_index_map.items():
             sharded = metadata_of[model_param]
-            outputs = {}
             if gathered is None:
                 live = opt._get_main_param_and_optimizer_states(model_param)
-                for key in keys:
-                    source = live[key].detach()
-                    out = None if snapshot else _in_place(source, sharded.data.shape)
-                    if out is None:
-                        out = staging.get(f"{PREFIX}.{key}.{staging_key(sharded)}",
-                                          sharded.data.shape, torch.float32)
-                        out.view(-1).copy_(source.view(-1))
-                    outputs[key] = out
+                sources = {k: live[k].detach().view(-1) for k in keys}
             else:
                 bucket_start = buffer.buckets[bucket_id].offset
-                for key in keys:
+                sources = {k: gathered[bucket_id][k][start - bucket_start:end - bucket_start]
+                           for k in keys}
+            outputs = {}
+            for key, source in sources.items():
+                # Gathered state lives in staging buffers reused per bucket: always copy it.
+                out = None if snapshot or gathered is not None else _in_place(
+                    source, sharded.data.shape)
+                if out is None:
                     out = staging.get(f"{PREFIX}.{key}.{staging_key(sharded)}",
                                       sharded.data.shape, torch.float32)
-                    world = gathered[bucket_id][key]
-                    out.view(-1).copy_(world[start - bucket_start:end - bucket_start])
-                    outputs[key] = out
+                    out.view(-1).copy_(source)
+                outputs[key] = out
             tensors = {}
             for key, data in outputs.items():
                 kwargs = dict(key=f"{PREFIX}.{key}.{sharded.key}", data=data, dtype=data.dtype,

@@ -31,16 +31,21 @@ def sharded_state() -> dict[str, Any]:
             for name, shape in shapes.items()}
 
 
-def save(directory: Path, in_process: bool) -> int:
+def save_request(directory: Path, thread_count: int) -> Any:
+    """megatron's planned (not yet written) save of ``sharded_state()`` into ``directory``."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
+    directory.mkdir(parents=True, exist_ok=True)
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=thread_count)
+    return dist_checkpointing.save(sharded_state(), str(directory), sharded_strategy=strategy,
+                                   async_sharded_save=True)
+
+
+def save(directory: Path, in_process: bool) -> int:
     from resiliency.shard_writer import in_process_writes
 
-    directory.mkdir(parents=True, exist_ok=True)
-    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=2)
-    request = dist_checkpointing.save(sharded_state(), str(directory),
-                                      sharded_strategy=strategy, async_sharded_save=True)
+    request = save_request(directory, thread_count=2)
     before = FORKS[0]
     (in_process_writes(request) if in_process else request).execute_sync()
     return FORKS[0] - before
@@ -92,16 +97,9 @@ def main() -> None:
     report["files"] = sorted(p.name for p in (work / "threads").glob("*.distcp"))
     gone = work / "gone"
     try:
-        from megatron.core import dist_checkpointing
-        from megatron.core.dist_checkpointing.strategies.torch import (
-            TorchDistSaveShardedStrategy)
-
         from resiliency.shard_writer import in_process_writes
 
-        gone.mkdir()
-        request = dist_checkpointing.save(sharded_state(), str(gone), async_sharded_save=True,
-                                          sharded_strategy=TorchDistSaveShardedStrategy(
-                                              "torch_dist", 1, thread_count=1))
+        request = save_request(gone, thread_count=1)
         shutil.rmtree(gone)
         in_process_writes(request).execute_sync()
         report["missing_dir_error"] = None
