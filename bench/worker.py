@@ -91,8 +91,8 @@ def _dir_bytes(path: Path) -> int:
 
 
 def _reread(step_dir: Path) -> float:
-    from resiliency.checksum import describe_files
-    from resiliency.layout import payload_files
+    from resiliency.storage.checksum import describe_files
+    from resiliency.storage.layout import payload_files
 
     start = time.perf_counter()
     describe_files(step_dir, payload_files(step_dir), fsync=False)
@@ -154,13 +154,13 @@ def mode_save(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from resiliency.checkpointer import Checkpointer
-    from resiliency.layout import RunLayout
+    from resiliency.checkpoint.checkpointer import Checkpointer
+    from resiliency.storage.layout import RunLayout
 
     trainer, env, _ = _setup(args.overrides, with_hooks=False)
     layout = RunLayout(trainer.run_dir.parent, trainer.run.run_id)
     layout.steps_dir.mkdir(parents=True, exist_ok=True)
-    ckpt = Checkpointer(trainer, layout, attempt=1)
+    ckpt = Checkpointer(trainer, layout, attempt=1, faults=trainer.faults)
     trainer.train_step()  # optimizer state exists from here on
     rank, world = env.rank, env.world_size
     out: dict[str, Any] = {"sync": [], "async": []}

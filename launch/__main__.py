@@ -9,7 +9,7 @@ import sys
 
 from pretrain.logs import setup_logging
 from recipes import ConfigError
-from resiliency import exit_codes
+from pretrain import exit_codes
 
 # backend name -> module with add_arguments(parser) and run(args, overrides) -> int
 BACKENDS = {"local": "launch.local", "slurm": "launch.slurm", "k8s": "launch.k8s"}

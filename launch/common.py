@@ -9,8 +9,8 @@ from typing import Sequence
 
 from recipes import ConfigError, RunConfig, load_config, to_yaml
 from recipes.validate import validate_runtime
-from resiliency.layout import RunLayout, atomic_write_json
-from resiliency.lease import read_lease, stale_reason
+from resiliency.storage.layout import RunLayout, atomic_write_json
+from resiliency.storage.lease import read_lease, stale_reason
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,8 @@ from launch.common import (LaunchPlan, check_run_dir_free, plan_launch, record_s
 from launch.k8s_render import Rendered, render, to_manifest_yaml
 from launch.k8s_schema import validate_objects
 from recipes import ConfigError
-from resiliency import exit_codes
-from resiliency.manifest import code_commit
+from pretrain import exit_codes
+from resiliency.storage.manifest import code_commit
 
 log = logging.getLogger(__name__)
 

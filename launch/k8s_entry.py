@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from resiliency import exit_codes
-from resiliency.layout import atomic_write_json
+from pretrain import exit_codes
+from resiliency.storage.layout import atomic_write_json
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ def with_ft_config(launcher_args: list[str], state_dir: Path) -> list[str]:
     if any(a.startswith("--ft-cfg-path") for a in launcher_args) or "--config" not in launcher_args:
         return launcher_args
     from recipes.load import load_config_file
-    from resiliency.ft import write_launcher_config
+    from resiliency.monitor.fault_tolerance import write_launcher_config
 
     run = load_config_file(launcher_args[launcher_args.index("--config") + 1])
     path = write_launcher_config(run, state_dir)

@@ -4,7 +4,7 @@
 pins the resolved config in ``<run_dir>/launch-config.yaml`` and runs the launcher chosen by
 ``launch.backend``:
 
-* ``ft_launcher``: rank monitors watch the sections every rank reports (:mod:`resiliency.ft`);
+* ``ft_launcher``: rank monitors watch the sections every rank reports (:mod:`resiliency.monitor.fault_tolerance`);
   a hung or dead rank gets the whole worker group torn down and restarted in place (at most K
   times), resuming from the newest verified checkpoint. Ranks that fail deterministically ask
   ft_launcher not to restart.
@@ -14,7 +14,7 @@ pins the resolved config in ``<run_dir>/launch-config.yaml`` and runs the launch
 The launcher's output is passed through (and kept in ``<run_dir>/launch-local.log``) and read
 for the events the attempt records need (detection, teardown, exit codes, monitor timeouts).
 When the launcher is done, each attempt of this launch gets its root cause, losses and RTO
-(:mod:`resiliency.ft_postmortem`), and the exit code comes from :mod:`launch.retry_policy`:
+(:mod:`resiliency.monitor.postmortem`), and the exit code comes from :mod:`launch.retry_policy`:
 0 when finished, REQUEUE (75) after a preemption, a "do not retry" code otherwise
 (RETRY_BUDGET_EXHAUSTED after K restarts). SIGTERM/SIGINT are forwarded to the launcher, whose
 ranks make an emergency save.
@@ -35,11 +35,11 @@ from typing import IO
 
 from launch.common import LaunchPlan, check_run_dir_free, plan_launch, write_resolved_config
 from launch.retry_policy import STOP, Decision, decide, newest_attempt, read_outcome
-from resiliency import exit_codes
-from resiliency.attempts import recorded_attempts
-from resiliency.ft import write_launcher_config
-from resiliency.ft_postmortem import LauncherEvents, finalize_attempts
-from resiliency.layout import RunLayout
+from pretrain import exit_codes
+from resiliency.storage.attempts import recorded_attempts
+from resiliency.monitor.fault_tolerance import write_launcher_config
+from resiliency.monitor.postmortem import LauncherEvents, finalize_attempts
+from resiliency.storage.layout import RunLayout
 
 log = logging.getLogger(__name__)
 CONFIG_NAME = "launch-config.yaml"

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from resiliency import exit_codes
-from resiliency.attempts import recorded_attempts
-from resiliency.layout import RunLayout
+from pretrain import exit_codes
+from resiliency.storage.attempts import recorded_attempts
+from resiliency.storage.layout import RunLayout
 
 REQUEUE, STOP = "requeue", "stop"
 KILLED_STATUSES = ("starting", "running")

@@ -20,7 +20,7 @@ from launch.common import (LaunchPlan, check_run_dir_free, plan_launch, record_s
                            write_resolved_config)
 from launch.slurm_script import ScriptInputs, render_sbatch
 from recipes import ConfigError
-from resiliency.manifest import code_commit, image_digest
+from resiliency.storage.manifest import code_commit, image_digest
 
 log = logging.getLogger(__name__)
 CONFIG_NAME = "launch-config.yaml"
@@ -40,7 +40,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     sbatch = None if args.dry_run else _find_sbatch()
     write_resolved_config(plan, CONFIG_NAME)
     if plan.run.launch.backend == "ft_launcher":
-        from resiliency.ft import write_launcher_config
+        from resiliency.monitor.fault_tolerance import write_launcher_config
 
         write_launcher_config(plan.run, plan.run_dir)
     script = write_script(plan, text)

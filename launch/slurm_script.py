@@ -145,7 +145,7 @@ def _srun_args(run: RunConfig) -> str:
 
 
 def _launcher(run: RunConfig, inputs: ScriptInputs) -> str:
-    from resiliency.ft import LAUNCHER_CONFIG_FILE
+    from resiliency.monitor.fault_tolerance import LAUNCHER_CONFIG_FILE
 
     name = LAUNCHERS[run.launch.backend]
     # Inside a container the image provides the environment; outside, the submitting venv does.

@@ -9,7 +9,7 @@ from pretrain.logs import setup_logging
 from recipes import ConfigError, load_config, to_yaml
 from recipes.load import load_config_file
 from recipes.validate import resolve_device, validate_runtime
-from resiliency import exit_codes
+from pretrain import exit_codes
 
 log = logging.getLogger("pretrain")
 USAGE = ("usage: python -m pretrain (recipe=<name> | --config RESOLVED.yaml) [key=value ...]\n"

@@ -12,14 +12,17 @@ a release: a supported version (``SUPPORTED_MCORE``) missing from a fix's list i
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 from dataclasses import dataclass
 from importlib.metadata import version
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
+
+from pretrain.file_queue import FileQueue
 
 log = logging.getLogger(__name__)
 SKIP_ENV = "MCORE_RECIPES_COMPAT_SKIP"
@@ -193,13 +196,12 @@ def fix_orphaned_writer_manager() -> None:
     holding the rank's stdout/stderr and memory; launchers that restart ranks pile them up.
     From 0.19 on, async saves default to nvidia-resiliency-ext's writer (``async_strategy=
     "nvrx"``), which keeps a queue of its own (``J_NVRX_WRITER``). Both get a directory-backed
-    queue instead (resiliency/file_queue.py): no process to orphan, and no Manager to spawn,
+    queue instead (pretrain/file_queue.py): no process to orphan, and no Manager to spawn,
     which took ~0.9 s of every (re)start here.
     """
     import atexit
     import sys
 
-    from resiliency.file_queue import FileQueue
 
     if "J" in skipped() or not sys.platform.startswith("linux") \
             or not mcore_version().startswith(J_AFFECTED):
@@ -212,6 +214,37 @@ def fix_orphaned_writer_manager() -> None:
     atexit.register(lambda: os.getpid() == owner and results.remove())
     for module in modules:
         module._results_queue = results
+
+
+def route_shard_writer_open(open_fn: Callable[..., Any]) -> None:
+    """Not a bug fix: megatron's shard writers call the builtin ``open`` through their module's
+    globals; a name there shadows it, so every shard file a writer (thread, fork or spawned
+    process that calls this) opens goes through ``open_fn`` (resiliency's checksumming stream).
+    A megatron that opens files some other way bypasses it, and the commit reads files back."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async.open = open_fn
+
+
+@contextlib.contextmanager
+def fully_reshardable_state_from(optimizer: Any, build: Callable[[Any, Any], Any]) -> Iterator[None]:
+    """Not a bug fix: while active, ``optimizer`` (a megatron DistributedOptimizer instance, not
+    the class) builds its save-side fully-reshardable state with ``build(model_sd, metadata)``
+    instead of its own gather; loads and the memory-efficient variant keep megatron's path."""
+    original = optimizer.sharded_param_state_fully_reshardable
+
+    def sharded_param_state(model_sd: Any, is_loading: bool = False,
+                            metadata: dict | None = None) -> Any:
+        if is_loading or (metadata or {}).get(
+                "distrib_optim_fully_reshardable_mem_efficient", False):
+            return original(model_sd, is_loading=is_loading, metadata=metadata)
+        return build(model_sd, metadata)
+
+    optimizer.sharded_param_state_fully_reshardable = sharded_param_state  # this instance only
+    try:
+        yield
+    finally:
+        del optimizer.sharded_param_state_fully_reshardable
 
 
 # nvidia-resiliency-ext moved its straggler package (same Detector API) under attribution/ in 0.7.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -20,8 +21,10 @@ import torch.distributed as dist
 from pretrain import data, model as model_lib, optim
 from pretrain.distributed import DistEnv, init_model_parallel
 from pretrain.faults import FaultInjector
+from pretrain.failures import NonFiniteError
+from pretrain.hooks import StepResult, TrainHook
 from pretrain.tokenizer import build_tokenizer
-from resiliency.failures import NonFiniteError
+from pretrain.failures import NonFiniteError
 from recipes.schema import RunConfig
 from recipes.validate import num_microbatches
 
@@ -34,49 +37,6 @@ class TrainState:
     step: int = 0
     consumed_samples: int = 0
     consumed_tokens: int = 0
-
-
-@dataclass
-class StepResult:
-    step: int
-    loss: float
-    grad_norm: float
-    lr: float
-    step_time_s: float
-    tokens_per_s: float
-    stop_asked: bool = False  # some rank's hook asked to stop (TrainHook.wants_stop)
-
-
-class TrainHook:
-    """Base hook: every method is a no-op, so disabled features cost nothing."""
-
-    def configure(self, run: RunConfig, dp: int) -> RunConfig:
-        """Before the model is built (after process groups exist); may adjust the config."""
-        return run
-
-    def on_start(self, trainer: "Trainer") -> None:
-        pass
-
-    def before_step(self, trainer: "Trainer") -> None:
-        pass
-
-    def after_step(self, trainer: "Trainer", result: StepResult) -> None:
-        pass
-
-    def wants_stop(self, trainer: "Trainer") -> bool:
-        """Asked on every rank at the end of each step: if any rank answers True, every rank's
-        StepResult has ``stop_asked`` set. Ranks agree on it in the step's loss all-reduce,
-        so asking costs no collective of its own."""
-        return False
-
-    def on_end(self, trainer: "Trainer") -> None:
-        pass
-
-    def on_exception(self, trainer: "Trainer | None", exc: BaseException) -> None:
-        """The run failed (``trainer`` is None when it failed before the model was built)."""
-
-    def close(self) -> None:
-        pass
 
 
 @dataclass
@@ -172,7 +132,8 @@ class Trainer:
         self.state = TrainState()
         self.faults = FaultInjector.parse(run.train.fault, env.rank)
         self.stop_requested = False
-        self.exit_code = 0  # hooks set a non-zero code for planned exits (e.g. preemption)
+        self.exit_code = 0  # non-zero for planned exits (request_stop: preemption, straggler)
+        self._checkpointing: str | None = None
         self.metrics_path = run_dir / "metrics" / "steps.jsonl"
 
     def rebuild(self, run: RunConfig) -> None:
@@ -193,6 +154,39 @@ class Trainer:
     @property
     def tokens_per_step(self) -> int:
         return self.parts.plan.global_batch_size * self.run.model.seq_length
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the step that ran last (the scheduler's current value)."""
+        return float(self.parts.optimizer.param_groups[0]["lr"])
+
+    def request_stop(self, exit_code: int, reason: str) -> None:
+        """A planned exit: the loop stops before the next step and the run exits with
+        ``exit_code`` (a hook's decision, e.g. requeue after preemption)."""
+        if self.env.rank == 0:
+            log.info("stop requested at step %d (exit %d): %s", self.state.step, exit_code, reason)
+        self.stop_requested, self.exit_code = True, exit_code
+
+    def resume_from(self, state: TrainState) -> None:
+        """Continue from a restored loop position (a checkpoint's train state)."""
+        self.state = state
+
+    @contextlib.contextmanager
+    def checkpointing(self, what: str) -> Iterator[None]:
+        """Wrap checkpoint work: every hook sees ``on_checkpoint_begin``/``_end`` around it
+        (hang detection gives it its own timeout). Nested calls announce only the outermost."""
+        if self._checkpointing is not None:
+            yield
+            return
+        self._checkpointing = what
+        for hook in self.hooks:
+            hook.on_checkpoint_begin(self, what)
+        try:
+            yield
+        finally:
+            self._checkpointing = None
+            for hook in self.hooks:
+                hook.on_checkpoint_end(self, what)
 
     def fit(self) -> TrainState:
         for hook in self.hooks:
@@ -241,8 +235,7 @@ class Trainer:
         self.state.consumed_tokens += self.tokens_per_step
         loss, stop_asked = self._reduce_loss(losses)
         elapsed = time.perf_counter() - start
-        lr = parts.optimizer.param_groups[0]["lr"]
-        return StepResult(self.state.step, loss, float(grad_norm or 0.0), float(lr), elapsed,
+        return StepResult(self.state.step, loss, float(grad_norm or 0.0), self.lr, elapsed,
                           self.tokens_per_step / elapsed, stop_asked)
 
     def _reduce_loss(self, losses: list[dict]) -> tuple[float, bool]:

@@ -5,17 +5,18 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from pretrain import exit_codes
+from pretrain.distributed import init_distributed, shutdown
+from pretrain.failures import classify
+from pretrain.hooks import TrainHook, build_hooks
 from pretrain.logs import setup_logging
-from recipes import RunConfig, to_yaml
+from pretrain.loop import Trainer
+from recipes import ConfigError, RunConfig, to_yaml
 
 log = logging.getLogger("pretrain")
 
 
 def train(run: RunConfig, device: str, dp: int) -> int:
-    from pretrain.distributed import init_distributed, shutdown
-    from pretrain.loop import Trainer
-    from resiliency.hooks import build_hooks
-
     setup_logging(run.logging.level)
     env = init_distributed(device)
     run_dir = Path(run.output_dir) / run.run_id
@@ -24,7 +25,11 @@ def train(run: RunConfig, device: str, dp: int) -> int:
         tmp = run_dir / "config.yaml.tmp"
         tmp.write_text(to_yaml(run))
         tmp.replace(run_dir / "config.yaml")  # one path for every rank and attempt
-    hooks = build_hooks(run, env, run_dir)
+    try:
+        hooks = build_hooks(run, env, run_dir)
+    except ConfigError as exc:
+        log.error("config error: %s", exc)
+        return exit_codes.CONFIG_ERROR
     trainer = None
     try:
         for hook in hooks:
@@ -33,8 +38,6 @@ def train(run: RunConfig, device: str, dp: int) -> int:
         trainer.fit()
         code = trainer.exit_code
     except Exception as exc:
-        from resiliency.failures import classify
-
         for hook in hooks:
             hook.on_exception(trainer, exc)
         failure = classify(exc)
@@ -47,7 +50,7 @@ def train(run: RunConfig, device: str, dp: int) -> int:
     return code
 
 
-def _close_all(hooks: list) -> None:  # noqa: ANN001 - TrainHook, imported lazily
+def _close_all(hooks: list[TrainHook]) -> None:
     """Close every hook; a failing close (e.g. disk full) must not mask the run's exit code."""
     for hook in hooks:
         try:

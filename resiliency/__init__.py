@@ -1,27 +1,12 @@
-"""Storage side of the checkpoint publish protocol: layout, manifest, verify, publish, select,
-retention, lease and attempt records. Pure files: callers pass in what ranks gathered."""
+"""Resiliency on top of the training core, in four layers (each imports only those below it):
 
-from resiliency.attempts import (AttemptConflictError, claim_attempt, ensure_run_record,
-                                 next_attempt_id, write_attempt_record)
-from resiliency.checksum import FileEntry, describe_files, file_checksum, share_of
-from resiliency.layout import (RunLayout, atomic_write_json, fsync_dir, fsync_tree, parse_step,
-                               payload_files)
-from resiliency.lease import LeaseHeldError, LeaseInfo, LeaseLostError, RunLease, read_lease
-from resiliency.manifest import (Manifest, ManifestError, code_commit, image_digest,
-                                 merge_file_entries, read_manifest, runtime_versions)
-from resiliency.publish import (PublishError, begin_step, publish, update_latest,
-                                write_manifest_and_commit)
-from resiliency.retention import GcPlan, apply_gc, plan_gc
-from resiliency.select import Selection, select_restore_step
-from resiliency.verify import Verdict, verify_step_dir
-
-__all__ = [
-    "AttemptConflictError", "FileEntry", "GcPlan", "LeaseHeldError", "LeaseInfo",
-    "LeaseLostError", "Manifest", "ManifestError", "PublishError", "RunLayout", "RunLease",
-    "Selection", "Verdict", "apply_gc", "atomic_write_json", "begin_step", "claim_attempt",
-    "code_commit", "describe_files", "ensure_run_record", "file_checksum", "fsync_dir",
-    "fsync_tree", "image_digest", "merge_file_entries", "next_attempt_id", "parse_step",
-    "payload_files", "plan_gc", "publish", "read_lease", "read_manifest", "runtime_versions",
-    "select_restore_step", "share_of", "update_latest", "verify_step_dir",
-    "write_attempt_record", "write_manifest_and_commit",
-]
+- ``storage``: the publish protocol on plain files (no torch): layout, manifest, checksums,
+  verify, publish, select, retention, the single-writer lease, attempt records.
+- ``checkpoint``: the full training state through megatron-core: the checkpointer and its
+  writers, staging buffers, restore planning, the topology validator, the node-local tier, and
+  the checkpoint hook.
+- ``monitor``: hooks that watch a run: ft_launcher sections and learned timeouts, stack
+  evidence and post-mortems, stragglers, the post-restore watch, metrics, preemption.
+- ``hooks`` (every feature as train-loop hooks, found by the trainer through an entry point)
+  and ``cli`` (``python -m resiliency``).
+"""

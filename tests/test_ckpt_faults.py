@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from resiliency import exit_codes
-from resiliency.checksum import FileEntry
-from resiliency.layout import RunLayout
-from resiliency.manifest import read_manifest, manifest_checksum
-from resiliency.verify import verify_step_dir
+from pretrain import exit_codes
+from resiliency.storage.checksum import FileEntry
+from resiliency.storage.layout import RunLayout
+from resiliency.storage.manifest import read_manifest, manifest_checksum
+from resiliency.storage.verify import verify_step_dir
 from tests.helpers import losses, read_steps, run_pretrain
 
 pytestmark = pytest.mark.slow

@@ -13,18 +13,18 @@ from typing import Callable
 
 import pytest
 
-from resiliency.attempts import (AttemptConflictError, claim_attempt, ensure_run_record,
+from resiliency.storage.attempts import (AttemptConflictError, claim_attempt, ensure_run_record,
                                  next_attempt_id, write_attempt_record)
-from resiliency.checksum import FileEntry, bytes_checksum, describe_files, file_checksum
-from resiliency.layout import RunLayout, atomic_write_json, parse_step, parse_tmp
-from resiliency.manifest import (Manifest, ManifestError, manifest_checksum, merge_file_entries,
+from resiliency.storage.checksum import FileEntry, bytes_checksum, describe_files, file_checksum
+from resiliency.storage.layout import RunLayout, atomic_write_json, parse_step, parse_tmp
+from resiliency.storage.manifest import (Manifest, ManifestError, manifest_checksum, merge_file_entries,
                                  read_manifest)
-from resiliency.publish import (PublishError, begin_step, publish, update_latest,
+from resiliency.storage.publish import (PublishError, begin_step, publish, update_latest,
                                 write_manifest_and_commit)
-from resiliency.retention import apply_gc, plan_gc
-from resiliency.select import select_restore_step
-from resiliency.synthetic import synthetic_manifest, write_payload, write_synthetic_step
-from resiliency.verify import verify_step_dir
+from resiliency.storage.retention import apply_gc, plan_gc
+from resiliency.storage.select import select_restore_step
+from resiliency.storage.synthetic import synthetic_manifest, write_payload, write_synthetic_step
+from resiliency.storage.verify import verify_step_dir
 
 RUN = "run-test-001"
 SHARD = "model/__0_0.distcp"
@@ -370,7 +370,7 @@ def test_next_attempt_id(layout: RunLayout) -> None:
 
 
 def test_attempt_env_override(layout: RunLayout) -> None:
-    code = ("import sys; from pathlib import Path; from resiliency import RunLayout, "
+    code = ("import sys; from pathlib import Path; from resiliency.storage import RunLayout, "
             "next_attempt_id; print(next_attempt_id(RunLayout(Path(sys.argv[1]), sys.argv[2])))")
     env = {**os.environ, "MCORE_RECIPES_ATTEMPT": "42"}
     out = subprocess.run([sys.executable, "-c", code, str(layout.root), RUN], env=env, cwd=REPO,

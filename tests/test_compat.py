@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from pretrain import compat
-from resiliency.layout import RunLayout
+from resiliency.storage.layout import RunLayout
 from tests.helpers import REPO, losses, pretrain_cmd, run_pretrain
 
 pytestmark = [pytest.mark.slow, pytest.mark.current_stack]

@@ -16,10 +16,10 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from resiliency import exit_codes
-from resiliency.layout import RunLayout
-from resiliency.manifest import Manifest
-from resiliency.topology import MCORE, Target, validate
+from pretrain import exit_codes
+from resiliency.storage.layout import RunLayout
+from resiliency.storage.manifest import Manifest
+from resiliency.checkpoint.topology import MCORE, Target, validate
 from tests.helpers import REPO, losses
 
 pytestmark = pytest.mark.current_stack

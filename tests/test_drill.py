@@ -1,4 +1,4 @@
-"""``python -m resiliency drill``: the fault experiment passes on CPU and catches inexact resume.
+"""``python -m drill``: the fault experiment passes on CPU and catches inexact resume.
 
 The slow tests run real training jobs (torchrun, 2 ranks, gpt_tiny): one full drill (about
 3 minutes on 2 cores) and one recovery-only drill whose resumed launches run without the
@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 from pretrain.compat import SKIP_ENV
-from resiliency import exit_codes
-from resiliency.attempts import write_attempt_record
-from resiliency.cli import main
-from resiliency.drill import DrillConfig, DrillResult, prepare_out, run_drill
-from resiliency.drill_checks import FAIL, PASS
-from resiliency.drill_launch import DrillError, LaunchResult, LaunchSpec
-from resiliency.drill_runs import DrillPlan, Runner, Scenario
-from resiliency.layout import RunLayout
+from pretrain import exit_codes
+from resiliency.storage.attempts import write_attempt_record
+from drill.cli import main
+from drill.experiment import DrillConfig, DrillResult, prepare_out, run_drill
+from drill.checks import FAIL, PASS
+from drill.jobs import DrillError, LaunchResult, LaunchSpec
+from drill.runs import DrillPlan, Runner, Scenario
+from resiliency.storage.layout import RunLayout
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -84,7 +84,7 @@ def test_drill_records_lost_steps_and_timings(drill: DrillResult) -> None:
 def test_inexact_resume_fails_the_drill(tiny_overrides: list[str], tmp_path: Path,
                                         capsys: pytest.CaptureFixture[str]) -> None:
     """Resumed launches without compat fix I drift from the baseline: the drill must say so."""
-    code = main(["drill", "--out", str(tmp_path / "drill"), "--scenarios", "recovery",
+    code = main(["--out", str(tmp_path / "drill"), "--scenarios", "recovery",
                  "--resume-env", f"{SKIP_ENV}=I", *tiny_overrides])
     out = capsys.readouterr().out
     assert code == 1, out
@@ -107,7 +107,7 @@ def test_slurm_launcher_without_sbatch_is_a_clear_error(
         capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
     out = tmp_path / "drill"
-    assert main(["drill", "--launcher", "slurm", "--out", str(out), *tiny_overrides]) == 2
+    assert main(["--launcher", "slurm", "--out", str(out), *tiny_overrides]) == 2
     message = capsys.readouterr().out
     assert "sbatch" in message and "not found on PATH" in message and "--launcher local" in message
     assert not out.exists()

@@ -13,12 +13,13 @@ import pytest
 
 from launch.retry_policy import REQUEUE, STOP, decide
 from pretrain.faults import InjectedFault
-from resiliency import exit_codes
-from resiliency.failures import NonFiniteError, TopologyRefusedError
-from resiliency.ft_evidence import write_failure_file
-from resiliency.ft_postmortem import LauncherEvents, failure_path, finalize_attempts
-from resiliency.layout import RunLayout, atomic_write_json
-from resiliency.metrics import METRICS_FILE
+from pretrain import exit_codes
+from pretrain.failures import NonFiniteError
+from resiliency.checkpoint.topology import TopologyRefusedError
+from resiliency.monitor.evidence import write_failure_file
+from resiliency.monitor.postmortem import LauncherEvents, failure_path, finalize_attempts
+from resiliency.storage.layout import RunLayout, atomic_write_json
+from resiliency.monitor.metrics import METRICS_FILE
 from tests.ft_helpers import (attempts, base_overrides, clean_run, env, launch_cmd, launch_local,
                               wait_for_step)
 from tests.helpers import REPO, losses

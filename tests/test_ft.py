@@ -11,12 +11,12 @@ import pytest
 
 from launch.common import plan_launch
 from launch.local import launcher_command
-from pretrain.loop import StepResult
+from pretrain.hooks import StepResult
 from recipes.schema import WatchConfig
-from resiliency.failures import classify
-from resiliency.ft import TIMEOUTS_FILE, launcher_config, load_timeouts
-from resiliency.ft_stacks import StackWatchdog, read_stack_dump
-from resiliency.watch import RestoreDivergedError, jumps
+from pretrain.failures import classify
+from resiliency.monitor.fault_tolerance import TIMEOUTS_FILE, launcher_config, load_timeouts
+from resiliency.monitor.stacks import StackWatchdog, read_stack_dump
+from resiliency.monitor.watch import RestoreDivergedError, jumps
 from tests.ft_helpers import (CHECK_S, FLOOR_S, SAVE_EVERY, attempts, base_overrides, clean_run,
                               launch_local)
 from tests.helpers import losses

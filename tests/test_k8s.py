@@ -28,9 +28,9 @@ from launch.k8s_schema import (crd_path, crd_schema, operator_errors, schema_err
                                to_json_schema, validate_objects)
 from recipes import ConfigError
 from recipes.load import load_config_file
-from resiliency import exit_codes
-from resiliency.layout import RunLayout
-from resiliency.lease import RunLease
+from pretrain import exit_codes
+from resiliency.storage.layout import RunLayout
+from resiliency.storage.lease import RunLease
 from tests.helpers import REPO
 
 try:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from resiliency.layout import RunLayout
-from resiliency.lease import LeaseHeldError, LeaseInfo, LeaseLostError, RunLease, read_lease
+from resiliency.storage.layout import RunLayout
+from resiliency.storage.lease import LeaseHeldError, LeaseInfo, LeaseLostError, RunLease, read_lease
 
 RUN = "run-lease"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from resiliency.local_store import REJECTED_SUFFIX, VerifiedLocalManager, list_local_files
+from resiliency.checkpoint.local_store import REJECTED_SUFFIX, VerifiedLocalManager, list_local_files
 from tests.helpers import REPO, TORCHRUN, losses, read_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.current_stack]
@@ -194,7 +194,7 @@ def test_dirty_files_of_dead_attempts_are_removed(tmp_path: Path) -> None:
 def test_replicas_must_land_on_other_nodes() -> None:
     from recipes import ConfigError
     from recipes.schema import LocalCheckpointConfig
-    from resiliency.local_tier import replication_strategy
+    from resiliency.checkpoint.local_tier import replication_strategy
 
     cfg = LocalCheckpointConfig(interval=5, dir="/x", replication_factor=2, replication_jump=2)
     with pytest.raises(ConfigError, match="different node.*replication_factor=1"):

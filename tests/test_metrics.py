@@ -12,10 +12,10 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from resiliency.metrics import METRICS_FILE, RunMetrics, _serve
+from resiliency.monitor.metrics import METRICS_FILE, RunMetrics, _serve
 from tests.ft_helpers import SAVE_EVERY, STEPS, attempt, clean_run
 
-RULES = Path(__file__).resolve().parents[1] / "resiliency" / "alerts" / "checkpoint.rules.yaml"
+RULES = Path(__file__).resolve().parents[1] / "resiliency" / "monitor" / "alerts" / "checkpoint.rules.yaml"
 
 
 def parse(text: str) -> dict[str, list]:

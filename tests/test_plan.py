@@ -7,7 +7,7 @@ import math
 import pytest
 
 from resiliency.cli import main
-from resiliency.plan import (Interval, Storage, checkpoint_size, parse_count, parse_duration)
+from resiliency.cli.capacity import (Interval, Storage, checkpoint_size, parse_count, parse_duration)
 
 # params -> (bytes per version at 14 B/param, x keep 3, +20 %, +30 %), worked out by hand
 HAND = {

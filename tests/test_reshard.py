@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from resiliency import exit_codes
-from resiliency.layout import RunLayout
+from pretrain import exit_codes
+from resiliency.storage.layout import RunLayout
 from tests.helpers import REPO, losses, run_pretrain
 
 pytestmark = pytest.mark.slow

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from resiliency.layout import RunLayout
-from resiliency.lease import RunLease
-from resiliency.publish import begin_step, update_latest
-from resiliency.synthetic import write_synthetic_step
+from resiliency.storage.layout import RunLayout
+from resiliency.storage.lease import RunLease
+from resiliency.storage.publish import begin_step, update_latest
+from resiliency.storage.synthetic import write_synthetic_step
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = "run-cli-001"

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from resiliency import exit_codes
-from resiliency.layout import RunLayout
+from pretrain import exit_codes
+from resiliency.storage.layout import RunLayout
 from tests.helpers import losses, read_steps, run_pretrain
 
 pytestmark = pytest.mark.slow

@@ -20,9 +20,9 @@ import pytest
 
 from launch.__main__ import main as launch_main
 from launch.retry_policy import REQUEUE, STOP, decide
-from resiliency import exit_codes
-from resiliency.layout import RunLayout, atomic_write_json
-from resiliency.lease import RunLease
+from pretrain import exit_codes
+from resiliency.storage.layout import RunLayout, atomic_write_json
+from resiliency.storage.lease import RunLease
 from tests.helpers import REPO, read_steps
 
 SLURM_DIR = REPO / "tests" / "slurm"

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from recipes.schema import StragglerConfig
-from resiliency import exit_codes
-from resiliency.layout import RunLayout
-from resiliency.nvrx_cpu import install
-from resiliency.straggler import REPORTS_FILE, summarize
+from pretrain import exit_codes
+from resiliency.storage.layout import RunLayout
+from pretrain.cpu_shim import nvrx_straggler_on_cpu
+from resiliency.monitor.straggler import REPORTS_FILE, summarize
 from tests.ft_helpers import STRAGGLER, attempts, base_overrides, clean_run, launch_local
 
 SLOW_STEP, INTERVAL = 5, 4
@@ -41,7 +41,7 @@ def test_summary_names_only_ranks_slower_than_their_peers() -> None:
 
 @pytest.mark.current_stack
 def test_cpu_sections_time_work_not_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
-    install("cpu")  # CUPTI stub + CPU-time section clock
+    nvrx_straggler_on_cpu("cpu")  # CUPTI stub + CPU-time section clock
     from pretrain.compat import nvrx_straggler
 
     straggler = nvrx_straggler()

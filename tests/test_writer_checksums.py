@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from resiliency.checksum import WriterChecksums, describe_written, file_checksum
+from resiliency.storage.checksum import WriterChecksums, describe_written, file_checksum
 
 
 def test_forked_writer_reports_the_checksum_of_what_it_wrote(tmp_path):

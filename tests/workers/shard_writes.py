@@ -43,7 +43,7 @@ def save_request(directory: Path, thread_count: int) -> Any:
 
 
 def save(directory: Path, in_process: bool) -> int:
-    from resiliency.shard_writer import in_process_writes
+    from resiliency.checkpoint.shard_writer import in_process_writes
 
     request = save_request(directory, thread_count=2)
     before = FORKS[0]
@@ -97,7 +97,7 @@ def main() -> None:
     report["files"] = sorted(p.name for p in (work / "threads").glob("*.distcp"))
     gone = work / "gone"
     try:
-        from resiliency.shard_writer import in_process_writes
+        from resiliency.checkpoint.shard_writer import in_process_writes
 
         request = save_request(gone, thread_count=1)
         shutil.rmtree(gone)

@@ -68,8 +68,8 @@ def main() -> None:
     from pretrain.loop import Trainer
     from recipes import load_config
     from recipes.validate import validate_runtime
-    from resiliency.checkpointer import sharded_training_state
-    from resiliency.staging import StagingBuffers
+    from resiliency.checkpoint.checkpointer import sharded_training_state
+    from resiliency.checkpoint.staging import StagingBuffers
 
     run = load_config(args.overrides)
     dp = validate_runtime(run, launch_env()[1], "cpu")

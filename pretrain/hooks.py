@@ -1,0 +1,99 @@
+"""The train-loop hook API: what features see of the loop, and the events they react to.
+
+Every method is a no-op, so a disabled feature costs nothing. A feature that needs to know about
+something another component does gets an event here (e.g. ``on_checkpoint_begin``) instead of
+patching that component; features that need to change the loop call the Trainer's methods
+(``request_stop``, ``resume_from``, ``checkpointing``) instead of writing its fields.
+
+Hook providers are found through the ``mcore_recipes.train_hooks`` entry-point group
+(pyproject.toml), so the core never imports the packages built on top of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Callable
+
+from recipes import ConfigError
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from pretrain.distributed import DistEnv
+    from pretrain.loop import Trainer
+    from recipes.schema import RunConfig
+
+HOOK_PROVIDERS = "mcore_recipes.train_hooks"
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    step_time_s: float
+    tokens_per_s: float
+    stop_asked: bool = False  # some rank's hook asked to stop (TrainHook.wants_stop)
+
+
+class TrainHook:
+    """Base hook: every method is a no-op, so disabled features cost nothing."""
+
+    def configure(self, run: RunConfig, dp: int) -> RunConfig:
+        """Before the model is built (after process groups exist); may adjust the config."""
+        return run
+
+    def on_start(self, trainer: Trainer) -> None:
+        pass
+
+    def before_step(self, trainer: Trainer) -> None:
+        pass
+
+    def after_step(self, trainer: Trainer, result: StepResult) -> None:
+        pass
+
+    def wants_stop(self, trainer: Trainer) -> bool:
+        """Asked on every rank at the end of each step: if any rank answers True, every rank's
+        StepResult has ``stop_asked`` set. Ranks agree on it in the step's loss all-reduce,
+        so asking costs no collective of its own."""
+        return False
+
+    def on_checkpoint_begin(self, trainer: Trainer, what: str) -> None:
+        """Checkpoint work starts (``what``: "save", "commit", "final save", "local save"...);
+        it may block for much longer than a step. Not nested: one begin, then one end."""
+
+    def on_checkpoint_end(self, trainer: Trainer, what: str) -> None:
+        """The checkpoint work that ``on_checkpoint_begin`` announced is over (or failed)."""
+
+    def on_end(self, trainer: Trainer) -> None:
+        pass
+
+    def on_exception(self, trainer: Trainer | None, exc: BaseException) -> None:
+        """The run failed (``trainer`` is None when it failed before the model was built)."""
+
+    def close(self) -> None:
+        pass
+
+
+HookBuilder = Callable[["RunConfig", "DistEnv", "Path"], list[TrainHook]]
+
+
+def hook_builders() -> dict[str, HookBuilder]:
+    """The installed hook providers by entry-point name; each builds its hooks for one run."""
+    return {ep.name: ep.load() for ep in entry_points(group=HOOK_PROVIDERS)}
+
+
+def build_hooks(run: RunConfig, env: DistEnv, run_dir: Path) -> list[TrainHook]:
+    """Every provider's hooks for this run, providers in name order (one provider today).
+    Checkpointing is a hook: a run that asks for it never trains silently without it."""
+    providers = hook_builders()
+    if run.checkpoint.enabled and not providers:
+        raise ConfigError(f"checkpoint.enabled=true but no train-hook provider is installed "
+                          f"(entry-point group {HOOK_PROVIDERS}); install the package "
+                          "(pip install -e .) or set checkpoint.enabled=false")
+    hooks: list[TrainHook] = []
+    for _, builder in sorted(providers.items()):
+        hooks.extend(builder(run, env, run_dir))
+    return hooks

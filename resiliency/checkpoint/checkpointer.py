@@ -1,0 +1,514 @@
+"""Persistent checkpoints of the full training state through megatron-core dist_checkpointing.
+
+Save: every rank writes its shards and RNG state into ``step-N.tmp-attempt-K``; once all
+writers have persisted (at once for sync saves, at a later step boundary for async ones),
+ranks checksum a share of the files each, rank 0 writes the manifest and COMMITTED and
+publishes the dir by atomic rename. Restore: rank 0 picks the newest verified step, every
+rank loads it, and the loaded state is checked against the manifest before training resumes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from resiliency.checkpoint import rank_state as state_io
+from resiliency.storage.checksum import (describe_files, describe_written,
+                                 file_checksum, share_of)
+from resiliency.storage.layout import RunLayout, payload_files
+from resiliency.storage.manifest import (Manifest, code_commit, image_digest, merge_file_entries,
+                                 read_manifest, runtime_versions)
+from resiliency.checkpoint.optim_gather import staged_fully_reshardable
+from resiliency.storage.publish import begin_step, publish, set_aside, write_manifest_and_commit
+from resiliency.storage.retention import apply_gc, plan_gc
+from resiliency.checkpoint.async_writer import SpawnedWriterQueue
+from resiliency.checkpoint.shard_writer import in_process_writes, writer_checksums
+from resiliency.checkpoint.staging import StagingBuffers, stage_sharded_state, staging_for
+from resiliency.storage.verify import verify_step_dir
+
+from pretrain import exit_codes
+from pretrain.compat import fix_orphaned_writer_manager
+from pretrain.failures import ClassifiedError
+from pretrain.faults import FaultInjector
+from pretrain.loop import TrainState
+
+if TYPE_CHECKING:
+    from pretrain.loop import Trainer
+
+log = logging.getLogger(__name__)
+MODEL_DIR = "model"
+# torch DCP reports failed writes (e.g. ENOSPC on any rank) as a BaseException subclass.
+SAVE_ERRORS = (Exception, CheckpointException)
+
+
+class CheckpointSaveError(ClassifiedError):
+    """A save failed on some rank; the tmp dir was discarded and earlier steps are intact."""
+
+    kind, exit_code = "checkpoint", exit_codes.CHECKPOINT_IO
+
+
+class RestoreError(ClassifiedError):
+    """The selected checkpoint loaded but does not match its manifest."""
+
+    kind, exit_code = "checkpoint", exit_codes.CHECKPOINT_IO
+
+
+@dataclass
+class PendingSave:
+    step: int
+    tmp_dir: Path
+    started: float
+    request: Any = None  # megatron AsyncRequest while writers run in the background
+
+
+@dataclass
+class SaveStats:
+    durations_s: list[float] = field(default_factory=list)
+    last_success_time: float | None = None
+    last_step: int | None = None
+
+
+def broadcast_object(value: Any, src: int = 0) -> Any:
+    box = [value]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def chunks_by_key(chunks: list[Any]) -> dict[str, Any]:
+    """Megatron-LM's top-level checkpoint keys: "model", or "model<i>" per virtual stage."""
+    if len(chunks) == 1:
+        return {"model": chunks[0]}
+    return {f"model{i}": chunk for i, chunk in enumerate(chunks)}
+
+
+def model_state_dict(chunks: list[Any]) -> dict[str, Any]:
+    return {key: chunk.sharded_state_dict() for key, chunk in chunks_by_key(chunks).items()}
+
+
+def sharded_training_state(parts: Any, optim_format: str, is_loading: bool = False,
+                           with_optimizer: bool = True, staging: StagingBuffers | None = None,
+                           snapshot: bool = True) -> dict[str, Any]:
+    """Model chunks and (optionally) optimizer as one megatron sharded state dict; with
+    ``staging``, a fully-reshardable optimizer state is built into its buffers (or, without
+    ``snapshot``, left in place where it can be written as it is)."""
+    sharded = model_state_dict(parts.chunks)
+    if with_optimizer:
+        fast = staging is not None and not is_loading and optim_format == "fully_reshardable"
+        with (staged_fully_reshardable(parts.optimizer, staging, snapshot) if fast
+              else contextlib.nullcontext()):
+            sharded["optimizer"] = parts.optimizer.sharded_state_dict(
+                sharded, is_loading=is_loading,
+                metadata={"distrib_optim_sharding_type": optim_format,
+                          "chained_optim_avoid_prefix": True})
+    return sharded
+
+
+class Checkpointer:
+    def __init__(self, trainer: "Trainer", layout: RunLayout, attempt: int,
+                 faults: FaultInjector) -> None:
+        self.trainer, self.layout, self.attempt = trainer, layout, attempt
+        self.faults = faults  # train.fault's points inside the save protocol (tests, drill)
+        self.cfg = trainer.run.checkpoint
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.pending: PendingSave | None = None
+        self.queue: Any = None
+        self.stats = SaveStats()
+        self.restored_step: int | None = None
+        self.restored_tier: str | None = None  # "persistent" | "local"
+        self.lr_scaling: dict[str, Any] | None = None
+        self._dataset_snapshot: dict[str, Any] | None = None
+        # Seconds per phase of the last save (logged, and read by bench/).
+        self.phase_times: dict[str, float] = {}
+        self._gc_thread: threading.Thread | None = None
+        self._strategy: Any = None  # megatron save strategy, built by the first save
+        self.staging = self._staging() if self.cfg.staging_buffers else None
+        fix_orphaned_writer_manager()
+
+    # ---------------------------------------------------------------- save
+    def save(self) -> None:
+        """Start a save of the current state; sync saves are published before returning."""
+        self.finalize(blocking=True)  # one save in flight at a time
+        step = self.trainer.state.step
+        started = time.perf_counter()
+        self.phase_times = {}
+        tmp = self._begin(step)
+        writer_checksums().drain()  # reports of an aborted save, if any
+        try:
+            request = self._write_shards(tmp)
+            state_io.save_rank_state(tmp, self.rank, state_io.capture_rng(self.trainer.env.device))
+            if self.rank == 0:
+                state_io.write_train_state(tmp, self.train_state_record())
+        except SAVE_ERRORS as exc:
+            self._abort(tmp, exc)
+        self.phase_times["save_call"] = time.perf_counter() - started
+        self.pending = PendingSave(step, tmp, started, request)
+        if request is None:
+            self._commit()
+        else:
+            request.add_finalize_fn(self._commit)
+            self._async_queue().schedule_async_request(request)
+            writer = getattr(self.queue, "writer", None)  # the spawned writer, if any
+            if writer is not None and writer.process is not None:
+                self.faults.at_checkpoint("writer", step, writer.process.pid)
+            if self.rank == 0:
+                log.info("checkpoint step %d: writing in the background", step)
+
+    def finalize(self, blocking: bool = False) -> None:
+        """Publish async saves whose writers are done (collective: call on every rank)."""
+        if self.queue is not None and self.queue.get_num_unfinalized_calls():
+            try:
+                self.queue.maybe_finalize_async_calls(blocking=blocking)
+            except SAVE_ERRORS as exc:
+                if self.pending is None:  # the commit itself failed and cleaned up already
+                    raise
+                self._abort(self.pending.tmp_dir, exc)  # e.g. ENOSPC in a background writer
+
+    def _begin(self, step: int) -> Path:
+        """Rank 0 creates the tmp dir; a failure there is raised on every rank alike."""
+        tmp, error = None, None
+        if self.rank == 0:
+            try:
+                self._set_aside_rejected(step)
+                tmp = str(begin_step(self.layout, step, self.attempt))
+                (Path(tmp) / MODEL_DIR).mkdir()
+            except Exception as exc:  # noqa: BLE001 - shared with every rank below
+                error = f"{type(exc).__name__}: {exc}"
+        tmp, error = broadcast_object((tmp, error))
+        if error:
+            raise CheckpointSaveError(f"cannot start checkpoint step {step}: {error}")
+        return Path(tmp)
+
+    def _set_aside_rejected(self, step: int) -> None:
+        """A published dir at this step that fails verification was rejected at restore."""
+        final = self.layout.step_dir(step)
+        if final.exists():
+            verdict = verify_step_dir(final, self.trainer.run.run_id, full=self.cfg.full_verify)
+            if not verdict.ok:
+                moved = set_aside(self.layout, step, verdict.reason)
+                log.warning("checkpoint step %d: invalid published dir moved to %s (%s)", step,
+                            moved.name, verdict.reason)
+
+    def _write_shards(self, tmp: Path) -> Any:
+        from megatron.core import dist_checkpointing
+
+        start = time.perf_counter()
+        sharded = sharded_training_state(self.trainer.parts, self.cfg.optim_format,
+                                         staging=self.staging, snapshot=self.cfg.async_save)
+        self.phase_times["state_dict"] = time.perf_counter() - start
+        if self.staging is not None:
+            start = time.perf_counter()
+            stage_sharded_state(sharded, self.staging, snapshot=self.cfg.async_save)
+            self.phase_times["stage"] = time.perf_counter() - start
+        first = self._strategy is None
+        request = dist_checkpointing.save(sharded, str(tmp / MODEL_DIR),
+                                          sharded_strategy=self._save_strategy(),
+                                          async_sharded_save=True,
+                                          validate_access_integrity=first)
+        if not self.cfg.async_save:
+            start = time.perf_counter()
+            in_process_writes(request).execute_sync()
+            self.phase_times["write"] = time.perf_counter() - start
+            return None
+        if self.staging is not None and self.staging.shared:  # the spawned writer runs it
+            return in_process_writes(request)
+        return request  # fork per save: the fork is the snapshot
+
+    def _save_strategy(self) -> Any:
+        """One strategy for the whole run: the state dict's structure does not change within
+        a run, so megatron caches the save plan in it (and the replica distribution over DP
+        ranks) after the first save, which alone validates the sharding (Megatron-LM's
+        --ckpt-assume-constant-structure)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+            FullyParallelSaveStrategyWrapper)
+        from megatron.core.dist_checkpointing.strategies.torch import (
+            TorchDistSaveShardedStrategy)
+
+        if self._strategy is None:
+            # megatron's default (torch_dist, version 1), with our number of writers per rank.
+            strategy = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True,
+                                                    thread_count=self.cfg.writer_threads)
+            if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
+                # Replicas are split across DP ranks: each byte is written once, by one rank.
+                strategy = FullyParallelSaveStrategyWrapper(
+                    strategy, ps.get_data_parallel_group(with_context_parallel=True),
+                    do_cache_distribution=True)
+            self._strategy = strategy
+        return self._strategy
+
+    def _staging(self) -> StagingBuffers:
+        params = [p for chunk in self.trainer.parts.chunks for p in chunk.parameters()]
+        param_bytes = sum(p.numel() * p.element_size() for p in params)
+        ranks_on_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        return staging_for(self.cfg.async_save, param_bytes, ranks_on_node)
+
+    def _async_queue(self) -> Any:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        if self.queue is None:
+            if self.staging is not None and self.staging.shared:
+                # The state is a private copy in shared memory: a spawned writer saves it.
+                self.queue = SpawnedWriterQueue(writer_checksums().reports)
+            else:
+                # Fork per save (the fork is the snapshot); megatron's persistent caller leaked
+                # later in-place updates of live tensors (see shared cpu-feasibility notes).
+                self.queue = AsyncCallsQueue(persistent=False)
+        return self.queue
+
+    def train_state_record(self) -> dict[str, Any]:
+        trainer = self.trainer
+        return {
+            "step": trainer.state.step,
+            "consumed_samples": trainer.state.consumed_samples,
+            "consumed_tokens": trainer.state.consumed_tokens,
+            "microbatch_position": 0,  # saves happen at step boundaries only
+            "global_batch_size": trainer.parts.plan.global_batch_size,
+            "lr": trainer.lr,
+            "scheduler": trainer.parts.scheduler.state_dict(),
+            "grad_scaler": None,  # bf16/fp32 train without loss scaling
+            "data_cursor": {"consumed_samples": trainer.state.consumed_samples,
+                            "shuffle_seed": trainer.run.data.seed},
+        }
+
+    def _commit(self) -> None:
+        """Collective: checksum shares, then rank 0 commits, publishes and collects garbage."""
+        pending = self.pending
+        assert pending is not None
+        failure: str | None = None
+        self.faults.at_checkpoint("save", pending.step)
+        phase = time.perf_counter()
+        dist.barrier()  # every rank's shards and rank-state file are on disk
+        self.phase_times["writers_wait"] = time.perf_counter() - phase
+        phase = time.perf_counter()
+        try:
+            mine = self._describe_payload(pending.tmp_dir)
+        except SAVE_ERRORS as exc:  # noqa: BLE001 - reported collectively below
+            failure, mine = f"rank {self.rank}: {exc}", []
+        self.phase_times["checksums"] = time.perf_counter() - phase
+        phase = time.perf_counter()
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, (failure, mine))
+        failures = [f for f, _ in gathered if f]
+        if failures:
+            self._abort(pending.tmp_dir, CheckpointSaveError("; ".join(failures)))
+        if self.rank == 0:
+            try:
+                self._publish(pending, merge_file_entries(entries for _, entries in gathered))
+            except Exception as exc:  # noqa: BLE001 - shared with every rank below
+                failure = f"rank 0: {exc}"
+        failure = broadcast_object(failure)
+        if failure:
+            self._abort(pending.tmp_dir, CheckpointSaveError(failure))
+        self.phase_times["publish"] = time.perf_counter() - phase
+        duration = time.perf_counter() - pending.started
+        self.stats.durations_s.append(duration)
+        self.stats.last_success_time, self.stats.last_step = time.time(), pending.step
+        self.pending = None
+
+    def _describe_payload(self, tmp_dir: Path) -> list[Any]:
+        """This rank's manifest entries: the files its writers hashed while writing them, plus
+        a round-robin share of the rest (metadata, rank state, anything a writer did not
+        report), which is read back and hashed. Collective."""
+        files = broadcast_object(payload_files(tmp_dir) if self.rank == 0 else None)
+        root = tmp_dir.absolute()
+        written = {}
+        for path, (size, checksum) in writer_checksums().drain().items():
+            rel = Path(path).relative_to(root).as_posix() if path.startswith(f"{root}/") else None
+            if rel in files:
+                written[rel] = (size, checksum)
+        claimed: list[Any] = [None] * self.world
+        dist.all_gather_object(claimed, sorted(written))
+        known = {rel for ranks in claimed for rel in ranks}
+        rest = [rel for rel in files if rel not in known]
+        entries = [describe_written(tmp_dir, rel, *written[rel]) for rel in sorted(written)]
+        return entries + describe_files(tmp_dir, share_of(rest, self.rank, self.world))
+
+    def _publish(self, pending: PendingSave, files: list[Any]) -> None:
+        self._check_loadable(pending.tmp_dir / MODEL_DIR)
+        write_manifest_and_commit(pending.tmp_dir, self._manifest(pending.step, files))
+        self.faults.at_checkpoint("publish", pending.step)
+        final = publish(self.layout, pending.tmp_dir, pending.step)
+        log.info("checkpoint step %d published: %s (%.2f s)", pending.step, final,
+                 time.perf_counter() - pending.started)
+        self._join_gc()
+        plan = plan_gc(self.layout, self.trainer.run.run_id, self.cfg.keep_last,
+                       self.cfg.milestone_interval, protected=set(), live_attempt=self.attempt)
+        if plan.deletions:
+            # Unlinking a GiB-sized old step took 0.25 s of a 0.33 s async commit: do it off
+            # the training thread. A dir is renamed to .trash- before it is emptied, so a crash
+            # midway leaves trash the next collection removes, never a half-deleted step.
+            self._gc_thread = threading.Thread(target=self._apply_gc, args=(plan,),
+                                               name="checkpoint-gc", daemon=True)
+            self._gc_thread.start()
+
+    @staticmethod
+    def _apply_gc(plan: Any) -> None:
+        try:
+            for path in apply_gc(plan):
+                log.info("retention: removed %s", path.name)
+        except Exception:  # noqa: BLE001 - the published step stands; the next save retries
+            log.exception("retention: garbage collection failed")
+
+    def _join_gc(self) -> None:
+        if self._gc_thread is not None:
+            self._gc_thread.join()
+            self._gc_thread = None
+
+    @staticmethod
+    def _check_loadable(model_dir: Path) -> None:
+        from megatron.core.dist_checkpointing.core import check_is_distributed_checkpoint
+        from torch.distributed.checkpoint import FileSystemReader
+
+        if not check_is_distributed_checkpoint(str(model_dir)):
+            raise CheckpointSaveError(f"{model_dir} has no readable dist-checkpoint metadata")
+        FileSystemReader(str(model_dir)).read_metadata()
+
+    def _manifest(self, step: int, files: list[Any]) -> Manifest:
+        from dataclasses import asdict
+
+        run, parts = self.trainer.run, self.trainer.parts
+        return Manifest(
+            run_id=run.run_id, attempt=self.attempt, step=step, world_size=self.world,
+            parallelism=run.parallel.layout(parts.plan.dp_size),
+            optim_format=self.cfg.optim_format, versions=runtime_versions(),
+            code_commit=code_commit(), image_digest=image_digest(),
+            dataset=self._dataset(), config=asdict(run), files=files,
+            tokenizer={"kind": run.data.tokenizer, "path": run.data.tokenizer_path,
+                       "vocab_size": parts.tokenizer.vocab_size,
+                       "padded_vocab_size": parts.padded_vocab})
+
+    def _dataset(self) -> dict[str, Any]:
+        from pretrain.data import dataset_fingerprint
+
+        if self._dataset_snapshot is None:
+            snapshot = dataset_fingerprint(self.trainer.run.data)
+            snapshot["index_files"] = {p + ".idx": file_checksum(Path(p + ".idx"))
+                                       for p in self.trainer.run.data.paths
+                                       if Path(p + ".idx").is_file()}
+            self._dataset_snapshot = snapshot
+        return self._dataset_snapshot
+
+    def _abort(self, tmp: Path, exc: BaseException) -> None:
+        import shutil
+
+        self.pending = None
+        space = self._space_report()  # before cleanup frees the partial write
+        # Any rank that sees the failure removes the dir: an async failure reaches ranks at
+        # different points, and the launcher may stop the others before they get here.
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointSaveError(
+            f"checkpoint save into {tmp} failed: {exc}. {space} The tmp dir was "
+            f"removed; earlier published steps in {self.layout.steps_dir} are untouched.") from exc
+
+    def _space_report(self) -> str:
+        """Write errors from torch DCP often hide ENOSPC; say how full the disk is."""
+        import shutil
+
+        usage = shutil.disk_usage(self.layout.steps_dir)
+        mib = 1 << 20
+        report = (f"Filesystem of {self.layout.steps_dir}: {usage.free // mib} MiB free of "
+                  f"{usage.total // mib} MiB.")
+        if usage.free < 0.05 * usage.total:
+            report += " The disk is (nearly) full: free space or lower checkpoint.keep_last."
+        return report
+
+    # ------------------------------------------------------------- restore
+    def restore(self, step_dir: Path, manifest: Manifest, same_layout: bool) -> int:
+        """Load a step chosen, topology-validated and re-hashed by restore_plan.py."""
+        loaded = self._load_shards(step_dir / MODEL_DIR, manifest)
+        rank_state = state_io.load_rank_state(step_dir, self.rank) if same_layout else None
+        self.apply_loaded(loaded, state_io.read_train_state(step_dir), rank_state, step_dir.name,
+                          restored=(manifest.step, "persistent"))
+        return manifest.step
+
+    def apply_loaded(self, loaded: dict[str, Any], train_state: dict[str, Any],
+                     rank_state: dict[str, Any] | None, source: str,
+                     restored: tuple[int, str]) -> None:
+        """Put loaded shards, loop state and RNG (None: topology changed, reseed) in place;
+        ``restored``: the (step, tier) this run now continues from."""
+        trainer = self.trainer
+        for key, chunk in chunks_by_key(trainer.parts.chunks).items():
+            chunk.load_state_dict(loaded[key], strict=True)
+        if self.cfg.load_optimizer:
+            trainer.parts.optimizer.load_state_dict(loaded["optimizer"])
+        else:
+            # Main (fp32) params were copied from the weights at build time; refresh them.
+            trainer.parts.optimizer.reload_model_params()
+            log.warning("restore: checkpoint.load_optimizer=false: weights only, FRESH optimizer "
+                        "state; the loss trajectory will differ from the original run")
+        self._scale_lr_for_batch_change(train_state)
+        trainer.parts.scheduler.load_state_dict(train_state["scheduler"])
+        trainer.resume_from(TrainState(train_state["step"], train_state["consumed_samples"],
+                                       train_state["consumed_tokens"]))
+        if rank_state is not None:
+            state_io.restore_rng(rank_state, trainer.env.device)
+        else:
+            seed = state_io.reseed_rng(trainer.run.train.seed, train_state["step"], self.rank)
+            log.warning("restore: topology changed; RNG reseeded from (seed, step, rank) = %d",
+                        seed)
+        self._check_restored(train_state)
+        log.info("restore: resumed from %s at step %d (%d samples consumed)", source,
+                 train_state["step"], trainer.state.consumed_samples)
+        self.restored_step, self.restored_tier = restored
+
+    def _scale_lr_for_batch_change(self, train_state: dict[str, Any]) -> None:
+        saved, target = train_state["global_batch_size"], self.trainer.parts.plan.global_batch_size
+        rule = self.cfg.batch_change_lr_scaling
+        if saved == target:
+            return
+        from resiliency.checkpoint.topology import scale_lr
+
+        sched = train_state["scheduler"]
+        # mcore's scheduler reads per-group max_lr/min_lr (restored with the optimizer) first.
+        groups = self.trainer.parts.optimizer.param_groups
+        for values in [sched, *groups]:
+            for key in ("max_lr", "min_lr"):
+                if key in values:
+                    values[key] = scale_lr(values[key], saved, target, rule)
+        train_state["lr"] = scale_lr(train_state["lr"], saved, target, rule)
+        self.lr_scaling = {"rule": rule, "saved_global_batch": saved, "global_batch": target}
+        log.warning("restore: global batch %d -> %d: lr scaled by rule %r (max_lr %.3e)",
+                    saved, target, rule, sched["max_lr"])
+
+    def _load_shards(self, model_dir: Path, manifest: Manifest) -> dict[str, Any]:
+        from megatron.core import dist_checkpointing
+
+        sharded = sharded_training_state(self.trainer.parts, manifest.optim_format,
+                                         is_loading=True, with_optimizer=self.cfg.load_optimizer)
+        return dist_checkpointing.load(sharded, str(model_dir))
+
+    def _check_restored(self, train_state: dict[str, Any]) -> None:
+        trainer = self.trainer
+        problems = []
+        if trainer.state.step != train_state["step"]:
+            problems.append(f"step {trainer.state.step} != saved step {train_state['step']}")
+        lr = trainer.lr
+        if not math.isclose(lr, train_state["lr"], rel_tol=1e-9, abs_tol=1e-15):
+            problems.append(f"lr {lr} != saved lr {train_state['lr']}")
+        if self.cfg.load_optimizer and not self._optimizer_has_state():
+            problems.append("optimizer state is empty after load")
+        if problems:
+            raise RestoreError(f"restored state does not match step {train_state['step']}: "
+                               + "; ".join(problems))
+
+    def _optimizer_has_state(self) -> bool:
+        optimizer = self.trainer.parts.optimizer
+        inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+        return all(any(len(s) > 0 for s in o.state.values()) for o in inner)
+
+    def close(self) -> None:
+        self._join_gc()
+        if self.queue is not None:
+            self.queue.close()
+            self.queue = None
+

@@ -1,0 +1,242 @@
+"""The checkpoint hook: the run's lease and attempt, restore at start, saves on schedule and at
+planned exits. Other features read what it restored and saved; none of them patches it."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import socket
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+from pretrain import exit_codes
+from pretrain.failures import classify
+from pretrain.hooks import StepResult, TrainHook
+from resiliency.checkpoint.checkpointer import Checkpointer, broadcast_object
+from resiliency.storage.attempts import claim_attempt, ensure_run_record, write_attempt_record
+from resiliency.storage.layout import RunLayout
+from resiliency.storage.lease import LeaseHeldError, RunLease
+
+if TYPE_CHECKING:
+    from pretrain.distributed import DistEnv
+    from pretrain.loop import Trainer
+    from recipes.schema import RunConfig
+    from resiliency.checkpoint.local_tier import LocalTier
+    from resiliency.checkpoint.restore_plan import RestorePlan
+
+log = logging.getLogger(__name__)
+
+
+class RunOwnership:
+    """Rank 0 holds the run's single-writer lease and claims an attempt id for all ranks."""
+
+    def __init__(self, layout: RunLayout, lease_timeout_s: float) -> None:
+        self.layout, self.timeout_s = layout, lease_timeout_s
+        self.lease: RunLease | None = None
+        self.attempt = -1
+        self.info: dict[str, Any] = {}
+
+    def acquire(self, rank: int, world_size: int) -> int:
+        error, attempt = None, -1
+        if rank == 0:
+            try:
+                self.info = {"status": "starting", "host": socket.gethostname(),
+                             "world_size": world_size, "start_time": time.time()}
+                attempt = claim_attempt(self.layout, self.info)
+                self.lease = RunLease(self.layout, attempt, self.timeout_s)
+                self.lease.acquire()
+                self.lease.start_heartbeat()
+                ensure_run_record(self.layout, attempt)
+            except LeaseHeldError as exc:
+                error = str(exc)
+        error, self.attempt = broadcast_object((error, attempt))
+        if error:
+            raise LeaseHeldError(error)
+        return self.attempt
+
+    def record(self, status: str, **extra: Any) -> None:
+        """Update this attempt's record (rank 0); earlier fields are kept."""
+        if self.lease is None:
+            return
+        self.info.update(status=status, **extra)
+        if status in ("finished", "preempted", "failed"):
+            self.info["end_time"] = time.time()
+        write_attempt_record(self.layout, self.attempt, self.info)
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+
+
+class CheckpointHook(TrainHook):
+    """Restore at start, save every ``save_interval`` steps and at the end, publish async saves."""
+
+    def __init__(self, run: "RunConfig", env: "DistEnv", run_dir: Path) -> None:
+        self.cfg = run.checkpoint
+        self.env = env
+        self.layout = RunLayout(run_dir.parent, run.run_id)
+        self.ownership = RunOwnership(self.layout, self.cfg.lease_timeout_s)
+        self.checkpointer: Checkpointer | None = None
+        self.plan: "RestorePlan | None" = None
+        self.initialise = True  # the run's own model.perform_initialization
+        self.local: "LocalTier | None" = None
+
+    def configure(self, run: "RunConfig", dp: int) -> "RunConfig":
+        """Take the run's lease, then pick and validate the step to restore (nothing loaded)."""
+        from pretrain.compat import vpp_tied_embedding_save_problem
+        from pretrain.tokenizer import build_tokenizer
+        from recipes import ConfigError
+        from resiliency.checkpoint.restore_plan import plan_restore
+
+        problem = vpp_tied_embedding_save_problem(
+            run.parallel.vpp, run.model.share_embeddings_and_output_weights,
+            run.optimizer.use_distributed_optimizer, self.cfg.optim_format)
+        if problem:
+            raise ConfigError(problem)
+        self.ownership.acquire(self.env.rank, self.env.world_size)
+        self.initialise = run.model.perform_initialization
+        if self.cfg.resume:
+            vocab = build_tokenizer(run.data.tokenizer, run.data.tokenizer_path).vocab_size
+            run, self.plan = plan_restore(run, self.layout, self.env.world_size, dp, vocab)
+        return self._model_init_for_plan(run)
+
+    def _model_init_for_plan(self, run: "RunConfig") -> "RunConfig":
+        from recipes import ConfigError
+
+        if self.plan is None:
+            if not self.initialise:
+                raise ConfigError("model.perform_initialization=false leaves the weights "
+                                  "uninitialised, and there is no checkpoint to restore them "
+                                  f"from in {self.layout.steps_dir}; drop the override")
+            # Back on for a rebuild whose first plan had turned it off.
+            return dataclasses.replace(run, model=dataclasses.replace(
+                run.model, perform_initialization=True))
+        # Every parameter is about to be overwritten by the checkpoint: skip drawing them.
+        return dataclasses.replace(run, model=dataclasses.replace(run.model,
+                                                                  perform_initialization=False))
+
+    def _confirm_plan(self, trainer: "Trainer") -> None:
+        """The chosen step was re-hashed while the model was built; when a file is bad, plan
+        the next step and rebuild the model for it (uninitialised only if it has a step)."""
+        from resiliency.checkpoint.restore_plan import plan_restore
+
+        rejected: dict[int, str] = {}
+        while self.plan is not None and (problem := self.plan.confirm()) is not None:
+            rejected[self.plan.manifest.step] = problem
+            log.warning("restore: step %d failed its re-hash (%s); planning the next step and "
+                        "rebuilding the model", self.plan.manifest.step, problem)
+            vocab = trainer.parts.tokenizer.vocab_size
+            run, self.plan = plan_restore(trainer.run, self.layout, self.env.world_size,
+                                          trainer.dp, vocab, rejected)
+            trainer.rebuild(self._model_init_for_plan(run))
+
+    def on_start(self, trainer: "Trainer") -> None:
+        self._confirm_plan(trainer)
+        checkpointer = Checkpointer(trainer, self.layout, self.ownership.attempt, trainer.faults)
+        self.checkpointer = checkpointer
+        if self.cfg.local.enabled:
+            from resiliency.checkpoint.local_tier import LocalTier
+
+            self.local = LocalTier(self.cfg.local, trainer, checkpointer)
+        restored, tier = self._restore(checkpointer)
+        if self.local is not None:
+            self.local.discard_after(restored or 0)
+        self.ownership.record("running", restored_step=restored, restored_tier=tier,
+                              topology_changed=bool(self.plan and not self.plan.report.same_layout),
+                              lr_scaling=checkpointer.lr_scaling,
+                              local_dir=self.cfg.local.dir if self.local else None)
+
+    def _restore(self, checkpointer: Checkpointer) -> tuple[int | None, str | None]:
+        """The local tier when it holds a newer verified step, else the persistent tier."""
+        persistent = self.plan.manifest.step if self.plan is not None else None
+        if self.local is not None and self.cfg.resume:
+            step = self.local.choose(persistent)
+            if step is not None:
+                self.local.restore(step)
+                return step, "local"
+        if self.plan is None:
+            return None, None
+        return checkpointer.restore(self.plan.step_dir, self.plan.manifest,
+                                    self.plan.report.same_layout), "persistent"
+
+    def before_step(self, trainer: "Trainer") -> None:
+        assert self.checkpointer is not None
+        if self.checkpointer.pending is None:
+            return
+        with trainer.checkpointing("commit"):  # may publish an async save: collective I/O
+            self.checkpointer.finalize(blocking=False)
+
+    def tier_due(self, step: int) -> str | None:
+        """Which tier saves after ``step``: persistent wins when both are due."""
+        if _due(self.cfg.save_interval, step):
+            return "persistent"
+        if self.cfg.local.enabled and _due(self.cfg.local.interval, step):
+            return "local"
+        return None
+
+    def after_step(self, trainer: "Trainer", result: StepResult) -> None:
+        assert self.checkpointer is not None
+        tier = self.tier_due(result.step)
+        if tier is None:
+            return
+        with trainer.checkpointing(f"{tier} save"), _blocked_time(trainer, tier, result.step):
+            if tier == "persistent":
+                self.checkpointer.save()
+            else:
+                assert self.local is not None
+                self.local.save()
+
+    def save_now(self, trainer: "Trainer") -> None:
+        """Persist the current step unless it is already published (planned exits)."""
+        assert self.checkpointer is not None
+        with trainer.checkpointing("final save"):
+            self._save_unless_persisted(self.checkpointer, trainer.state.step)
+
+    @staticmethod
+    def _save_unless_persisted(checkpointer: Checkpointer, step: int) -> None:
+        checkpointer.finalize(blocking=True)
+        persisted = {checkpointer.stats.last_step}
+        if checkpointer.restored_tier == "persistent":
+            persisted.add(checkpointer.restored_step)
+        # A local copy of this step does not count (Megatron-Bridge #5922).
+        if step not in persisted:
+            checkpointer.save()
+            checkpointer.finalize(blocking=True)
+
+    def on_end(self, trainer: "Trainer") -> None:
+        # A planned exit always leaves a persistent checkpoint of the final state.
+        self.save_now(trainer)
+        status = "preempted" if trainer.exit_code == exit_codes.REQUEUE else "finished"
+        self.ownership.record(status, step=trainer.state.step, exit_code=trainer.exit_code)
+
+    def on_exception(self, trainer: "Trainer | None", exc: BaseException) -> None:
+        failure = classify(exc)
+        step = trainer.state.step if trainer is not None else None
+        self.ownership.record("failed", step=step, exit_code=failure.exit_code,
+                              failure_class=failure.kind, error=failure.message[:2000])
+
+    def close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+        self.ownership.release()
+
+
+def _due(interval: int | None, step: int) -> bool:
+    return bool(interval) and step % interval == 0
+
+
+@contextlib.contextmanager
+def _blocked_time(trainer: "Trainer", tier: str, step: int) -> Iterator[None]:
+    """Record how long a save kept the training loop waiting (metrics/checkpoints.jsonl)."""
+    started = time.perf_counter()
+    yield
+    if trainer.env.rank == 0:
+        path = trainer.metrics_path.with_name("checkpoints.jsonl")
+        record = {"tier": tier, "step": step, "blocked_s": time.perf_counter() - started,
+                  "time": time.time()}
+        with open(path, "a") as stream:
+            stream.write(json.dumps(record) + "\n")

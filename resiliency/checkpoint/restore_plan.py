@@ -1,0 +1,115 @@
+"""Choose the step to restore and validate its topology, before any model is built; its files
+are re-hashed while the model is built, and confirmed before anything is loaded."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+import torch.distributed as dist
+
+from recipes.schema import RunConfig
+from resiliency.checkpoint.checkpointer import broadcast_object
+from resiliency.storage.layout import RunLayout
+from resiliency.storage.manifest import Manifest, read_manifest
+from resiliency.storage.select import select_restore_step
+from resiliency.checkpoint.topology import Target, TopologyRefusedError, TopologyReport, validate
+from resiliency.storage.verify import balanced_share, checksum_problem
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    step_dir: Path
+    manifest: Manifest
+    report: TopologyReport
+    # This rank's share of the step's files, re-hashed in the background while the model is
+    # built (I/O next to CPU work); None when checkpoint.full_verify is off.
+    rehash: Future[str | None] | None = field(default=None, compare=False)
+
+    def confirm(self) -> str | None:
+        """Collective: the first checksum problem any rank found in its share, or None."""
+        if self.rehash is None:
+            return None
+        problems: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, self.rehash.result())
+        return next((p for p in problems if p is not None), None)
+
+
+def pick_checkpoint(layout: RunLayout, run_id: str, rejected: Mapping[int, str]) -> Path | None:
+    """Rank 0 picks the newest step whose marker, manifest and file sizes check out and that is
+    not ``rejected``; every rank gets the same answer (collective)."""
+    choice = None
+    if dist.get_rank() == 0:
+        selection = select_restore_step(layout, run_id, full_verify=False, rejected=rejected)
+        for name, reason in selection.skipped:
+            log.warning("restore: skipped %s: %s", name, reason)
+        choice = str(selection.step_dir) if selection.step_dir else None
+    choice = broadcast_object(choice)
+    if choice is None:
+        log.info("restore: no verified checkpoint in %s; starting fresh", layout.run_dir)
+        return None
+    return Path(choice)
+
+
+def start_rehash(step_dir: Path, manifest: Manifest) -> Future[str | None]:
+    """Re-hash this rank's share of the files on a helper thread (reads and crc32c release
+    the GIL); together the ranks read the checkpoint once, which warms the page cache for
+    the load."""
+    mine = balanced_share(manifest.files, dist.get_rank(), dist.get_world_size())
+
+    def first_problem() -> str | None:
+        return next((p for e in mine if (p := checksum_problem(step_dir / e.path, e))), None)
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="rehash")
+    future = pool.submit(first_problem)
+    pool.shutdown(wait=False)  # the thread exits once the job is done
+    return future
+
+
+def target_for(run: RunConfig, world_size: int, dp: int, vocab_size: int,
+               tier: str = "persistent") -> Target:
+    return Target(
+        parallelism=run.parallel.layout(dp),
+        world_size=world_size, model=dataclasses.asdict(run.model), vocab_size=vocab_size,
+        padded_vocab_size=run.model.padded_vocab_size,
+        global_batch_size=run.train.global_batch_size,
+        load_optimizer=run.checkpoint.load_optimizer,
+        batch_change_lr_scaling=run.checkpoint.batch_change_lr_scaling, tier=tier)
+
+
+def check_topology(manifest: Manifest, target: Target) -> TopologyReport:
+    """Validate; a refusal raises with the diff table and the user's options."""
+    report = validate(manifest, target)
+    if report.refused:
+        raise TopologyRefusedError(
+            f"checkpoint step {manifest.step} cannot be restored into this layout:\n"
+            f"{report.table()}")
+    if not report.same_layout and dist.get_rank() == 0:
+        log.warning("restore: topology changes from the checkpoint's:\n%s", report.table())
+    return report
+
+
+def plan_restore(run: RunConfig, layout: RunLayout, world_size: int, dp: int, vocab_size: int,
+                 rejected: Mapping[int, str] | None = None
+                 ) -> tuple[RunConfig, RestorePlan | None]:
+    """Returns the run config to build (checkpoint's padded vocab pinned) and what to load.
+
+    With ``checkpoint.full_verify`` the plan's files are still being re-hashed: call
+    :meth:`RestorePlan.confirm` (all ranks) before loading; on a problem, plan again with the
+    step in ``rejected``.
+    """
+    step_dir = pick_checkpoint(layout, run.run_id, rejected or {})
+    if step_dir is None:
+        return run, None
+    manifest = read_manifest(step_dir)
+    rehash = start_rehash(step_dir, manifest) if run.checkpoint.full_verify else None
+    report = check_topology(manifest, target_for(run, world_size, dp, vocab_size))
+    padded = manifest.tokenizer.get("padded_vocab_size")
+    model = dataclasses.replace(run.model, padded_vocab_size=padded)
+    return dataclasses.replace(run, model=model), RestorePlan(step_dir, manifest, report, rehash)

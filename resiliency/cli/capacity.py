@@ -1,0 +1,204 @@
+"""``plan``: checkpoint size, storage with retention, and a first checkpoint interval.
+
+Size per version counts the persistent training state of mixed-precision training (section 9
+of the fault-tolerance notes: bf16 params 2 B + fp32 master 4 B + Adam moments 8 B = 14 B per
+parameter). The interval is Young's approximation sqrt(2 * C * MTBF) (section 16): a starting
+point for fault-injection measurements, not the final answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from dataclasses import dataclass
+
+from resiliency.cli.base import EXIT_OK, EXIT_USAGE, Command
+
+PARAM_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# Optimizer state per parameter, in fp32: Adam keeps two moments, SGD one momentum buffer.
+OPTIMIZER_MOMENTS = {"adam": ("first and second moments", 2), "sgd": ("momentum", 1)}
+HEADROOM = (0.20, 0.30)  # temporary writes, retries, fragmentation (section 9)
+NOT_COUNTED = (
+    "gradients (+2 B/param if saved in bf16, ~16 B/param in total)",
+    "RNG states, data-loader indices and scheduler state (kilobytes per rank)",
+    "shard metadata, index and alignment padding of the checkpoint format",
+    "activations and communication buffers (never checkpointed)",
+)
+_SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_DURATION_RE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([smhd])")
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str
+    bytes_per_param: int
+
+
+@dataclass(frozen=True)
+class CheckpointSize:
+    params: float
+    components: tuple[Component, ...]
+
+    @property
+    def bytes_per_param(self) -> int:
+        return sum(c.bytes_per_param for c in self.components)
+
+    @property
+    def bytes(self) -> float:
+        return self.params * self.bytes_per_param
+
+
+@dataclass(frozen=True)
+class Storage:
+    version_bytes: float
+    keep: int
+    headroom: tuple[float, float] = HEADROOM
+
+    @property
+    def retained_bytes(self) -> float:
+        return self.version_bytes * self.keep
+
+    def with_headroom(self) -> tuple[float, float]:
+        low, high = self.headroom
+        return self.retained_bytes * (1 + low), self.retained_bytes * (1 + high)
+
+
+@dataclass(frozen=True)
+class Interval:
+    save_s: float
+    mtbf_s: float
+
+    @property
+    def young_s(self) -> float:
+        return math.sqrt(2 * self.save_s * self.mtbf_s)
+
+    @property
+    def expected_loss_s(self) -> float:
+        """Work lost per failure: on average half an interval, plus the save in flight."""
+        return self.young_s / 2 + self.save_s
+
+    @property
+    def overhead(self) -> float:
+        """Fraction of wall time spent saving (synchronous saves)."""
+        return self.save_s / (self.young_s + self.save_s)
+
+
+def parse_count(text: str) -> float:
+    """``70e9``, ``7B``, ``405b``, ``1.5T``, ``125M`` or a plain integer."""
+    value = text.strip().lower().replace("_", "").replace(",", "")
+    scale = _SUFFIX.get(value[-1:], None)
+    number = value[:-1] if scale else value
+    try:
+        count = float(number) * (scale or 1)
+    except ValueError:
+        raise ValueError(f"cannot read {text!r} as a parameter count (e.g. 70e9, 7B, 405B)") \
+            from None
+    if not count > 0:
+        raise ValueError(f"parameter count must be positive, got {text!r}")
+    return count
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``3h``, ``90m``, ``45s``, ``1d``, ``1h30m`` or a plain number of seconds."""
+    value = text.strip().lower().replace(" ", "")
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = _compound_duration(value, text)
+    if not seconds > 0:
+        raise ValueError(f"duration must be positive, got {text!r}")
+    return seconds
+
+
+def _compound_duration(value: str, original: str) -> float:
+    parts = _DURATION_RE.findall(value)
+    if not parts or "".join(n + u for n, u in parts) != value:
+        raise ValueError(f"cannot read {original!r} as a duration (e.g. 3h, 90m, 45s, 1h30m)")
+    return sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
+
+
+def checkpoint_size(params: float, optimizer: str = "adam", dtype: str = "bf16") -> CheckpointSize:
+    param_bytes = PARAM_DTYPE_BYTES[dtype]
+    components = [Component(f"{dtype} model parameters", param_bytes)]
+    if param_bytes < 4:
+        # Low-precision training updates an fp32 master copy; in fp32 the params are the master.
+        components.append(Component("fp32 master weights", 4))
+    moments, count = OPTIMIZER_MOMENTS[optimizer]
+    components.append(Component(f"{optimizer} {moments} (fp32)", 4 * count))
+    return CheckpointSize(params, tuple(components))
+
+
+def human_bytes(n: float) -> str:
+    """Decimal units, as storage is sold and as the sizing notes quote it (980 GB for 70B)."""
+    for unit, scale in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def human_duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.2f} h"
+
+
+def human_count(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6)):
+        if n >= scale:
+            return f"{n / scale:g}{unit}"
+    return f"{n:g}"
+
+
+def render_plan(size: CheckpointSize, storage: Storage, interval: Interval) -> str:
+    low, high = storage.with_headroom()
+    lines = [f"Checkpoint plan for {human_count(size.params)} parameters", "",
+             "Size of one checkpoint version (full training state):"]
+    lines += [f"  {c.bytes_per_param:>2} B/param  {c.name}" for c in size.components]
+    lines += [f"  {size.bytes_per_param:>2} B/param  total = {human_bytes(size.bytes)} per version",
+              "  Not counted:", *(f"    - {item}" for item in NOT_COUNTED), "",
+              f"Storage, keeping {storage.keep} version(s): {human_bytes(storage.retained_bytes)}",
+              f"  with {storage.headroom[0]:.0%}-{storage.headroom[1]:.0%} headroom "
+              f"(temporary writes, retries, fragmentation): "
+              f"{human_bytes(low)} - {human_bytes(high)}", "",
+              f"Checkpoint interval (Young): sqrt(2 x {human_duration(interval.save_s)} save x "
+              f"{human_duration(interval.mtbf_s)} MTBF) = {human_duration(interval.young_s)}",
+              f"  expected work lost per failure ~ interval/2 + save = "
+              f"{human_duration(interval.expected_loss_s)}",
+              f"  time spent saving (synchronous): {interval.overhead:.1%}",
+              "  A starting point: measure save time and recovery with `python -m resiliency "
+              "drill` before fixing the interval."]
+    return "\n".join(lines)
+
+
+def _add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--params", required=True, help="parameter count: 70e9, 7B, 405B")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_MOMENTS), default="adam")
+    parser.add_argument("--dtype", choices=sorted(PARAM_DTYPE_BYTES), default="bf16",
+                        help="parameter dtype in training (default bf16)")
+    parser.add_argument("--keep", type=int, default=3, help="versions retained (default 3)")
+    parser.add_argument("--mtbf", default="3h", help="mean time between failures (default 3h)")
+    parser.add_argument("--save-seconds", default="30",
+                        help="time one checkpoint save blocks training (default 30 s)")
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        params = parse_count(args.params)
+        interval = Interval(parse_duration(args.save_seconds), parse_duration(args.mtbf))
+    except ValueError as exc:
+        print(f"error: {exc}")
+        return EXIT_USAGE
+    if args.keep < 1:
+        print("error: --keep must be at least 1")
+        return EXIT_USAGE
+    size = checkpoint_size(params, args.optimizer, args.dtype)
+    print(render_plan(size, Storage(size.bytes, args.keep), interval))
+    return EXIT_OK
+
+
+COMMANDS = {"plan": Command("checkpoint size, storage with retention and Young interval",
+                            _add_args, _run)}

@@ -1,0 +1,229 @@
+"""Checkpoint subcommands: ls, verify, gc."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+from resiliency.cli.base import EXIT_BAD, EXIT_OK, EXIT_USAGE, Command
+from resiliency.storage.attempts import recorded_attempts
+from resiliency.storage.layout import COMMITTED_NAME, RunLayout, parse_step
+from resiliency.storage.lease import LeaseInfo, read_lease, stale_reason
+from resiliency.storage.retention import GcPlan, apply_gc, plan_gc
+from resiliency.storage.select import read_latest_hint
+from resiliency.storage.verify import verify_step_dir
+
+DEFAULT_KEEP_LAST = 3
+DEFAULT_LEASE_TIMEOUT_S = 600.0
+
+
+def _human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def _human_age(seconds: float) -> str:
+    for limit, div, unit in ((120, 1, "s"), (7200, 60, "m"), (172800, 3600, "h")):
+        if seconds < limit:
+            return f"{seconds / div:.0f}{unit}"
+    return f"{seconds / 86400:.0f}d"
+
+
+def _dir_bytes(path: Path) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += (Path(dirpath) / name).lstat().st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def _run_layout(run_dir: str) -> RunLayout | None:
+    path = Path(run_dir)
+    if not path.is_dir():
+        print(f"error: {path} is not a directory")
+        return None
+    return RunLayout.from_run_dir(path)
+
+
+def _lease_line(layout: RunLayout, default_timeout: float) -> tuple[str, LeaseInfo | None]:
+    """Human description of the lease, and its info when a live owner holds it."""
+    try:
+        info = read_lease(layout)
+    except ValueError as e:
+        return f"unreadable ({e})", None
+    if info is None:
+        return "none", None
+    now = time.time()
+    stale = stale_reason(info, info.timeout_s or default_timeout, now)
+    if stale is not None:
+        return f"{info.describe(now)} [stale: {stale}]", None
+    return f"{info.describe(now)} [live]", info
+
+
+def _header(layout: RunLayout, lease_timeout: float) -> LeaseInfo | None:
+    hint, problem = read_latest_hint(layout)
+    latest = f"step {hint}" if hint is not None else (f"invalid: {problem}" if problem else "none")
+    lease_text, live = _lease_line(layout, lease_timeout)
+    print(f"run:         {layout.run_dir} (run_id {layout.run_id})")
+    print(f"latest.json: {latest}")
+    print(f"lease:       {lease_text}")
+    return live
+
+
+_ROW = "{:>10}  {:<32}  {:<9}  {:<8}  {:>10}  {:>5}  {}"
+
+
+def _row(*cols: object) -> str:
+    return _ROW.format(*cols).rstrip()
+
+
+def _step_row(layout: RunLayout, step: int, hint: int | None, now: float) -> str:
+    path = layout.step_dir(step)
+    verdict = verify_step_dir(path, layout.run_id, full=False)
+    notes = (["latest"] if step == hint else []) + ([] if verdict.ok else [verdict.reason])
+    return _row(step, path.name, _yes((path / COMMITTED_NAME).is_file()), _yes(verdict.ok),
+                       _human_bytes(_dir_bytes(path)), _human_age(now - path.stat().st_mtime),
+                       "; ".join(notes))
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    layout = _run_layout(args.run_dir)
+    if layout is None:
+        return EXIT_USAGE
+    _header(layout, args.lease_timeout)
+    hint, _ = read_latest_hint(layout)
+    now = time.time()
+    print(_row("STEP", "DIR", "COMMITTED", "VERIFIED", "SIZE", "AGE", "NOTE"))
+    for step in reversed(layout.published_steps()):
+        print(_step_row(layout, step, hint, now))
+    for path, step, attempt in reversed(layout.tmp_dirs()):
+        print(_row(step, path.name, _yes((path / COMMITTED_NAME).is_file()), "-",
+                          _human_bytes(_dir_bytes(path)), _human_age(now - path.stat().st_mtime),
+                          f"tmp of attempt {attempt:02d} (never restored from)"))
+    local_dir = args.local_dir or _recorded_local_dir(layout)
+    if local_dir:
+        _print_local_tier(Path(local_dir), layout.run_id)
+    return EXIT_OK
+
+
+def _recorded_local_dir(layout: RunLayout) -> str | None:
+    """The local tier's dir as the newest attempt that used one recorded it."""
+    for attempt in reversed(recorded_attempts(layout)):
+        try:
+            record = json.loads(layout.attempt_path(attempt).read_text())
+        except (OSError, ValueError):
+            continue
+        if record.get("local_dir"):
+            return str(record["local_dir"])
+    return None
+
+
+def _print_local_tier(local_dir: Path, run_id: str) -> None:
+    from resiliency.checkpoint.local_listing import describe_copies, scan_local_tier
+
+    steps = scan_local_tier(local_dir, run_id)
+    print(f"\nlocal tier:  {local_dir} (node-*/{run_id}/<rank>/; copies: shard owner -> where)")
+    print(_LOCAL_ROW.format("STEP", "COMPLETE", "SIZE", "COPIES").rstrip())
+    for record in steps:
+        print(_LOCAL_ROW.format(record.step, _yes(record.complete), _human_bytes(record.bytes),
+                                describe_copies(record)).rstrip())
+    if not steps:
+        print("(no local checkpoints)")
+
+
+_LOCAL_ROW = "{:>10}  {:<9}  {:>10}  {}"
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    step_dir = Path(args.step_dir).absolute()
+    run_id = args.run_id or step_dir.parent.parent.name
+    verdict = verify_step_dir(step_dir, run_id, full=not args.quick)
+    print(f"{'OK' if verdict.ok else 'BAD'} {step_dir}: {verdict.reason}")
+    return EXIT_OK if verdict.ok else EXIT_BAD
+
+
+def _print_plan(plan: GcPlan, dry_run: bool) -> None:
+    verb = "would delete" if dry_run else "delete"
+    for path, reason in sorted(plan.keep):
+        print(f"keep          {path.name}: {reason}")
+    for path, reason in plan.deletions:
+        print(f"{verb:<13} {path.name}: {reason}")
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    layout = _run_layout(args.run_dir)
+    if layout is None:
+        return EXIT_USAGE
+    live = _header(layout, args.lease_timeout)
+    if live is not None and not args.dry_run:
+        print(f"error: run is live (lease held by attempt {live.attempt}); its trainer runs GC "
+              f"with the steps it must protect. Use --dry-run, or stop the job first.")
+        return EXIT_USAGE
+    try:
+        plan = plan_gc(layout, layout.run_id, args.keep_last, args.milestone_interval,
+                       set(args.protect), live.attempt if live else None)
+    except ValueError as e:
+        print(f"error: {e}")
+        return EXIT_USAGE
+    _print_plan(plan, args.dry_run)
+    if args.dry_run:
+        print(f"dry run: {len(plan.deletions)} dir(s) would be deleted")
+        return EXIT_OK
+    print(f"deleted {len(apply_gc(plan))} dir(s)")
+    return EXIT_OK
+
+
+def _add_lease_timeout(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lease-timeout", type=float, default=DEFAULT_LEASE_TIMEOUT_S,
+                   help="heartbeat age after which a lease without a recorded timeout is stale")
+
+
+def _add_ls_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="<root>/<run_id>")
+    p.add_argument("--local-dir", help="checkpoint.local.dir to list too (default: as the run's "
+                   "attempt records say; on a cluster, run on each node)")
+    _add_lease_timeout(p)
+
+
+def _add_verify_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("step_dir", help="<root>/<run_id>/steps/step-NNNNNNNNN")
+    p.add_argument("--quick", action="store_true", help="check sizes only, skip checksums")
+    p.add_argument("--run-id", help="expected run_id (default: name of the run dir)")
+
+
+def _step_arg(value: str) -> int:
+    step = parse_step(value) if value.startswith("step-") else None
+    return step if step is not None else int(value)
+
+
+def _add_gc_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="<root>/<run_id>")
+    p.add_argument("--dry-run", action="store_true", help="print the plan, delete nothing")
+    p.add_argument("--keep-last", type=int, default=DEFAULT_KEEP_LAST,
+                   help=f"verified steps to keep (>= 2, default {DEFAULT_KEEP_LAST})")
+    p.add_argument("--milestone-interval", type=int, default=None,
+                   help="also keep every step divisible by N")
+    p.add_argument("--protect", type=_step_arg, nargs="*", default=[], metavar="STEP",
+                   help="steps never to delete")
+    _add_lease_timeout(p)
+
+
+COMMANDS = {
+    "ls": Command("list a run's steps and tmp dirs, and its local tier", _add_ls_args, cmd_ls),
+    "verify": Command("verify one step dir (exit 0 ok, 1 bad)", _add_verify_args, cmd_verify),
+    "gc": Command("delete old steps and dead attempts' tmp dirs", _add_gc_args, cmd_gc),
+}

@@ -1,0 +1,71 @@
+"""``validate``: will this checkpoint restore into that layout? Prints the diff table."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from recipes import ConfigError, RunConfig, load_config
+from recipes.validate import validate_runtime
+from pretrain import exit_codes
+from resiliency.cli.base import EXIT_USAGE, Command
+from resiliency.storage.layout import RunLayout, parse_step
+from resiliency.storage.manifest import ManifestError, read_manifest
+from resiliency.checkpoint.restore_plan import target_for
+from resiliency.storage.select import select_restore_step
+from resiliency.checkpoint.topology import validate
+
+
+def _add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("path", type=Path, help="a run dir (newest verified step) or a step dir")
+    parser.add_argument("overrides", nargs="*",
+                        help="target config: recipe=<name> ... or overrides of the saved config")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="target world size (default: launch.nodes x launch.nproc_per_node)")
+
+
+def _step_dir(path: Path) -> Path:
+    if parse_step(path.name) is not None:
+        return path
+    layout = RunLayout.from_run_dir(path)
+    selection = select_restore_step(layout, layout.run_id, full_verify=False)
+    for name, reason in selection.skipped:
+        print(f"skipped {name}: {reason}")
+    if selection.step_dir is None:
+        raise ConfigError(f"no verified checkpoint under {path}")
+    return selection.step_dir
+
+
+def _target_config(saved: dict, overrides: list[str]) -> RunConfig:
+    if any(o.startswith("recipe=") for o in overrides):
+        return load_config(overrides)
+    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), saved,
+                             OmegaConf.from_dotlist(overrides))
+    run = OmegaConf.to_object(merged)
+    assert isinstance(run, RunConfig)
+    return run
+
+
+def _run(args: argparse.Namespace) -> int:
+    from pretrain.tokenizer import build_tokenizer
+
+    try:
+        step_dir = _step_dir(args.path)
+        manifest = read_manifest(step_dir)
+        run = _target_config(manifest.config, args.overrides)
+        world = args.world_size or run.launch.world_size
+        dp = validate_runtime(run, world, "cuda" if run.launch.gpus_per_node else "cpu")
+    except (ConfigError, ManifestError) as exc:
+        print(f"error: {exc}")
+        return EXIT_USAGE
+    vocab = build_tokenizer(run.data.tokenizer, run.data.tokenizer_path).vocab_size
+    report = validate(manifest, target_for(run, world, dp, vocab))
+    print(f"checkpoint: {step_dir} (step {manifest.step}, {manifest.optim_format})")
+    print(report.table())
+    return exit_codes.TOPOLOGY_REFUSED if report.refused else exit_codes.OK
+
+
+COMMANDS = {"validate": Command("check a checkpoint against a target layout (nothing is loaded)",
+                                _add_args, _run)}

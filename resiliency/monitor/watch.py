@@ -1,0 +1,111 @@
+"""Post-restore watch: a restored run must pick up where it left off, not just run.
+
+For the first ``resiliency.watch.steps`` steps after a restore, each step's loss and grad norm
+are compared with the values ``metrics/steps.jsonl`` holds from before the failure: the same
+step if it was done then (an exact resume reproduces it), else the last value logged before the
+failure. An increase beyond the relative tolerance is logged as an error on rank 0 and recorded
+in the attempt record; with ``stop_on_jump`` the run fails as a numeric failure (not retried,
+nothing saved). Loss and grad norm are global values, identical on every rank, so every rank
+reaches the same verdict without communicating.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pretrain.hooks import StepResult, TrainHook
+from pretrain.failures import NonFiniteError
+
+if TYPE_CHECKING:
+    from pretrain.loop import Trainer
+    from recipes.schema import WatchConfig
+    from resiliency.checkpoint.hook import CheckpointHook
+
+log = logging.getLogger(__name__)
+
+
+class RestoreDivergedError(NonFiniteError):
+    """Loss or grad norm jumped right after a restore: the restored state is suspect."""
+
+
+def read_history(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """step -> the last record logged for it (a step redone after a restart keeps the last)."""
+    history: dict[int, dict[str, Any]] = {}
+    try:
+        lines = (run_dir / "metrics" / "steps.jsonl").read_text().splitlines()
+    except OSError:
+        return history
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        history[int(record["step"])] = record
+    return history
+
+
+def jumps(result: StepResult, reference: dict[str, Any], cfg: "WatchConfig") -> list[str]:
+    """What increased beyond tolerance, as readable strings (empty: fine)."""
+    found = []
+    for key, tolerance in (("loss", cfg.loss_tolerance), ("grad_norm", cfg.grad_norm_tolerance)):
+        before, now = float(reference[key]), float(getattr(result, key))
+        limit = before * (1.0 + tolerance) if before > 0 else before + tolerance
+        if now > limit:
+            found.append(f"{key} {now:.4f} vs {before:.4f} at step {reference['step']} "
+                         f"(+{(now - before) / max(abs(before), 1e-12):.0%}, tolerance "
+                         f"{tolerance:.0%})")
+    return found
+
+
+class PostRestoreWatchHook(TrainHook):
+    def __init__(self, cfg: "WatchConfig", rank: int, run_dir: Path,
+                 checkpoint: "CheckpointHook") -> None:
+        self.cfg, self.rank, self.run_dir, self.checkpoint = cfg, rank, run_dir, checkpoint
+        self.history: dict[int, dict[str, Any]] = {}
+        self.restored = -1
+        self.until = -1
+        self.findings: list[str] = []
+        self.checked = 0
+
+    def on_start(self, trainer: "Trainer") -> None:
+        checkpointer = self.checkpoint.checkpointer
+        restored = checkpointer.restored_step if checkpointer is not None else None
+        if restored is None:
+            return
+        # Read before this attempt logs anything: every record here predates the failure.
+        self.history = read_history(self.run_dir)
+        if self.history:
+            self.restored, self.until = restored, restored + self.cfg.steps
+
+    def after_step(self, trainer: "Trainer", result: StepResult) -> None:
+        if result.step > self.until:
+            return
+        reference = self.history.get(result.step) or self.history[max(self.history)]
+        self.checked += 1
+        found = jumps(result, reference, self.cfg)
+        if found and self.rank == 0:
+            log.error("POST-RESTORE WATCH: step %d after restoring step %d: %s", result.step,
+                      self.restored, "; ".join(found))
+        self.findings.extend(found)
+        if found and self.cfg.stop_on_jump:
+            raise RestoreDivergedError("post-restore watch: " + "; ".join(found))
+        if result.step == self.until:
+            self._finish()
+
+    def on_end(self, trainer: "Trainer") -> None:
+        if self.checked and trainer.state.step < self.until:
+            self._finish()
+
+    def _finish(self) -> None:
+        if self.rank != 0:
+            return
+        verdict = {"steps_checked": self.checked, "ok": not self.findings,
+                   "findings": self.findings[:20]}
+        if not self.findings:
+            log.info("post-restore watch: %d steps match the pre-failure loss and grad norm",
+                     self.checked)
+        ownership = self.checkpoint.ownership
+        ownership.record(ownership.info.get("status", "running"), post_restore_watch=verdict)

@@ -1,0 +1,174 @@
+"""manifest.json: what a published step contains and what produced it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import subprocess
+from dataclasses import asdict, dataclass, field, fields
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Iterable
+
+from resiliency.storage.checksum import FileEntry, bytes_checksum
+from resiliency.storage.layout import MANIFEST_NAME
+
+logger = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+MANIFEST_CHECKSUM_ALGORITHM = "crc32c"
+_PACKAGES = ("torch", "megatron-core", "nvidia-resiliency-ext", "mcore-recipes")
+_REQUIRED_INT = ("attempt", "step", "world_size")
+_DICT_FIELDS = ("parallelism", "versions", "dataset", "tokenizer", "config")
+
+
+class ManifestError(Exception):
+    """manifest.json is missing, unreadable or not a schema we understand."""
+
+
+def utc_now_iso() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class Manifest:
+    run_id: str
+    attempt: int
+    step: int
+    world_size: int
+    parallelism: dict[str, int] = field(default_factory=dict)  # tp/pp/cp/ep/vpp/dp
+    optim_format: str = ""
+    versions: dict[str, str | None] = field(default_factory=dict)
+    code_commit: str | None = None
+    image_digest: str | None = None
+    dataset: dict[str, Any] = field(default_factory=dict)
+    tokenizer: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    files: list[FileEntry] = field(default_factory=list)
+    created_at: str = field(default_factory=utc_now_iso)
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.bytes for f in self.files)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["files"] = [f.to_dict() for f in self.files]
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Manifest:
+        if not isinstance(d, dict):
+            raise ManifestError("manifest is not a JSON object")
+        _check_schema(d)
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in known}
+        try:
+            kwargs["files"] = _parse_files(d.get("files"))
+        except ValueError as e:
+            raise ManifestError(str(e)) from e
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Manifest:
+        try:
+            d = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ManifestError(f"manifest is not valid JSON: {e}") from e
+        return cls.from_dict(d)
+
+
+def _check_schema(d: dict[str, Any]) -> None:
+    if d.get("schema_version") != SCHEMA_VERSION:
+        raise ManifestError(
+            f"unsupported manifest schema_version {d.get('schema_version')!r} "
+            f"(this code reads {SCHEMA_VERSION})")
+    if not isinstance(d.get("run_id"), str):
+        raise ManifestError("manifest has no string 'run_id'")
+    for key in _REQUIRED_INT:
+        value = d.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ManifestError(f"manifest field {key!r} must be a non-negative int, got {value!r}")
+    for key in _DICT_FIELDS:
+        if not isinstance(d.get(key, {}), dict):
+            raise ManifestError(f"manifest field {key!r} must be an object")
+
+
+def _parse_files(raw: Any) -> list[FileEntry]:
+    if not isinstance(raw, list):
+        raise ValueError("manifest 'files' must be a list")
+    entries = [FileEntry.from_dict(item) for item in raw]
+    seen: set[str] = set()
+    for e in entries:
+        if e.path in seen:
+            raise ValueError(f"manifest lists {e.path!r} twice")
+        seen.add(e.path)
+    return entries
+
+
+def merge_file_entries(groups: Iterable[Iterable[FileEntry]]) -> list[FileEntry]:
+    """Flatten what each rank described into one sorted list; a path claimed twice is a bug."""
+    merged: dict[str, FileEntry] = {}
+    for group in groups:
+        for entry in group:
+            if entry.path in merged and merged[entry.path] != entry:
+                raise ValueError(f"ranks disagree about {entry.path!r}: "
+                                 f"{merged[entry.path]} vs {entry}")
+            merged[entry.path] = entry
+    return [merged[p] for p in sorted(merged)]
+
+
+def manifest_checksum(raw: bytes) -> str:
+    """The token COMMITTED holds: ties the marker to these exact manifest bytes."""
+    return f"{MANIFEST_CHECKSUM_ALGORITHM}:{bytes_checksum(raw, MANIFEST_CHECKSUM_ALGORITHM)}"
+
+
+def read_manifest_bytes(step_dir: Path) -> bytes:
+    path = step_dir / MANIFEST_NAME
+    try:
+        return path.read_bytes()
+    except FileNotFoundError as e:
+        raise ManifestError(f"{MANIFEST_NAME} is missing") from e
+    except OSError as e:
+        raise ManifestError(f"{MANIFEST_NAME} is unreadable: {e}") from e
+
+
+def read_manifest(step_dir: Path) -> Manifest:
+    return Manifest.from_json(read_manifest_bytes(step_dir))
+
+
+def runtime_versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {"python": platform.python_version()}
+    for name in _PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def code_commit() -> str | None:
+    env = os.environ.get("MCORE_RECIPES_CODE_COMMIT")
+    if env:
+        return env
+    repo = Path(__file__).resolve().parents[1]
+    if not (repo / ".git").exists():
+        return None
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True,
+                             text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError) as e:
+        logger.warning("cannot read git commit of %s: %s", repo, e)
+        return None
+    return out.stdout.strip() or None
+
+
+def image_digest() -> str | None:
+    return os.environ.get("MCORE_RECIPES_IMAGE_DIGEST") or None

@@ -1,0 +1,146 @@
+"""Decide whether a step dir is a complete, intact checkpoint of this run."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from resiliency.storage.checksum import ALGORITHMS, FileEntry, file_checksum
+from resiliency.storage.layout import COMMITTED_NAME, parse_step, parse_tmp, payload_files
+from resiliency.storage.manifest import Manifest, ManifestError, manifest_checksum, read_manifest_bytes
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    step: int | None
+    reason: str
+    manifest: Manifest | None = field(default=None, compare=False, repr=False)
+
+
+def _bad(step: int | None, reason: str) -> Verdict:
+    return Verdict(False, step, reason)
+
+
+def step_of_dir(step_dir: Path) -> int | None:
+    """Step encoded in a published or tmp dir name."""
+    step = parse_step(step_dir.name)
+    if step is None and (tmp := parse_tmp(step_dir.name)) is not None:
+        step = tmp[0]
+    return step
+
+
+def verify_step_dir(step_dir: Path, run_id: str, full: bool = True) -> Verdict:
+    """Check marker, manifest identity and every listed file; ``full`` also re-hashes the data."""
+    step_dir = Path(step_dir)
+    step = step_of_dir(step_dir)
+    if step is None:
+        return _bad(None, f"{step_dir.name!r} is not a step dir name")
+    if not step_dir.is_dir():
+        return _bad(step, f"{step_dir} does not exist or is not a directory")
+    try:
+        manifest = _read_committed_manifest(step_dir)
+    except ManifestError as e:
+        return _bad(step, str(e))
+    if (problem := _identity_problem(manifest, run_id, step)) is not None:
+        return _bad(step, problem)
+    if (problem := check_files(step_dir, manifest.files, full)) is not None:
+        return _bad(step, problem)
+    kind = "full" if full else "quick"
+    return Verdict(True, step, f"ok ({kind}: {len(manifest.files)} files, "
+                               f"{manifest.total_bytes} bytes)", manifest)
+
+
+def _read_committed_manifest(step_dir: Path) -> Manifest:
+    marker = step_dir / COMMITTED_NAME
+    try:
+        committed = marker.read_text().strip()
+    except FileNotFoundError as e:
+        raise ManifestError(f"no {COMMITTED_NAME} marker (the save never finished)") from e
+    except (OSError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{COMMITTED_NAME} is unreadable: {e}") from e
+    raw = read_manifest_bytes(step_dir)
+    expected = manifest_checksum(raw)
+    if committed != expected:
+        raise ManifestError(f"{COMMITTED_NAME} says {committed[:40]!r} but manifest.json hashes "
+                            f"to {expected!r} (marker belongs to another manifest)")
+    return Manifest.from_json(raw)
+
+
+def _identity_problem(manifest: Manifest, run_id: str, step: int) -> str | None:
+    if manifest.run_id != run_id:
+        return (f"manifest run_id {manifest.run_id!r} != expected {run_id!r} "
+                f"(checkpoint from another run)")
+    if manifest.step != step:
+        return f"manifest step {manifest.step} != step {step} in the directory name"
+    return None
+
+
+def check_files(step_dir: Path, files: list[FileEntry], full: bool) -> str | None:
+    """First problem with the payload files of ``step_dir`` against ``files``, or None."""
+    root = step_dir.resolve()
+    for entry in files:
+        problem = _check_entry(root, entry, full)
+        if problem is not None:
+            return problem
+    listed = {e.path for e in files}
+    extra = [p for p in payload_files(step_dir) if p not in listed]
+    if extra:
+        return f"unlisted file(s) not in manifest: {', '.join(extra[:5])}"
+    return None
+
+
+def _unsafe_path_problem(root: Path, rel: str) -> str | None:
+    pure = PurePosixPath(rel)
+    if pure.is_absolute() or rel.startswith("\\") or (len(rel) > 1 and rel[1] == ":"):
+        return f"manifest path {rel!r} is absolute"
+    if ".." in pure.parts or "\\" in rel:
+        return f"manifest path {rel!r} escapes the step dir"
+    # resolve() follows symlinks, so a listed file that links outside the step dir is caught.
+    if not (root / pure).resolve().is_relative_to(root):
+        return f"manifest path {rel!r} resolves outside the step dir (symlink?)"
+    return None
+
+
+def _check_entry(root: Path, entry: FileEntry, full: bool) -> str | None:
+    if (problem := _unsafe_path_problem(root, entry.path)) is not None:
+        return problem
+    path = root / entry.path
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return f"listed file {entry.path!r} is missing"
+    if not os.path.isfile(path):
+        return f"listed file {entry.path!r} is not a regular file"
+    if st.st_size != entry.bytes:
+        return f"file {entry.path!r} has {st.st_size} bytes, manifest says {entry.bytes}"
+    if full:
+        return checksum_problem(path, entry)
+    return None
+
+
+def checksum_problem(path: Path, entry: FileEntry) -> str | None:
+    if entry.algorithm not in ALGORITHMS:
+        return f"file {entry.path!r} uses unknown checksum algorithm {entry.algorithm!r}"
+    actual = file_checksum(path, entry.algorithm)
+    if actual != entry.checksum:
+        return (f"file {entry.path!r} {entry.algorithm} mismatch: "
+                f"{actual} != manifest {entry.checksum}")
+    return None
+
+
+def balanced_share(files: list[FileEntry], rank: int, world_size: int) -> list[FileEntry]:
+    """This rank's part of ``files`` when every rank re-hashes some: largest first, each to the
+    rank with the fewest bytes so far (same answer on every rank)."""
+    loads = [0] * world_size
+    mine = []
+    for entry in sorted(files, key=lambda e: (-e.bytes, e.path)):
+        owner = loads.index(min(loads))
+        loads[owner] += entry.bytes
+        if owner == rank:
+            mine.append(entry)
+    return mine
