@@ -13,7 +13,7 @@ RUN_ID ?= gpt_tiny-$(shell date +%Y%m%d-%H%M%S)
 CORPUS := data/stdlib_text_document.bin
 PYTEST_ARGS ?=
 
-.PHONY: install pretrain test corpus clean
+.PHONY: install pretrain test lint corpus clean
 
 install: $(STAMP)
 
@@ -50,6 +50,12 @@ pretrain: $(STAMP) $(CORPUS)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# ruff (lint + format) and import-linter's layer contracts (pyproject.toml [tool.importlinter]).
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) data runs .pytest_cache

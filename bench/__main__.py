@@ -19,8 +19,13 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+
+import psutil
+
+from bench import hang_detection
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
@@ -31,10 +36,16 @@ GIB = 1 << 30
 # layout whose full training state (fp32 weights + Adam moments) is ~1.5 GiB: I/O dominates.
 CONFIGS: dict[str, list[str]] = {
     "tiny": ["recipe=gpt_tiny"],
-    "1.5GiB": ["recipe=gpt_tiny", "model.num_layers=8", "model.hidden_size=1024",
-               "model.num_attention_heads=16", "model.ffn_hidden_size=4096",
-               "model.layout_invariant_init=false", "train.micro_batch_size=2",
-               "train.global_batch_size=4"],
+    "1.5GiB": [
+        "recipe=gpt_tiny",
+        "model.num_layers=8",
+        "model.hidden_size=1024",
+        "model.num_attention_heads=16",
+        "model.ffn_hidden_size=4096",
+        "model.layout_invariant_init=false",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=4",
+    ],
 }
 # The same model with the DP-reshardable optimizer format (P1/P2 only): shows what the default
 # fully_reshardable format's save-time re-layout of the optimizer state costs.
@@ -44,32 +55,51 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONWAR
 
 
 def stats(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "n": len(values)}
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+    }
 
 
 def overrides(config: str, work: Path, data: str) -> list[str]:
-    return [*CONFIGS[config], f"data.paths=[{data}]", f"output_dir={work / 'runs'}",
-            f"run_id={config}", "train.train_steps=1000", "checkpoint.lease_timeout_s=3",
-            "logging.level=WARNING"]
+    return [
+        *CONFIGS[config],
+        f"data.paths=[{data}]",
+        f"output_dir={work / 'runs'}",
+        f"run_id={config}",
+        "train.train_steps=1000",
+        "checkpoint.lease_timeout_s=3",
+        "logging.level=WARNING",
+    ]
 
 
 def torchrun(args: list[str], timeout: float = 1200, tries: int = 1) -> None:
     for attempt in range(tries):
-        proc = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", *args], cwd=REPO,
-                              env=ENV, text=True, capture_output=True, timeout=timeout)
+        proc = subprocess.run(
+            [TORCHRUN, "--standalone", "--nproc-per-node=2", *args],
+            cwd=REPO,
+            env=ENV,
+            text=True,
+            capture_output=True,
+            timeout=timeout,
+        )
         if proc.returncode == 0:
             return
         err = proc.stderr
         first = err.find("Traceback")
-        detail = err[first:first + 6000] if first >= 0 else err[-6000:]
-        print(f"[bench] {args[:2]} failed ({proc.returncode}), try {attempt + 1}/{tries}:\n"
-              f"{detail}", file=sys.stderr)
+        detail = err[first : first + 6000] if first >= 0 else err[-6000:]
+        print(
+            f"[bench] {args[:2]} failed ({proc.returncode}), try {attempt + 1}/{tries}:\n{detail}",
+            file=sys.stderr,
+        )
     raise RuntimeError(f"{args[:2]} failed {tries} times")
 
 
-def worker(mode: str, config: str, work: Path, data: str, *extra: str,
-           more: tuple[str, ...] = ()) -> dict[str, Any]:
+def worker(
+    mode: str, config: str, work: Path, data: str, *extra: str, more: tuple[str, ...] = ()
+) -> dict[str, Any]:
     out = work / f"{mode}-{config}.json"
     torchrun([WORKER, mode, f"--out={out}", *extra, *overrides(config, work, data), *more])
     return json.loads(out.read_text())
@@ -83,14 +113,25 @@ def bench_save(config: str, work: Path, data: str, reps: int) -> dict[str, Any]:
     p1 = [(p["bytes"] / p["save_s"]) / (raw["bytes_per_rank"] * 2 / p["raw_s"]) for p in sync]
     blocked = [a["blocked_s"] for a in asyn]
     memcpy = [a["memcpy_s"] for a in asyn]
-    slowdown = [statistics.median(a["busy_steps"]) / statistics.median(a["idle_steps"]) - 1
-                for a in asyn if a["busy_steps"]]
-    raw_slowdown = [statistics.median(a["raw_busy_steps"]) / statistics.median(a["idle_steps"])
-                    - 1 for a in asyn if a.get("raw_busy_steps")]
-    lost = [sum(a["busy_steps"]) - len(a["busy_steps"]) * statistics.median(a["idle_steps"])
-            for a in asyn]
-    raw_lost = [sum(a["raw_busy_steps"]) - len(a["raw_busy_steps"])
-                * statistics.median(a["idle_steps"]) for a in asyn if "raw_busy_steps" in a]
+    slowdown = [
+        statistics.median(a["busy_steps"]) / statistics.median(a["idle_steps"]) - 1
+        for a in asyn
+        if a["busy_steps"]
+    ]
+    raw_slowdown = [
+        statistics.median(a["raw_busy_steps"]) / statistics.median(a["idle_steps"]) - 1
+        for a in asyn
+        if a.get("raw_busy_steps")
+    ]
+    lost = [
+        sum(a["busy_steps"]) - len(a["busy_steps"]) * statistics.median(a["idle_steps"])
+        for a in asyn
+    ]
+    raw_lost = [
+        sum(a["raw_busy_steps"]) - len(a["raw_busy_steps"]) * statistics.median(a["idle_steps"])
+        for a in asyn
+        if "raw_busy_steps" in a
+    ]
     phases: dict[str, list[float]] = {}
     for p in sync:
         for key, value in p["phases"].items():
@@ -150,16 +191,16 @@ def _first_step_after(run_dir: Path, since: float, proc: subprocess.Popen, limit
                 if record["time"] > since:
                     return record["time"]
         if proc.poll() is not None:
-            raise RuntimeError(f"restore run exited {proc.returncode}: "
-                               f"{proc.stderr.read()[-4000:] if proc.stderr else ''}")
+            raise RuntimeError(
+                f"restore run exited {proc.returncode}: "
+                f"{proc.stderr.read()[-4000:] if proc.stderr else ''}"
+            )
         time.sleep(0.05)
     raise TimeoutError("no step after restore")
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL torchrun and its workers (it starts them in sessions of their own)."""
-    import psutil
-
     try:
         family = psutil.Process(proc.pid).children(recursive=True)
     except psutil.NoSuchProcess:
@@ -177,14 +218,24 @@ def _startup_phases(run_dir: Path, launched: float) -> dict[str, float]:
     """Where the restore run's time went, from its attempt record's startup clock."""
     records = sorted((run_dir / "attempts").glob("attempt-*.json"))
     times = json.loads(records[-1].read_text()).get("startup", {}) if records else {}
-    marks = [("launch", launched), ("configure", times.get("configure_at")),
-             ("load", times.get("load_started_at")),
-             ("first_step", times.get("first_step_started_at")),
-             ("done", times.get("first_step_done_at"))]
-    names = {"launch": "start_s", "configure": "plan_and_build_s", "load": "load_s",
-             "first_step": "first_step_s_only"}
-    phases = {names[a]: tb - ta for (a, ta), (_, tb) in zip(marks, marks[1:])
-              if ta is not None and tb is not None}
+    marks = [
+        ("launch", launched),
+        ("configure", times.get("configure_at")),
+        ("load", times.get("load_started_at")),
+        ("first_step", times.get("first_step_started_at")),
+        ("done", times.get("first_step_done_at")),
+    ]
+    names = {
+        "launch": "start_s",
+        "configure": "plan_and_build_s",
+        "load": "load_s",
+        "first_step": "first_step_s_only",
+    }
+    phases = {
+        names[a]: tb - ta
+        for (a, ta), (_, tb) in zip(marks, marks[1:])
+        if ta is not None and tb is not None
+    }
     if times.get("first_step_started_at") is not None:
         phases["resumed_s"] = times["first_step_started_at"] - launched
     return phases
@@ -198,21 +249,32 @@ def bench_restore(config: str, work: Path, data: str, reps: int) -> dict[str, An
     samples = []
     for rep in range(reps):
         sample: dict[str, float] = {}
-        for which in (("floor", "restore") if rep % 2 == 0 else ("restore", "floor")):
+        for which in ("floor", "restore") if rep % 2 == 0 else ("restore", "floor"):
             if which == "floor":
                 out = work / "floor.json"
                 start = time.time()
-                torchrun([WORKER, "floor", f"--out={out}", *overrides(config, work, data)],
-                         tries=2)
+                torchrun([WORKER, "floor", f"--out={out}", *overrides(config, work, data)], tries=2)
                 sample["floor_s"] = json.loads(out.read_text())["ready_time"] - start
                 continue
             sample["read_s"] = _cold_read(files)
             time.sleep(3.5)  # the killed run's lease goes stale (checkpoint.lease_timeout_s=3)
             start = time.time()
-            proc = subprocess.Popen([TORCHRUN, "--standalone", "--nproc-per-node=2", "-m",
-                                     "pretrain", *overrides(config, work, data)],
-                                    cwd=REPO, env=ENV, text=True, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.PIPE, start_new_session=True)
+            proc = subprocess.Popen(
+                [
+                    TORCHRUN,
+                    "--standalone",
+                    "--nproc-per-node=2",
+                    "-m",
+                    "pretrain",
+                    *overrides(config, work, data),
+                ],
+                cwd=REPO,
+                env=ENV,
+                text=True,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
             try:
                 sample["first_step_s"] = _first_step_after(run_dir, start, proc, 900) - start
             finally:  # the kill of "restore after a kill": the next rep restores again
@@ -223,22 +285,25 @@ def bench_restore(config: str, work: Path, data: str, reps: int) -> dict[str, An
     # and is reported next to it.
     ratios = [(s["resumed_s"] - s["floor_s"]) / s["read_s"] for s in samples]
     met = [(s["resumed_s"] - s["floor_s"]) <= 1.25 * s["read_s"] + 2 for s in samples]
-    return {"bytes": nbytes, "P3": stats(ratios),
-            "resumed_s": stats([s["resumed_s"] for s in samples]),
-            "first_step_s": stats([s["first_step_s"] for s in samples]),
-            "read_s": stats([s["read_s"] for s in samples]),
-            "floor_s": stats([s["floor_s"] for s in samples]),
-            "read_GiBps": stats([nbytes / s["read_s"] / GIB for s in samples]),
-            "phases_s": {k: statistics.median(s[k] for s in samples if k in s)
-                         for k in ("start_s", "plan_and_build_s", "load_s", "first_step_s_only")
-                         if any(k in s for s in samples)},
-            "P3_goal_met": sum(met) * 2 > len(met)}
+    return {
+        "bytes": nbytes,
+        "P3": stats(ratios),
+        "resumed_s": stats([s["resumed_s"] for s in samples]),
+        "first_step_s": stats([s["first_step_s"] for s in samples]),
+        "read_s": stats([s["read_s"] for s in samples]),
+        "floor_s": stats([s["floor_s"] for s in samples]),
+        "read_GiBps": stats([nbytes / s["read_s"] / GIB for s in samples]),
+        "phases_s": {
+            k: statistics.median(s[k] for s in samples if k in s)
+            for k in ("start_s", "plan_and_build_s", "load_s", "first_step_s_only")
+            if any(k in s for s in samples)
+        },
+        "P3_goal_met": sum(met) * 2 > len(met),
+    }
 
 
 # ---------------------------------------------------------------- P4, P5
 def bench_hang(work: Path, data: str, reps: int) -> dict[str, Any]:
-    from bench import hang_detection
-
     results = []
     for rep in range(reps):
         rep_dir = work / f"hang-{rep}"
@@ -248,9 +313,11 @@ def bench_hang(work: Path, data: str, reps: int) -> dict[str, Any]:
         if not record.exists():
             raise RuntimeError(f"hang run left no attempt record:\n{proc.stderr[-4000:]}")
         results.append(hang_detection.report(json.loads(record.read_text()), proc.returncode))
-    return {"monitor_ratio": stats([r["monitor_ratio"] for r in results]),
-            "detection_ratio": stats([r["detection_ratio"] for r in results]),
-            "timeout_s": stats([r["timeout_s"] for r in results])}
+    return {
+        "monitor_ratio": stats([r["monitor_ratio"] for r in results]),
+        "detection_ratio": stats([r["detection_ratio"] for r in results]),
+        "timeout_s": stats([r["timeout_s"] for r in results]),
+    }
 
 
 def bench_overhead(config: str, work: Path, data: str, reps: int) -> dict[str, Any]:
@@ -260,24 +327,34 @@ def bench_overhead(config: str, work: Path, data: str, reps: int) -> dict[str, A
     # tenant of the machine is not overhead).
     per_rep = 30
     # No periodic saves (the recipe's save_interval): checkpoint cost is P1/P2's business.
-    raw = worker("overhead", config, work, data, f"--reps={per_rep * reps}", "--block-steps=1",
-                 more=("checkpoint.save_interval=null",))
+    raw = worker(
+        "overhead",
+        config,
+        work,
+        data,
+        f"--reps={per_rep * reps}",
+        "--block-steps=1",
+        more=("checkpoint.save_interval=null",),
+    )
     pairs = raw["pairs"]
-    groups = [pairs[i:i + per_rep] for i in range(0, len(pairs), per_rep)]
+    groups = [pairs[i : i + per_rep] for i in range(0, len(pairs), per_rep)]
 
     def med(group: list[dict], key: str) -> float:
         return statistics.median(p[key] for p in group)
 
     ratios = [statistics.median(p["framework_s"] / p["bare_s"] for p in g) for g in groups]
     shim = raw["shim"]
-    return {"P5": stats(ratios),
-            "bare_step_s": stats([med(g, "bare_s") for g in groups]),
-            "framework_step_s": stats([med(g, "framework_s") for g in groups]),
-            "hooks_ms_per_step": {k: round(v * 1e3, 3)
-                                  for k, v in raw["hooks_s_per_step"].items() if v >= 1e-4},
-            "shim_calls_per_step": shim["calls_per_step"],
-            "shim_s_per_step": shim["per_step_s"],
-            "shim_fraction_of_bare_step": shim["per_step_s"] / raw["bare_step_s"]}
+    return {
+        "P5": stats(ratios),
+        "bare_step_s": stats([med(g, "bare_s") for g in groups]),
+        "framework_step_s": stats([med(g, "framework_s") for g in groups]),
+        "hooks_ms_per_step": {
+            k: round(v * 1e3, 3) for k, v in raw["hooks_s_per_step"].items() if v >= 1e-4
+        },
+        "shim_calls_per_step": shim["calls_per_step"],
+        "shim_s_per_step": shim["per_step_s"],
+        "shim_fraction_of_bare_step": shim["per_step_s"] / raw["bare_step_s"],
+    }
 
 
 # ---------------------------------------------------------------- table
@@ -290,60 +367,108 @@ def fmt(s: dict[str, float] | None, digits: int = 3) -> tuple[str, str, str]:
 def table(results: dict[str, Any]) -> str:
     rows = []
 
-    def row(metric: str, config: str, s: dict | None, goal: str, met: Any, digits: int = 3,
-            note: str = "") -> None:
+    def row(
+        metric: str,
+        config: str,
+        s: dict | None,
+        goal: str,
+        met: Any,
+        digits: int = 3,
+        note: str = "",
+    ) -> None:
         verdict = "" if met is None else ("yes" if met else "**no**")
         rows.append((metric, config, *fmt(s, digits), goal, verdict, note))
 
     for config, r in results.get("save", {}).items():
         gib = r["bytes"] / GIB
-        row("P1 save ÷ raw fsync'd write bandwidth", config, r["P1"], "≥ 0.8",
+        row(
+            "P1 save ÷ raw fsync'd write bandwidth",
+            config,
+            r["P1"],
+            "≥ 0.8",
             r["P1"]["median"] >= 0.8,
             note=f"{gib:.3f} GiB; save {r['save_GiBps']['median']:.2f} GiB/s, raw "
-                 f"{r['raw_write_GiBps']['median']:.2f} GiB/s")
-        row("P2 async blocked ÷ (bytes ÷ memcpy)", config, r["P2_blocked_over_memcpy"],
-            "≤ 2× + 50 ms", r["P2_goal_met"], 1,
+            f"{r['raw_write_GiBps']['median']:.2f} GiB/s",
+        )
+        row(
+            "P2 async blocked ÷ (bytes ÷ memcpy)",
+            config,
+            r["P2_blocked_over_memcpy"],
+            "≤ 2× + 50 ms",
+            r["P2_goal_met"],
+            1,
             note=f"blocked {r['P2_blocked_s']['median']:.3f} s (call "
-                 f"{r['P2_save_call_s']['median']:.3f} + commit "
-                 f"{r['P2_commit_s']['median']:.3f}), memcpy {r['P2_memcpy_s']['median']:.3f} s")
+            f"{r['P2_save_call_s']['median']:.3f} + commit "
+            f"{r['P2_commit_s']['median']:.3f}), memcpy {r['P2_memcpy_s']['median']:.3f} s",
+        )
         sd = r["P2_step_slowdown"]
-        row("P2 step slowdown while writing", config, sd, "≤ 0.05",
+        row(
+            "P2 step slowdown while writing",
+            config,
+            sd,
+            "≤ 0.05",
             None if sd is None else sd["median"] <= 0.05,
-            note=_slowdown_note(r) if sd else "no step started while the writer ran")
+            note=_slowdown_note(r) if sd else "no step started while the writer ran",
+        )
     for config, r in results.get("restore", {}).items():
-        row("P3 (launch→training resumes − floor) ÷ (bytes ÷ read)", config, r["P3"],
-            "≤ 1.25× + 2 s", r["P3_goal_met"], 2,
+        row(
+            "P3 (launch→training resumes − floor) ÷ (bytes ÷ read)",
+            config,
+            r["P3"],
+            "≤ 1.25× + 2 s",
+            r["P3_goal_met"],
+            2,
             note=f"resumed {r['resumed_s']['median']:.1f} s (first step done "
-                 f"{r['first_step_s']['median']:.1f} s), floor "
-                 f"{r['floor_s']['median']:.1f} s, cold read "
-                 f"{r['read_GiBps']['median']:.2f} GiB/s, {r['bytes'] / GIB:.3f} GiB; "
-                 + ", ".join(f"{k} {v:.1f}" for k, v in r.get("phases_s", {}).items()))
+            f"{r['first_step_s']['median']:.1f} s), floor "
+            f"{r['floor_s']['median']:.1f} s, cold read "
+            f"{r['read_GiBps']['median']:.2f} GiB/s, {r['bytes'] / GIB:.3f} GiB; "
+            + ", ".join(f"{k} {v:.1f}" for k, v in r.get("phases_s", {}).items()),
+        )
     if "hang" in results:
         r = results["hang"]
-        row("P4 hang detection ÷ step timeout", "tiny", r["detection_ratio"], "report", None,
+        row(
+            "P4 hang detection ÷ step timeout",
+            "tiny",
+            r["detection_ratio"],
+            "report",
+            None,
             note=f"timeout {r['timeout_s']['median']:.1f} s; rank monitor fired at "
-                 f"{r['monitor_ratio']['median']:.3f}× the timeout")
+            f"{r['monitor_ratio']['median']:.3f}× the timeout",
+        )
     for config, r in results.get("overhead", {}).items():
-        row("P5 framework step ÷ bare megatron-core step", config, r["P5"], "≤ 1.01",
+        row(
+            "P5 framework step ÷ bare megatron-core step",
+            config,
+            r["P5"],
+            "≤ 1.01",
             r["P5"]["median"] <= 1.01,
             note=f"bare {r['bare_step_s']['median'] * 1e3:.1f} ms/step; CPU shim (not product "
-                 f"cost) ≈ {r['shim_s_per_step'] * 1e3:.1f} ms/step = "
-                 f"{r['shim_fraction_of_bare_step']:.1%} of the bare step; hooks (ms/step): "
-                 + ", ".join(f"{k} {v:.1f}" for k, v in sorted(
-                     r["hooks_ms_per_step"].items(), key=lambda kv: -kv[1])[:3]))
-    head = ("| metric | model | median | min | max | goal | met | notes |\n"
-            "|---|---|---|---|---|---|---|---|\n")
+            f"cost) ≈ {r['shim_s_per_step'] * 1e3:.1f} ms/step = "
+            f"{r['shim_fraction_of_bare_step']:.1%} of the bare step; hooks (ms/step): "
+            + ", ".join(
+                f"{k} {v:.1f}"
+                for k, v in sorted(r["hooks_ms_per_step"].items(), key=lambda kv: -kv[1])[:3]
+            ),
+        )
+    head = (
+        "| metric | model | median | min | max | goal | met | notes |\n"
+        "|---|---|---|---|---|---|---|---|\n"
+    )
     return head + "\n".join("| " + " | ".join(r) + " |" for r in rows) + "\n"
 
 
 def _slowdown_note(r: dict[str, Any]) -> str:
-    note = (f"{r['P2_busy_steps']} steps started while the writer ran; training time lost per "
-            f"save {r['P2_lost_s_per_save']['median']:.2f} s (idle step "
-            f"{r['idle_step_s']['median']:.2f} s)")
+    note = (
+        f"{r['P2_busy_steps']} steps started while the writer ran; training time lost per "
+        f"save {r['P2_lost_s_per_save']['median']:.2f} s (idle step "
+        f"{r['idle_step_s']['median']:.2f} s)"
+    )
     raw = r.get("P2_raw_write_slowdown")
     if raw:
-        note += (f"; floor: a nice-19 process writing the same bytes + fsync slows steps by "
-                 f"{raw['median']:.2f} (lost {r['P2_raw_write_lost_s']['median']:.2f} s)")
+        note += (
+            f"; floor: a nice-19 process writing the same bytes + fsync slows steps by "
+            f"{raw['median']:.2f} (lost {r['P2_raw_write_lost_s']['median']:.2f} s)"
+        )
     return note
 
 
@@ -356,10 +481,17 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--reps", type=int, default=5, help="repetitions per figure (>= 5)")
     parser.add_argument("--hang-reps", type=int, default=5, help="P4 runs (~40 s each)")
     parser.add_argument("--only", default="", help="comma-separated sections, e.g. P1,P5")
-    parser.add_argument("--configs", default="",
-                        help=f"comma-separated models instead of the defaults: {', '.join(CONFIGS)}")
-    parser.add_argument("--workdir", type=Path, default=None,
-                        help="where checkpoints go (the disk under test); default: a temp dir")
+    parser.add_argument(
+        "--configs",
+        default="",
+        help=f"comma-separated models instead of the defaults: {', '.join(CONFIGS)}",
+    )
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="where checkpoints go (the disk under test); default: a temp dir",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the work dir")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--md", type=Path, default=None)
@@ -376,10 +508,11 @@ def main(argv: list[str]) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-", dir=args.workdir))
     warnings.simplefilter("ignore")
     sys.path.insert(0, str(REPO))
-    from bench.hang_detection import prepare_corpus
-
-    results: dict[str, Any] = {"configs": {c: CONFIGS[c] for c in configs}, "reps": args.reps,
-                               "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    results: dict[str, Any] = {
+        "configs": {c: CONFIGS[c] for c in configs},
+        "reps": args.reps,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     began = time.perf_counter()
 
     def section(name: str, fn: Callable[[], Any]) -> Any:
@@ -389,19 +522,22 @@ def main(argv: list[str]) -> int:
         return value
 
     try:
-        data = prepare_corpus(work)
+        data = hang_detection.prepare_corpus(work)
         for config in configs:
             if only & {"P1", "P2", "P3"}:  # P3 restores what the save bench wrote
                 results.setdefault("save", {})[config] = section(
-                    f"P1/P2 {config}", lambda: bench_save(config, work, data, args.reps))
+                    f"P1/P2 {config}", lambda c=config: bench_save(c, work, data, args.reps)
+                )
             if "P3" in only and config not in SAVE_ONLY:
                 results.setdefault("restore", {})[config] = section(
-                    f"P3 {config}", lambda: bench_restore(config, work, data, args.reps))
+                    f"P3 {config}", lambda c=config: bench_restore(c, work, data, args.reps)
+                )
         if "P4" in only:
             results["hang"] = section("P4", lambda: bench_hang(work, data, args.hang_reps))
         if "P5" in only:
             results.setdefault("overhead", {})["tiny"] = section(
-                "P5 tiny", lambda: bench_overhead("tiny", work, data, args.reps))
+                "P5 tiny", lambda: bench_overhead("tiny", work, data, args.reps)
+            )
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -30,19 +30,34 @@ from bench.hang_detection import prepare_corpus  # noqa: E402
 
 
 def run_job(args: argparse.Namespace, workdir: Path, data: str) -> None:
-    overrides = ["recipe=gpt_tiny", f"data.paths=[{data}]", f"output_dir={workdir / 'runs'}",
-                 "run_id=bench", f"train.train_steps={args.steps}", "train.micro_batch_size=2",
-                 "train.global_batch_size=4", "parallel.tp=1",
-                 "optimizer.use_distributed_optimizer=true",
-                 f"model.hidden_size={args.hidden}", f"model.ffn_hidden_size={4 * args.hidden}",
-                 f"checkpoint.save_interval={args.persistent_every}", "checkpoint.local.interval=1",
-                 f"checkpoint.local.dir={workdir / 'local'}",
-                 "checkpoint.local.replication_jump=1", "resiliency.watch.steps=0"]
+    overrides = [
+        "recipe=gpt_tiny",
+        f"data.paths=[{data}]",
+        f"output_dir={workdir / 'runs'}",
+        "run_id=bench",
+        f"train.train_steps={args.steps}",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=4",
+        "parallel.tp=1",
+        "optimizer.use_distributed_optimizer=true",
+        f"model.hidden_size={args.hidden}",
+        f"model.ffn_hidden_size={4 * args.hidden}",
+        f"checkpoint.save_interval={args.persistent_every}",
+        "checkpoint.local.interval=1",
+        f"checkpoint.local.dir={workdir / 'local'}",
+        "checkpoint.local.replication_jump=1",
+        "resiliency.watch.steps=0",
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     torchrun = Path(sys.executable).with_name("torchrun")
-    proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node=2", "-m", "pretrain",
-                           *overrides], cwd=REPO, env=env, text=True, capture_output=True,
-                          timeout=1800)
+    proc = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node=2", "-m", "pretrain", *overrides],
+        cwd=REPO,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=1800,
+    )
     if proc.returncode != 0:
         raise SystemExit(f"training failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
 
@@ -53,20 +68,30 @@ def step_bytes(workdir: Path) -> dict[str, int]:
     manifest = json.loads((steps[-1] / "manifest.json").read_text())
     local = sorted((workdir / "local").glob("node-*/bench/*/iter_*_local.pt"))
     newest = max(int(p.name.split("_")[1]) for p in local)
-    return {"persistent": sum(f["bytes"] for f in manifest["files"]),
-            "local": sum(p.stat().st_size for p in local if int(p.name.split("_")[1]) == newest)}
+    return {
+        "persistent": sum(f["bytes"] for f in manifest["files"]),
+        "local": sum(p.stat().st_size for p in local if int(p.name.split("_")[1]) == newest),
+    }
 
 
 def summarize(workdir: Path) -> dict[str, Any]:
-    records = [json.loads(line) for line in
-               (workdir / "runs" / "bench" / "metrics" / "checkpoints.jsonl").read_text()
-               .splitlines()]
+    records = [
+        json.loads(line)
+        for line in (workdir / "runs" / "bench" / "metrics" / "checkpoints.jsonl")
+        .read_text()
+        .splitlines()
+    ]
     sizes = step_bytes(workdir)
     tiers: dict[str, Any] = {}
     for tier in ("local", "persistent"):
         times = [r["blocked_s"] for r in records if r["tier"] == tier]
-        tiers[tier] = {"saves": len(times), "median_s": statistics.median(times),
-                       "min_s": min(times), "max_s": max(times), "bytes": sizes[tier]}
+        tiers[tier] = {
+            "saves": len(times),
+            "median_s": statistics.median(times),
+            "min_s": min(times),
+            "max_s": max(times),
+            "bytes": sizes[tier],
+        }
     ratio = tiers["local"]["median_s"] / tiers["persistent"]["median_s"]
     return {"tiers": tiers, "local_over_persistent": ratio}
 
@@ -74,8 +99,10 @@ def summarize(workdir: Path) -> dict[str, Any]:
 def print_table(summary: dict[str, Any]) -> None:
     print(f"{'tier':<11} {'saves':>5} {'median s':>9} {'min s':>7} {'max s':>7} {'MiB/step':>9}")
     for tier, row in summary["tiers"].items():
-        print(f"{tier:<11} {row['saves']:>5} {row['median_s']:>9.3f} {row['min_s']:>7.3f} "
-              f"{row['max_s']:>7.3f} {row['bytes'] / 2**20:>9.1f}")
+        print(
+            f"{tier:<11} {row['saves']:>5} {row['median_s']:>9.3f} {row['min_s']:>7.3f} "
+            f"{row['max_s']:>7.3f} {row['bytes'] / 2**20:>9.1f}"
+        )
     print(f"blocked time, local / persistent (medians): {summary['local_over_persistent']:.2f}")
 
 

@@ -8,16 +8,16 @@ of the minimal repeatable fault experiment (section 17).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+from drill.evidence import RestoreEvent, RunEvidence, StepRecord
+from drill.runs import BASELINE, BUDGET, NO_COMMIT, NO_SHARD, RECOVERY, DrillPlan, Scenario
 from launch.retry_policy import REQUEUE, STOP
 from pretrain import exit_codes
 from resiliency.storage.checksum import file_checksum
-from drill.evidence import RestoreEvent, RunEvidence, StepRecord
-from drill.runs import (BASELINE, BUDGET, NO_COMMIT, NO_SHARD, RECOVERY,
-                                   DrillPlan, Scenario)
 from resiliency.storage.layout import RunLayout
 from resiliency.storage.manifest import ManifestError, read_manifest
 from resiliency.storage.verify import verify_step_dir
@@ -61,18 +61,18 @@ TITLES = {
     "optimizer_lr": "Optimizer state non-empty; LR equal to before the failure",
     "data_position": "Dataset snapshot, sample watermark and consumed tokens are correct",
     "exact_resume": "No loss/grad-norm jump after restore: loss, grad norm and LR equal the "
-                    "no-fault baseline in the window after each restore",
+    "no-fault baseline in the window after each restore",
     "ranks_same_step": "All ranks at the same step: a rank-state file for every rank in each "
-                       "checkpoint",
+    "checkpoint",
     "new_attempt_checkpoint": "The first checkpoint written by the new attempt restores "
-                              "independently",
+    "independently",
     "final_result": "Final result within tolerance of the no-fault baseline",
     "fallback_no_commit": "Newest step without COMMITTED is rejected; the previous verified "
-                          "step is used",
+    "step is used",
     "fallback_missing_shard": "Newest step missing a shard is rejected; the previous verified "
-                              "step is used",
+    "step is used",
     "retry_budget": "Consecutive infrastructure failures exhaust the retry budget: stop with "
-                    "RETRY_BUDGET_EXHAUSTED",
+    "RETRY_BUDGET_EXHAUSTED",
     "old_world_exited": "The old worker group exited: no rank outlives its launch",
 }
 
@@ -97,6 +97,7 @@ def _step_dir(run_dir: Path, step: int) -> Path:
 
 
 def _train_state(step_dir: Path) -> dict[str, Any]:
+    # torch: the drill itself never loads it otherwise
     from resiliency.checkpoint.rank_state import read_train_state
 
     return read_train_state(step_dir)
@@ -112,6 +113,7 @@ def _restored(ev: RestoreEvent) -> int | None:
 
 def optimizer_state_numel(model_dir: Path) -> dict[str, int]:
     """Elements of Adam moments (and other optimizer entries) in a dist-checkpoint's metadata."""
+    # torch: the drill itself never loads it otherwise
     from torch.distributed.checkpoint import FileSystemReader
 
     totals = {"exp_avg": 0, "exp_avg_sq": 0, "other": 0}
@@ -120,14 +122,16 @@ def optimizer_state_numel(model_dir: Path) -> dict[str, int]:
         if not key.startswith("optimizer."):
             continue
         parts = key.replace("/", ".").split(".")
-        kind = "exp_avg_sq" if "exp_avg_sq" in parts else "exp_avg" if "exp_avg" in parts \
-            else "other"
+        kind = (
+            "exp_avg_sq" if "exp_avg_sq" in parts else "exp_avg" if "exp_avg" in parts else "other"
+        )
         size = getattr(meta, "size", None)
         totals[kind] += math.prod(size) if size is not None else 1
     return totals
 
 
 # ---------------------------------------------------------------- 1. restore step
+
 
 def check_restore_step(d: DrillData) -> CheckResult:
     evidence: list[str] = []
@@ -147,13 +151,17 @@ def _restore_step_problems(d: DrillData, ev: RestoreEvent, evidence: list[str]) 
     manifest_step = read_manifest(step_dir).step
     state_step = _train_state(step_dir)["step"]
     first = ev.attempt.steps[0].step if ev.attempt.steps else None
-    evidence.append(f"{_label(ev)}: attempt {ev.attempt.attempt} restored {step_dir.name} "
-                    f"(manifest step {manifest_step}, train_state step {state_step}); first "
-                    f"step trained: {first}")
+    evidence.append(
+        f"{_label(ev)}: attempt {ev.attempt.attempt} restored {step_dir.name} "
+        f"(manifest step {manifest_step}, train_state step {state_step}); first "
+        f"step trained: {first}"
+    )
     problems = []
     if not manifest_step == state_step == restored:
-        problems.append(f"{_label(ev)}: manifest/train_state steps {manifest_step}/{state_step} "
-                        f"!= restored {restored}")
+        problems.append(
+            f"{_label(ev)}: manifest/train_state steps {manifest_step}/{state_step} "
+            f"!= restored {restored}"
+        )
     if first != restored + 1:
         problems.append(f"{_label(ev)}: first step after restore is {first}, not {restored + 1}")
     if (step_dir.name, restored) not in ev.log.resumed:
@@ -162,6 +170,7 @@ def _restore_step_problems(d: DrillData, ev: RestoreEvent, evidence: list[str]) 
 
 
 # ---------------------------------------------------------------- 2. optimizer and LR
+
 
 def check_optimizer_lr(d: DrillData) -> CheckResult:
     evidence: list[str] = []
@@ -179,8 +188,10 @@ def _optimizer_problems(d: DrillData, ev: RestoreEvent, evidence: list[str]) -> 
     assert restored is not None
     model_dir = _step_dir(d.scenarios[ev.scenario].run_dir, restored) / "model"
     numel = optimizer_state_numel(model_dir)
-    evidence.append(f"{_label(ev)}: step {restored} holds Adam moments exp_avg "
-                    f"{numel['exp_avg']} + exp_avg_sq {numel['exp_avg_sq']} elements")
+    evidence.append(
+        f"{_label(ev)}: step {restored} holds Adam moments exp_avg "
+        f"{numel['exp_avg']} + exp_avg_sq {numel['exp_avg_sq']} elements"
+    )
     problems = []
     if not (numel["exp_avg"] and numel["exp_avg_sq"]):
         problems.append(f"{_label(ev)}: checkpoint step {restored} has no Adam moments")
@@ -196,22 +207,29 @@ def _lr_problems(d: DrillData, ev: RestoreEvent, evidence: list[str]) -> list[st
     base = d.baseline.get(restored)
     problems = []
     if base is None or not close(saved_lr, base.lr, d.tolerance):
-        problems.append(f"{_label(ev)}: saved lr {saved_lr} != baseline lr at step {restored} "
-                        f"({base.lr if base else 'missing'})")
+        problems.append(
+            f"{_label(ev)}: saved lr {saved_lr} != baseline lr at step {restored} "
+            f"({base.lr if base else 'missing'})"
+        )
     if not ev.attempt.steps:
         return problems + [f"{_label(ev)}: no step trained after restore"]
     first = ev.attempt.steps[0]
     before = _logged_before(ev, first.step)
-    evidence.append(f"{_label(ev)}: lr saved {saved_lr:.6e}; step {first.step} lr "
-                    f"{first.lr:.6e} (before the failure: "
-                    f"{'%.6e' % before.lr if before else 'not reached'})")
+    evidence.append(
+        f"{_label(ev)}: lr saved {saved_lr:.6e}; step {first.step} lr "
+        f"{first.lr:.6e} (before the failure: "
+        f"{f'{before.lr:.6e}' if before else 'not reached'})"
+    )
     reference = d.baseline.get(first.step)
     if reference is None or not close(first.lr, reference.lr, d.tolerance):
-        problems.append(f"{_label(ev)}: step {first.step} lr {first.lr} != baseline "
-                        f"{reference.lr if reference else 'missing'}")
+        problems.append(
+            f"{_label(ev)}: step {first.step} lr {first.lr} != baseline "
+            f"{reference.lr if reference else 'missing'}"
+        )
     if before is not None and not close(first.lr, before.lr, d.tolerance):
-        problems.append(f"{_label(ev)}: step {first.step} lr {first.lr} != {before.lr} before "
-                        f"the failure")
+        problems.append(
+            f"{_label(ev)}: step {first.step} lr {first.lr} != {before.lr} before the failure"
+        )
     return problems
 
 
@@ -222,6 +240,7 @@ def _logged_before(ev: RestoreEvent, step: int) -> StepRecord | None:
 
 
 # ---------------------------------------------------------------- 3. data position
+
 
 def check_data_position(d: DrillData) -> CheckResult:
     evidence: list[str] = []
@@ -239,25 +258,35 @@ def check_data_position(d: DrillData) -> CheckResult:
     return _judge("data_position", evidence, problems)
 
 
-def _position_problems(d: DrillData, scenario: str, step_dir: Path, step: int,
-                       evidence: list[str]) -> list[str]:
+def _position_problems(
+    d: DrillData, scenario: str, step_dir: Path, step: int, evidence: list[str]
+) -> list[str]:
     state = _train_state(step_dir)
     samples, tokens = step * d.global_batch, step * d.global_batch * d.seq_length
-    found = (state["consumed_samples"], state["data_cursor"]["consumed_samples"],
-             state["consumed_tokens"])
-    evidence.append(f"{scenario} {step_dir.name}: consumed_samples {found[0]}, cursor "
-                    f"{found[1]}, tokens {found[2]} (expected {samples}, {samples}, {tokens})")
+    found = (
+        state["consumed_samples"],
+        state["data_cursor"]["consumed_samples"],
+        state["consumed_tokens"],
+    )
+    evidence.append(
+        f"{scenario} {step_dir.name}: consumed_samples {found[0]}, cursor "
+        f"{found[1]}, tokens {found[2]} (expected {samples}, {samples}, {tokens})"
+    )
     problems = []
     if found != (samples, samples, tokens):
-        problems.append(f"{scenario} {step_dir.name}: samples/cursor/tokens {found} != "
-                        f"({samples}, {samples}, {tokens}) = step x global batch (x seq)")
-    problems += _snapshot_problems(f"{scenario} {step_dir.name}", read_manifest(step_dir).dataset,
-                                   d.data_fingerprint)
+        problems.append(
+            f"{scenario} {step_dir.name}: samples/cursor/tokens {found} != "
+            f"({samples}, {samples}, {tokens}) = step x global batch (x seq)"
+        )
+    problems += _snapshot_problems(
+        f"{scenario} {step_dir.name}", read_manifest(step_dir).dataset, d.data_fingerprint
+    )
     return problems
 
 
-def _snapshot_problems(label: str, dataset: dict[str, Any],
-                       fingerprint: dict[str, Any]) -> list[str]:
+def _snapshot_problems(
+    label: str, dataset: dict[str, Any], fingerprint: dict[str, Any]
+) -> list[str]:
     recorded = {k: v for k, v in dataset.items() if k != "index_files"}
     problems = []
     if recorded != fingerprint:
@@ -269,6 +298,7 @@ def _snapshot_problems(label: str, dataset: dict[str, Any],
 
 
 # ---------------------------------------------------------------- 4. no jump (exact resume)
+
 
 def check_exact_resume(d: DrillData) -> CheckResult:
     evidence: list[str] = []
@@ -288,12 +318,16 @@ def _window_problems(d: DrillData, ev: RestoreEvent, evidence: list[str]) -> lis
     if not window:
         return [f"{_label(ev)}: no step trained after restoring step {restored}"]
     problems = [p for r in window for p in _step_mismatch(d, r)]
-    evidence.append(f"{_label(ev)}: steps {window[0].step}-{window[-1].step} after restoring "
-                    f"step {restored}: {len(window) - len({p.split(':')[0] for p in problems})}"
-                    f"/{len(window)} equal the baseline")
+    evidence.append(
+        f"{_label(ev)}: steps {window[0].step}-{window[-1].step} after restoring "
+        f"step {restored}: {len(window) - len({p.split(':')[0] for p in problems})}"
+        f"/{len(window)} equal the baseline"
+    )
     return [f"{_label(ev)}: {p}" for p in problems[:MAX_PROBLEMS_PER_EVENT]] + (
         [f"{_label(ev)}: ... {len(problems) - MAX_PROBLEMS_PER_EVENT} more mismatches"]
-        if len(problems) > MAX_PROBLEMS_PER_EVENT else [])
+        if len(problems) > MAX_PROBLEMS_PER_EVENT
+        else []
+    )
 
 
 def _step_mismatch(d: DrillData, record: StepRecord) -> list[str]:
@@ -304,14 +338,18 @@ def _step_mismatch(d: DrillData, record: StepRecord) -> list[str]:
     for name in ("loss", "grad_norm", "lr"):
         ours, theirs = getattr(record, name), getattr(base, name)
         if not close(ours, theirs, d.tolerance):
-            problems.append(f"step {record.step}: {name} {ours!r} != baseline {theirs!r} "
-                            f"(diff {ours - theirs:+.3e})")
+            problems.append(
+                f"step {record.step}: {name} {ours!r} != baseline {theirs!r} "
+                f"(diff {ours - theirs:+.3e})"
+            )
     return problems
 
 
 # ---------------------------------------------------------------- 5. ranks at the same step
 
+
 def check_ranks(d: DrillData) -> CheckResult:
+    # torch: the drill itself never loads it otherwise
     from resiliency.checkpoint.rank_state import rank_state_path
 
     evidence: list[str] = []
@@ -323,19 +361,25 @@ def check_ranks(d: DrillData) -> CheckResult:
         for step in layout.published_steps():
             step_dir = layout.step_dir(step)
             manifest = read_manifest(step_dir)
-            ranks = [r for r in range(manifest.world_size)
-                     if rank_state_path(step_dir, r).is_file()]
-            evidence.append(f"{name} {step_dir.name}: rank-state for ranks {ranks} of "
-                            f"world size {manifest.world_size}")
+            ranks = [
+                r for r in range(manifest.world_size) if rank_state_path(step_dir, r).is_file()
+            ]
+            evidence.append(
+                f"{name} {step_dir.name}: rank-state for ranks {ranks} of "
+                f"world size {manifest.world_size}"
+            )
             if manifest.world_size != d.nproc or len(ranks) != d.nproc:
-                problems.append(f"{name} {step_dir.name}: {len(ranks)} rank-state file(s), "
-                                f"world size {manifest.world_size}, expected {d.nproc}")
+                problems.append(
+                    f"{name} {step_dir.name}: {len(ranks)} rank-state file(s), "
+                    f"world size {manifest.world_size}, expected {d.nproc}"
+                )
             if not manifest.step == _train_state(step_dir)["step"] == step:
                 problems.append(f"{name} {step_dir.name}: manifest/train_state step mismatch")
     return _judge("ranks_same_step", evidence, problems)
 
 
 # ---------------------------------------------------------------- 6. new attempt's checkpoint
+
 
 def check_new_attempt_checkpoint(d: DrillData) -> CheckResult:
     events = [ev for ev in d.events if ev.scenario == RECOVERY and ev.attempt is not None]
@@ -346,14 +390,18 @@ def check_new_attempt_checkpoint(d: DrillData) -> CheckResult:
     assert writer is not None
     written = _steps_written_by(run_dir, writer.attempt)
     if not written:
-        return _judge("new_attempt_checkpoint", [],
-                      [f"attempt {writer.attempt} published no checkpoint"])
+        return _judge(
+            "new_attempt_checkpoint", [], [f"attempt {writer.attempt} published no checkpoint"]
+        )
     first = written[0]
     verdict = verify_step_dir(_step_dir(run_dir, first), run_dir.name, full=True)
     later = [ev for ev in events[1:] if _restored(ev) == first]
     evidence = [f"attempt {writer.attempt} first published step {first}: {verdict.reason}"]
-    evidence += [f"attempt {ev.attempt.attempt} restored it and trained "
-                 f"{len(ev.attempt.steps)} step(s)" for ev in later if ev.attempt]
+    evidence += [
+        f"attempt {ev.attempt.attempt} restored it and trained {len(ev.attempt.steps)} step(s)"
+        for ev in later
+        if ev.attempt
+    ]
     problems = [] if verdict.ok else [f"step {first} fails verification: {verdict.reason}"]
     if not any(ev.attempt and ev.attempt.steps for ev in later):
         problems.append(f"no later attempt restored step {first} and trained from it")
@@ -374,6 +422,7 @@ def _steps_written_by(run_dir: Path, attempt: int) -> list[int]:
 
 # ---------------------------------------------------------------- 7. final result
 
+
 def check_final_result(d: DrillData) -> CheckResult:
     scenario, run = d.scenarios[RECOVERY], d.runs[RECOVERY]
     steps, n = run.steps, d.plan.steps
@@ -386,15 +435,18 @@ def check_final_result(d: DrillData) -> CheckResult:
     if n not in steps or n not in d.baseline:
         return _judge("final_result", [], problems + [f"step {n} missing"])
     ours, base = steps[n].loss, d.baseline[n].loss
-    evidence = [f"step {n}: loss {ours:.6f} vs baseline {base:.6f} (relative diff "
-                f"{abs(ours - base) / abs(base):.2e}, tolerance {d.final_tolerance:g}); "
-                f"{len(scenario.launches)} launch(es), last: {scenario.decisions[-1].line()}"]
+    evidence = [
+        f"step {n}: loss {ours:.6f} vs baseline {base:.6f} (relative diff "
+        f"{abs(ours - base) / abs(base):.2e}, tolerance {d.final_tolerance:g}); "
+        f"{len(scenario.launches)} launch(es), last: {scenario.decisions[-1].line()}"
+    ]
     if not close(ours, base, d.final_tolerance):
         problems.append(f"final loss {ours} outside {d.final_tolerance:g} of baseline {base}")
     return _judge("final_result", evidence, problems)
 
 
 # ---------------------------------------------------------------- 8, 9. broken newest step
+
 
 def check_fallback(d: DrillData, name: str) -> CheckResult:
     id_ = "fallback_no_commit" if name == NO_COMMIT else "fallback_missing_shard"
@@ -404,17 +456,24 @@ def check_fallback(d: DrillData, name: str) -> CheckResult:
     ev = ([e for e in d.events if e.scenario == name] or [None])[-1]  # the restart that ran
     broken = _step_dir(scenario.run_dir, d.plan.steps).name
     keyword = "COMMITTED" if name == NO_COMMIT else "is missing"
-    rejected = [reason for dir_name, reason in (ev.log.skipped if ev else ())
-                if dir_name == broken and keyword in reason]
-    evidence = [f"{scenario.damage}; restart log: skipping {broken}: "
-                f"{rejected[0] if rejected else '(not logged)'}; attempt record restored_step "
-                f"{_restored(ev) if ev else None}"]
+    rejected = [
+        reason
+        for dir_name, reason in (ev.log.skipped if ev else ())
+        if dir_name == broken and keyword in reason
+    ]
+    evidence = [
+        f"{scenario.damage}; restart log: skipping {broken}: "
+        f"{rejected[0] if rejected else '(not logged)'}; attempt record restored_step "
+        f"{_restored(ev) if ev else None}"
+    ]
     problems = []
     if not rejected:
         problems.append(f"the restart did not log rejecting {broken} ({keyword})")
     if ev is None or _restored(ev) != scenario.expected_restores[0]:
-        problems.append(f"restored step {_restored(ev) if ev else None}, expected "
-                        f"{scenario.expected_restores[0]}")
+        problems.append(
+            f"restored step {_restored(ev) if ev else None}, expected "
+            f"{scenario.expected_restores[0]}"
+        )
     if not scenario.finished:
         last = scenario.decisions[-1]
         problems.append(f"restart did not finish: {last.line() if last else 'no decision'}")
@@ -423,12 +482,14 @@ def check_fallback(d: DrillData, name: str) -> CheckResult:
 
 # ---------------------------------------------------------------- 10. retry budget
 
+
 def check_retry_budget(d: DrillData) -> CheckResult:
     scenario, budget = d.scenarios[BUDGET], d.plan.max_retries
     decisions = [dec for dec in scenario.decisions if dec is not None]
     evidence = [f"{len(scenario.launches)} launch(es) for a budget of {budget} retries"]
-    for i, (fault, result, dec) in enumerate(zip(scenario.faults, scenario.launches,
-                                                 scenario.decisions)):
+    for i, (fault, result, dec) in enumerate(
+        zip(scenario.faults, scenario.launches, scenario.decisions)
+    ):
         outcome = f"{dec.action}, exit code {dec.exit_code}: {dec.reason}" if dec else "-"
         evidence.append(f"launch {i} ({fault}): exit {result.returncode} -> {outcome}")
     expected = [REQUEUE] * budget + [STOP]
@@ -436,12 +497,15 @@ def check_retry_budget(d: DrillData) -> CheckResult:
     if [dec.action for dec in decisions] != expected:
         problems.append(f"decisions {[dec.action for dec in decisions]} != {expected}")
     if decisions and decisions[-1].exit_code != exit_codes.RETRY_BUDGET_EXHAUSTED:
-        problems.append(f"final exit code {decisions[-1].exit_code} != "
-                        f"{exit_codes.RETRY_BUDGET_EXHAUSTED} (RETRY_BUDGET_EXHAUSTED)")
+        problems.append(
+            f"final exit code {decisions[-1].exit_code} != "
+            f"{exit_codes.RETRY_BUDGET_EXHAUSTED} (RETRY_BUDGET_EXHAUSTED)"
+        )
     return _judge("retry_budget", evidence, problems)
 
 
 # ---------------------------------------------------------------- 11. old worker group gone
+
 
 def check_old_world_exited(d: DrillData) -> CheckResult:
     launches = [(s.name, i, r) for s in d.scenarios.values() for i, r in enumerate(s.launches)]
@@ -449,8 +513,11 @@ def check_old_world_exited(d: DrillData) -> CheckResult:
     if not observed:
         return _skipped("old_world_exited", "not observable with this launcher")
     evidence = [f"{len(observed)} launch(es) checked for leftover processes"]
-    problems = [f"{n} launch {i}: processes {list(r.leftover_pids or ())} still run"
-                for n, i, r in observed if r.leftover_pids]
+    problems = [
+        f"{n} launch {i}: processes {list(r.leftover_pids or ())} still run"
+        for n, i, r in observed
+        if r.leftover_pids
+    ]
     return _judge("old_world_exited", evidence, problems)
 
 

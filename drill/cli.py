@@ -11,7 +11,8 @@ from resiliency.cli import configure_cli_logging
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m drill",
-        description="run the fault-recovery drill and write an acceptance report")
+        description="run the fault-recovery drill and write an acceptance report",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log INFO messages")
     add_args(parser)
     args = parser.parse_args(argv)

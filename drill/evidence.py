@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from resiliency.storage.attempts import recorded_attempts
 from drill.runs import Scenario
+from resiliency.storage.attempts import recorded_attempts
 from resiliency.storage.layout import RunLayout
 
 _SAVE_RE = re.compile(r"checkpoint step (\d+) published: \S+ \(([\d.]+) s\)")
@@ -102,15 +102,15 @@ def read_records(run_dir: Path) -> list[StepRecord]:
     records = []
     for line in path.read_text().splitlines():
         r = json.loads(line)
-        records.append(StepRecord(r["step"], r["loss"], r["grad_norm"], r["lr"],
-                                  r["step_time_s"], r["time"]))
+        records.append(
+            StepRecord(r["step"], r["loss"], r["grad_norm"], r["lr"], r["step_time_s"], r["time"])
+        )
     return records
 
 
 def read_attempt_records(run_dir: Path) -> dict[int, dict[str, Any]]:
     layout = RunLayout.from_run_dir(run_dir)
-    return {a: json.loads(layout.attempt_path(a).read_text())
-            for a in recorded_attempts(layout)}
+    return {a: json.loads(layout.attempt_path(a).read_text()) for a in recorded_attempts(layout)}
 
 
 def _owner(record: StepRecord, starts: list[tuple[float, int]]) -> int | None:
@@ -146,22 +146,31 @@ def read_log(path: Path) -> LogFacts:
         elif m := _RESUMED_RE.search(line):
             resumed.append((m.group(1), int(m.group(2))))
         fresh = fresh or _FRESH_OPTIMIZER in line
-    return LogFacts(tuple(saves), tuple(dict.fromkeys(skipped)), tuple(dict.fromkeys(resumed)),
-                    fresh)
+    return LogFacts(
+        tuple(saves), tuple(dict.fromkeys(skipped)), tuple(dict.fromkeys(resumed)), fresh
+    )
 
 
 def restore_events(scenario: Scenario, run: RunEvidence) -> list[RestoreEvent]:
     events = []
-    for i, expected in enumerate(scenario.expected_restores[:len(scenario.launches)]):
+    for i, expected in enumerate(scenario.expected_restores[: len(scenario.launches)]):
         if expected is None:
             continue
         attempt_id = scenario.attempts[i]
         attempt = run.attempts.get(attempt_id) if attempt_id is not None else None
         previous = _previous_attempt(run, attempt_id)
         previous_end = scenario.launches[i - 1].end if i > 0 else None
-        events.append(RestoreEvent(scenario.name, i, expected, attempt,
-                                   read_log(scenario.launches[i].spec.log_path), previous,
-                                   previous_end))
+        events.append(
+            RestoreEvent(
+                scenario.name,
+                i,
+                expected,
+                attempt,
+                read_log(scenario.launches[i].spec.log_path),
+                previous,
+                previous_end,
+            )
+        )
     return events
 
 
@@ -182,12 +191,17 @@ def failure_timing(event: RestoreEvent, fault: str) -> FailureTiming | None:
     redone = [r for r in new.steps if r.step >= last_step]
     restored = new.restored_step or 0
     return FailureTiming(
-        event.scenario, fault, last_step, restored, max(last_step - restored, 0),
+        event.scenario,
+        fault,
+        last_step,
+        restored,
+        max(last_step - restored, 0),
         detect_s=event.previous_end - failure_time,
         restart_s=new.start_time - event.previous_end,
         load_s=load_seconds(new) or 0.0,
         rto_s=first.time - failure_time,
-        catch_up_s=(redone[0].time - failure_time) if redone else None)
+        catch_up_s=(redone[0].time - failure_time) if redone else None,
+    )
 
 
 def load_seconds(attempt: AttemptView) -> float | None:

@@ -1,4 +1,4 @@
-"""``python -m drill``: the minimal repeatable fault experiment, end to end, with an acceptance report.
+"""The minimal repeatable fault experiment, end to end, with an acceptance report.
 
 Runs a no-fault baseline; the same run checkpointing every k steps and SIGKILLed on one rank
 (twice, each relaunch restoring the newest commit, the second from a checkpoint the first
@@ -13,18 +13,28 @@ import argparse
 import dataclasses
 import logging
 import shutil
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
-from resiliency.cli.base import EXIT_BAD, EXIT_OK, EXIT_USAGE
-from recipes import ConfigError, RunConfig, load_config
 from drill.checks import FAIL, PASS, SKIP, CheckResult, DrillData, run_checks
 from drill.evidence import read_records, read_run, restore_events
 from drill.jobs import DrillError, make_launcher
 from drill.report import PlotData, plot_data, write_report
-from drill.runs import (BASELINE, BROKEN, BUDGET, RECOVERY, SCENARIOS, DrillPlan,
-                                   ResumeExtras, Runner, Scenario)
+from drill.runs import (
+    BASELINE,
+    BROKEN,
+    BUDGET,
+    RECOVERY,
+    SCENARIOS,
+    DrillPlan,
+    ResumeExtras,
+    Runner,
+    Scenario,
+)
+from recipes import ConfigError, RunConfig, load_config
+from resiliency.cli.base import EXIT_BAD, EXIT_OK, EXIT_USAGE
 
 log = logging.getLogger(__name__)
 MARKER = ".mcore-recipes-drill"  # only a dir holding this is ever cleared by a new drill
@@ -68,8 +78,9 @@ def prepare_out(out: Path) -> Path:
     out = out.absolute()
     if out.exists() and any(out.iterdir()):
         if not (out / MARKER).exists():
-            raise DrillError(f"--out {out} is not empty and holds no earlier drill; choose "
-                             f"a new directory")
+            raise DrillError(
+                f"--out {out} is not empty and holds no earlier drill; choose a new directory"
+            )
         for child in out.iterdir():
             if child.name != MARKER:
                 shutil.rmtree(child) if child.is_dir() else child.unlink()
@@ -112,8 +123,10 @@ def _check_baseline(baseline: Scenario, steps: int) -> None:
     logged = {r.step for r in read_records(baseline.run_dir)}
     if not set(range(1, steps + 1)) <= logged:
         launch = baseline.launches[0]
-        raise DrillError(f"the baseline run logged {len(logged)} of {steps} steps (exit "
-                         f"{launch.returncode}); see {launch.spec.log_path}")
+        raise DrillError(
+            f"the baseline run logged {len(logged)} of {steps} steps (exit "
+            f"{launch.returncode}); see {launch.spec.log_path}"
+        )
 
 
 def _resolve(overrides: list[str]) -> tuple[RunConfig, dict]:
@@ -146,17 +159,41 @@ def run_drill(cfg: DrillConfig) -> DrillResult:
     return DrillResult(checks, plot, report, data)
 
 
-def collect(cfg: DrillConfig, plan: DrillPlan, nproc: int, run: RunConfig, fingerprint: dict,
-            requested: tuple[str, ...], scenarios: dict[str, Scenario]) -> DrillData:
+def collect(
+    cfg: DrillConfig,
+    plan: DrillPlan,
+    nproc: int,
+    run: RunConfig,
+    fingerprint: dict,
+    requested: tuple[str, ...],
+    scenarios: dict[str, Scenario],
+) -> DrillData:
     runs = {name: read_run(s.run_dir) for name, s in scenarios.items()}
-    events = [ev for name, s in scenarios.items() if name not in (BASELINE, BUDGET)
-              for ev in restore_events(s, runs[name])]
-    return DrillData(plan, cfg.launcher, nproc, run.train.global_batch_size, run.model.seq_length,
-                     fingerprint, cfg.window, cfg.tolerance, cfg.final_tolerance, requested,
-                     scenarios, runs, events)
+    events = [
+        ev
+        for name, s in scenarios.items()
+        if name not in (BASELINE, BUDGET)
+        for ev in restore_events(s, runs[name])
+    ]
+    return DrillData(
+        plan,
+        cfg.launcher,
+        nproc,
+        run.train.global_batch_size,
+        run.model.seq_length,
+        fingerprint,
+        cfg.window,
+        cfg.tolerance,
+        cfg.final_tolerance,
+        requested,
+        scenarios,
+        runs,
+        events,
+    )
 
 
 # ---------------------------------------------------------------- CLI
+
 
 def _int_list(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
@@ -175,49 +212,91 @@ def _env_pair(text: str) -> tuple[str, str]:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     d = DrillPlan()
-    p.add_argument("overrides", nargs="*",
-                   help=f"recipe overrides (default {DEFAULT_RECIPE} on its stdlib corpus); the "
-                        "drill sets output_dir, train.train_steps, train.fault and "
-                        "checkpoint.save_interval/keep_last itself")
-    p.add_argument("--launcher", choices=("local", "slurm"), default="local",
-                   help="local: torchrun here; slurm: python -m launch slurm (needs a cluster)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="output dir (default runs/drill-<time>); report.md and loss.png")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        help=f"recipe overrides (default {DEFAULT_RECIPE} on its stdlib corpus); the "
+        "drill sets output_dir, train.train_steps, train.fault and "
+        "checkpoint.save_interval/keep_last itself",
+    )
+    p.add_argument(
+        "--launcher",
+        choices=("local", "slurm"),
+        default="local",
+        help="local: torchrun here; slurm: python -m launch slurm (needs a cluster)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output dir (default runs/drill-<time>); report.md and loss.png",
+    )
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--save-every", type=int, default=d.save_every)
-    p.add_argument("--kills", type=_int_list, default=None,
-                   help="SIGKILL a rank before these steps, one kill per launch (default: "
-                        "halfway between the first saves, e.g. 6,10 for --save-every 4)")
+    p.add_argument(
+        "--kills",
+        type=_int_list,
+        default=None,
+        help="SIGKILL a rank before these steps, one kill per launch (default: "
+        "halfway between the first saves, e.g. 6,10 for --save-every 4)",
+    )
     p.add_argument("--max-retries", type=int, default=d.max_retries)
-    p.add_argument("--scenarios", type=_name_list, default=SCENARIOS,
-                   help=f"comma-separated subset of {','.join(SCENARIOS)}")
+    p.add_argument(
+        "--scenarios",
+        type=_name_list,
+        default=SCENARIOS,
+        help=f"comma-separated subset of {','.join(SCENARIOS)}",
+    )
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu")
     p.add_argument("--nproc", type=int, default=None, help="ranks (default: the recipe's)")
     p.add_argument("--window", type=int, default=8, help="steps compared after each restore")
-    p.add_argument("--tolerance", type=float, default=0.0,
-                   help="relative tolerance in the window (default 0: bit-exact, as on CPU)")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.0,
+        help="relative tolerance in the window (default 0: bit-exact, as on CPU)",
+    )
     p.add_argument("--final-tolerance", type=float, default=1e-3)
-    p.add_argument("--resume-env", type=_env_pair, action="append", default=[],
-                   metavar="KEY=VALUE", help="environment for launches that restore (a drill "
-                                             "of the drill: e.g. MCORE_RECIPES_COMPAT_SKIP=I)")
-    p.add_argument("--resume-override", action="append", default=[], metavar="KEY=VALUE",
-                   help="recipe override for launches that restore")
+    p.add_argument(
+        "--resume-env",
+        type=_env_pair,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment for launches that restore (a drill "
+        "of the drill: e.g. MCORE_RECIPES_COMPAT_SKIP=I)",
+    )
+    p.add_argument(
+        "--resume-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="recipe override for launches that restore",
+    )
     p.add_argument("--launch-timeout", type=float, default=900.0, help="seconds per launch")
 
 
 def config_from_args(args: argparse.Namespace) -> DrillConfig:
-    import time
 
     kills = args.kills or DrillPlan.default_kills(args.save_every)
-    plan = DrillPlan(steps=args.steps, save_every=args.save_every, kills=kills,
-                     max_retries=args.max_retries)
+    plan = DrillPlan(
+        steps=args.steps, save_every=args.save_every, kills=kills, max_retries=args.max_retries
+    )
     out = args.out or Path("runs") / time.strftime("drill-%Y%m%d-%H%M%S")
-    return DrillConfig(out=out, overrides=tuple(args.overrides), launcher=args.launcher,
-                       plan=plan, scenarios=args.scenarios, device=args.device,
-                       nproc=args.nproc, window=args.window, tolerance=args.tolerance,
-                       final_tolerance=args.final_tolerance,
-                       resume=ResumeExtras(dict(args.resume_env), tuple(args.resume_override)),
-                       launch_timeout_s=args.launch_timeout)
+    return DrillConfig(
+        out=out,
+        overrides=tuple(args.overrides),
+        launcher=args.launcher,
+        plan=plan,
+        scenarios=args.scenarios,
+        device=args.device,
+        nproc=args.nproc,
+        window=args.window,
+        tolerance=args.tolerance,
+        final_tolerance=args.final_tolerance,
+        resume=ResumeExtras(dict(args.resume_env), tuple(args.resume_override)),
+        launch_timeout_s=args.launch_timeout,
+    )
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -227,8 +306,9 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"error: {exc}")
         return EXIT_USAGE
     print(f"report: {result.report}")
-    counts = ", ".join(f"{sum(c.status == s for c in result.checks)} {s}"
-                       for s in (PASS, FAIL, SKIP))
+    counts = ", ".join(
+        f"{sum(c.status == s for c in result.checks)} {s}" for s in (PASS, FAIL, SKIP)
+    )
     if result.failed:
         print(f"drill FAILED: {', '.join(result.failed)} ({counts})")
     else:

@@ -21,8 +21,19 @@ from typing import Protocol
 import psutil
 
 log = logging.getLogger(__name__)
-SLURM_TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
-                            "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"})
+SLURM_TERMINAL = frozenset(
+    {
+        "COMPLETED",
+        "FAILED",
+        "CANCELLED",
+        "TIMEOUT",
+        "NODE_FAIL",
+        "OUT_OF_MEMORY",
+        "BOOT_FAIL",
+        "DEADLINE",
+        "PREEMPTED",
+    }
+)
 
 
 class DrillError(RuntimeError):
@@ -79,15 +90,27 @@ class LocalLauncher:
 
     def command(self, spec: LaunchSpec) -> list[str]:
         torchrun = str(Path(sys.executable).parent / "torchrun")
-        return [torchrun, "--standalone", f"--nproc-per-node={self.nproc}", "-m", "pretrain",
-                *spec.overrides]
+        return [
+            torchrun,
+            "--standalone",
+            f"--nproc-per-node={self.nproc}",
+            "-m",
+            "pretrain",
+            *spec.overrides,
+        ]
 
     def launch(self, spec: LaunchSpec) -> LaunchResult:
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         start = time.time()
         with spec.log_path.open("w") as out:
-            proc = subprocess.Popen(self.command(spec), cwd=self.cwd, env=_job_env(spec.env),
-                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                self.command(spec),
+                cwd=self.cwd,
+                env=_job_env(spec.env),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             code = self._wait(proc)
         end = time.time()
         leftovers = processes_mentioning(f"output_dir={spec.run_dir.parent}")
@@ -121,11 +144,16 @@ class SlurmLauncher:
             raise DrillError(
                 f"--launcher slurm: {' and '.join(missing)} not found on PATH. Run the drill on "
                 "a Slurm login node (for a local test cluster: `bash tests/slurm/cluster_up.sh` "
-                "then `source $MCORE_RECIPES_SLURM_ROOT/env.sh`), or use --launcher local.")
+                "then `source $MCORE_RECIPES_SLURM_ROOT/env.sh`), or use --launcher local."
+            )
 
     def overrides(self, spec: LaunchSpec) -> list[str]:
-        return [*spec.overrides, "launch.nodes=1", f"launch.nproc_per_node={self.nproc}",
-                "launch.slurm.max_requeues=0"]
+        return [
+            *spec.overrides,
+            "launch.nodes=1",
+            f"launch.nproc_per_node={self.nproc}",
+            "launch.slurm.max_requeues=0",
+        ]
 
     def launch(self, spec: LaunchSpec) -> LaunchResult:
         start = time.time()
@@ -137,12 +165,14 @@ class SlurmLauncher:
 
     def _submit(self, spec: LaunchSpec) -> str:
         cmd = [sys.executable, "-m", "launch", "slurm", *self.overrides(spec)]
-        proc = subprocess.run(cmd, cwd=self.cwd, env=_job_env(spec.env), capture_output=True,
-                              text=True, timeout=300)
+        proc = subprocess.run(
+            cmd, cwd=self.cwd, env=_job_env(spec.env), capture_output=True, text=True, timeout=300
+        )
         job_id = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
         if proc.returncode != 0 or not job_id.isdigit():
-            raise DrillError(f"python -m launch slurm failed (exit {proc.returncode}):\n"
-                             f"{proc.stderr[-3000:]}")
+            raise DrillError(
+                f"python -m launch slurm failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+            )
         log.info("submitted Slurm job %s for %s", job_id, spec.run_dir)
         return job_id
 
@@ -154,8 +184,10 @@ class SlurmLauncher:
                 return info["JobState"], int(info.get("ExitCode", "1:0").split(":")[0])
             time.sleep(self.poll_s)
         subprocess.run(["scancel", job_id], capture_output=True, timeout=60)
-        raise DrillError(f"Slurm job {job_id} did not end within {self.timeout_s:.0f} s "
-                         f"(cancelled): {scontrol_job(job_id)}")
+        raise DrillError(
+            f"Slurm job {job_id} did not end within {self.timeout_s:.0f} s "
+            f"(cancelled): {scontrol_job(job_id)}"
+        )
 
     @staticmethod
     def _collect_log(spec: LaunchSpec, job_id: str, state: str) -> None:
@@ -168,8 +200,9 @@ class SlurmLauncher:
 
 
 def scontrol_job(job_id: str) -> dict[str, str]:
-    proc = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=60
+    )
     return dict(re.findall(r"(\w+)=(\S*)", proc.stdout))
 
 

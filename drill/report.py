@@ -7,11 +7,17 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from launch.retry_policy import REQUEUE, Decision
 from drill.checks import ACCEPTANCE_IDS, FAIL, PASS, CheckResult, DrillData
-from drill.evidence import (FailureTiming, RestoreEvent, failure_timing, load_seconds,
-                                       percentile, read_log)
+from drill.evidence import (
+    FailureTiming,
+    RestoreEvent,
+    failure_timing,
+    load_seconds,
+    percentile,
+    read_log,
+)
 from drill.runs import BASELINE, BUDGET, NO_COMMIT, NO_SHARD, RECOVERY
+from launch.retry_policy import REQUEUE, Decision
 
 REPORT_NAME, PLOT_NAME, JSON_NAME = "report.md", "loss.png", "drill.json"
 _MARK = {PASS: "PASS", FAIL: "**FAIL**", "skip": "skip"}
@@ -47,8 +53,9 @@ def plot_data(d: DrillData) -> PlotData:
     for view in run.attempts.values():
         restored = view.restored_step
         label = f"attempt {view.attempt}" + (f" (restored step {restored})" if restored else "")
-        attempts.append(Curve(label, tuple(r.step for r in view.steps),
-                              tuple(r.loss for r in view.steps)))
+        attempts.append(
+            Curve(label, tuple(r.step for r in view.steps), tuple(r.loss for r in view.steps))
+        )
         if restored:
             restores.append((view.attempt, restored))
         if view.record.get("status") != "finished" and view.last_step is not None:
@@ -58,13 +65,16 @@ def plot_data(d: DrillData) -> PlotData:
 
 
 def write_plot(plot: PlotData, path: Path) -> None:
+    # heavy: only the report plot needs it
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display, safe in batch jobs
+    # heavy: only the report plot needs it
     import matplotlib.pyplot as plt
 
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True,
-                                      gridspec_kw={"height_ratios": [3, 1]})
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(9, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 1]}
+    )
     _draw_losses(top, plot)
     _draw_difference(bottom, plot)
     fig.tight_layout()
@@ -73,25 +83,55 @@ def write_plot(plot: PlotData, path: Path) -> None:
 
 
 def _draw_losses(ax, plot: PlotData) -> None:  # noqa: ANN001 - matplotlib Axes
-    ax.plot(plot.baseline.steps, plot.baseline.values, color="0.7", linewidth=6,
-            solid_capstyle="round", label=plot.baseline.label, zorder=1)
+    ax.plot(
+        plot.baseline.steps,
+        plot.baseline.values,
+        color="0.7",
+        linewidth=6,
+        solid_capstyle="round",
+        label=plot.baseline.label,
+        zorder=1,
+    )
     for i, curve in enumerate(plot.attempts):
-        ax.plot(curve.steps, curve.values, marker="o", markersize=3.5, linewidth=1.4,
-                color=f"C{i}", label=curve.label, zorder=2 + i)
+        ax.plot(
+            curve.steps,
+            curve.values,
+            marker="o",
+            markersize=3.5,
+            linewidth=1.4,
+            color=f"C{i}",
+            label=curve.label,
+            zorder=2 + i,
+        )
     recovered = dict(zip(plot.recovered.steps, plot.recovered.values))
     points = [(step, recovered[step]) for _, step in plot.restores if step in recovered]
     if points:
-        ax.scatter(*zip(*points), marker="D", s=45, color="black", zorder=19,
-                   label="checkpoint restored")
+        ax.scatter(
+            *zip(*points), marker="D", s=45, color="black", zorder=19, label="checkpoint restored"
+        )
     for attempt, step in plot.restores:
         ax.axvline(step, color="0.35", linestyle=":", linewidth=1)
-        ax.annotate(f"restore @ {step}\n(attempt {attempt})", (step, 1), xycoords=("data",
-                    "axes fraction"), xytext=(3, -3), textcoords="offset points", va="top",
-                    fontsize=8, color="0.3")
+        ax.annotate(
+            f"restore @ {step}\n(attempt {attempt})",
+            (step, 1),
+            xycoords=("data", "axes fraction"),
+            xytext=(3, -3),
+            textcoords="offset points",
+            va="top",
+            fontsize=8,
+            color="0.3",
+        )
     if plot.failures:
         steps, losses = zip(*plot.failures)
-        ax.scatter(steps, losses, marker="X", s=90, color="crimson", zorder=20,
-                   label="killed after this step")
+        ax.scatter(
+            steps,
+            losses,
+            marker="X",
+            s=90,
+            color="crimson",
+            zorder=20,
+            label="killed after this step",
+        )
     ax.set_ylabel("loss")
     ax.set_title("Training loss: no-fault baseline vs. killed-and-recovered run")
     ax.grid(alpha=0.3)
@@ -100,15 +140,23 @@ def _draw_losses(ax, plot: PlotData) -> None:  # noqa: ANN001 - matplotlib Axes
 
 def _draw_difference(ax, plot: PlotData) -> None:  # noqa: ANN001 - matplotlib Axes
     base = dict(zip(plot.baseline.steps, plot.baseline.values))
-    pairs = [(s, v - base[s]) for s, v in zip(plot.recovered.steps, plot.recovered.values)
-             if s in base]
+    pairs = [
+        (s, v - base[s]) for s, v in zip(plot.recovered.steps, plot.recovered.values) if s in base
+    ]
     if pairs:
         steps, diffs = zip(*pairs)
         ax.plot(steps, diffs, marker="o", markersize=3, color="C3")
         exact = not any(diffs)
-        ax.text(0.01, 0.9, "bit-exact: every step equals the baseline" if exact else
-                f"max |diff| {max(abs(x) for x in diffs):.3e}", transform=ax.transAxes,
-                fontsize=8, va="top")
+        ax.text(
+            0.01,
+            0.9,
+            "bit-exact: every step equals the baseline"
+            if exact
+            else f"max |diff| {max(abs(x) for x in diffs):.3e}",
+            transform=ax.transAxes,
+            fontsize=8,
+            va="top",
+        )
     for _, step in plot.restores:
         ax.axvline(step, color="0.35", linestyle=":", linewidth=1)
     ax.axhline(0, color="0.5", linewidth=0.8)
@@ -118,6 +166,7 @@ def _draw_difference(ax, plot: PlotData) -> None:  # noqa: ANN001 - matplotlib A
 
 
 # ---------------------------------------------------------------- markdown
+
 
 def _cell(text: object) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
@@ -140,10 +189,16 @@ def _checklist(checks: list[CheckResult]) -> list[str]:
     acceptance = [c for c in checks if c.id in ACCEPTANCE_IDS]
     drill = [c for c in checks if c.id not in ACCEPTANCE_IDS]
     header = ["#", "Item", "Result", "Evidence"]
-    return ["## Acceptance evidence (recovery is more than a process Running again)", "",
-            *_table(header, _check_rows(acceptance, 1)), "",
-            "## Fault experiment: broken checkpoints, retry budget, old world", "",
-            *_table(header, _check_rows(drill, len(acceptance) + 1)), ""]
+    return [
+        "## Acceptance evidence (recovery is more than a process Running again)",
+        "",
+        *_table(header, _check_rows(acceptance, 1)),
+        "",
+        "## Fault experiment: broken checkpoints, retry budget, old world",
+        "",
+        *_table(header, _check_rows(drill, len(acceptance) + 1)),
+        "",
+    ]
 
 
 def _runs_table(d: DrillData) -> list[str]:
@@ -154,18 +209,42 @@ def _runs_table(d: DrillData) -> list[str]:
             view = d.runs[scenario.name].attempts.get(attempt) if attempt else None
             decision = scenario.decisions[i]
             restored = view.restored_step if view else None
-            rows.append([scenario.name, i, scenario.faults[i] or "-",
-                         (scenario.damage or "-") if i == 0 else "-", launch.returncode,
-                         attempt or "-", "-" if restored is None else restored,
-                         _decision_text(decision),
-                         f"{launch.end - launch.start:.1f} s",
-                         f"`{launch.spec.log_path.parent.name}/{launch.spec.log_path.name}`"])
-    header = ["Scenario", "Launch", "Fault", "Damage", "Exit", "Attempt", "Restored step",
-              "Retry policy", "Wall", "Log"]
-    note = ([] if d.launcher == "local" else
-            ["Exit is the batch job's: its in-job retry policy runs with no requeues "
-             "(`launch.slurm.max_requeues=0`), so failed launches exit 7; the drill's own "
-             "retry policy column decides.", ""])
+            rows.append(
+                [
+                    scenario.name,
+                    i,
+                    scenario.faults[i] or "-",
+                    (scenario.damage or "-") if i == 0 else "-",
+                    launch.returncode,
+                    attempt or "-",
+                    "-" if restored is None else restored,
+                    _decision_text(decision),
+                    f"{launch.end - launch.start:.1f} s",
+                    f"`{launch.spec.log_path.parent.name}/{launch.spec.log_path.name}`",
+                ]
+            )
+    header = [
+        "Scenario",
+        "Launch",
+        "Fault",
+        "Damage",
+        "Exit",
+        "Attempt",
+        "Restored step",
+        "Retry policy",
+        "Wall",
+        "Log",
+    ]
+    note = (
+        []
+        if d.launcher == "local"
+        else [
+            "Exit is the batch job's: its in-job retry policy runs with no requeues "
+            "(`launch.slurm.max_requeues=0`), so failed launches exit 7; the drill's own "
+            "retry policy column decides.",
+            "",
+        ]
+    )
     return ["## Runs", "", *note, *_table(header, rows), ""]
 
 
@@ -195,8 +274,13 @@ def timings(d: DrillData) -> list[FailureTiming]:
 
 
 def _save_durations(d: DrillData) -> list[float]:
-    return [seconds for name, s in d.scenarios.items() if name != BASELINE
-            for launch in s.launches for _, seconds in read_log(launch.spec.log_path).saves]
+    return [
+        seconds
+        for name, s in d.scenarios.items()
+        if name != BASELINE
+        for launch in s.launches
+        for _, seconds in read_log(launch.spec.log_path).saves
+    ]
 
 
 def _load_durations(events: list[RestoreEvent]) -> list[float]:
@@ -204,21 +288,58 @@ def _load_durations(events: list[RestoreEvent]) -> list[float]:
 
 
 def _timings_section(d: DrillData) -> list[str]:
-    rows = [[t.fault, t.last_step, t.restored_step, t.lost_steps, _fmt_s(t.detect_s),
-             _fmt_s(t.restart_s), _fmt_s(t.load_s), _fmt_s(t.rto_s), _fmt_s(t.catch_up_s)]
-            for t in timings(d)]
-    header = ["Failure", "Last step done", "Restored", "Lost steps", "Detect + exit",
-              "Restart", "Load", "RTO (first new step)", "Lost work redone"]
+    rows = [
+        [
+            t.fault,
+            t.last_step,
+            t.restored_step,
+            t.lost_steps,
+            _fmt_s(t.detect_s),
+            _fmt_s(t.restart_s),
+            _fmt_s(t.load_s),
+            _fmt_s(t.rto_s),
+            _fmt_s(t.catch_up_s),
+        ]
+        for t in timings(d)
+    ]
+    header = [
+        "Failure",
+        "Last step done",
+        "Restored",
+        "Lost steps",
+        "Detect + exit",
+        "Restart",
+        "Load",
+        "RTO (first new step)",
+        "Lost work redone",
+    ]
     saves, loads = _save_durations(d), _load_durations(d.events)
-    summary = [["checkpoint save", len(saves), _fmt_s(percentile(saves, 0.5)),
-                _fmt_s(percentile(saves, 0.95))],
-               ["load (attempt start to first step: build + restore)", len(loads),
-                _fmt_s(percentile(loads, 0.5)), _fmt_s(percentile(loads, 0.95))]]
-    return ["## Lost work and recovery time", "",
-            "Failure time is the last step the killed attempt logged; detect + exit ends when "
-            "its launcher has exited, restart when the new attempt records its start, load "
-            "when its first step begins.", "", *_table(header, rows), "",
-            *_table(["Operation", "Samples", "P50", "P95"], summary), ""]
+    summary = [
+        [
+            "checkpoint save",
+            len(saves),
+            _fmt_s(percentile(saves, 0.5)),
+            _fmt_s(percentile(saves, 0.95)),
+        ],
+        [
+            "load (attempt start to first step: build + restore)",
+            len(loads),
+            _fmt_s(percentile(loads, 0.5)),
+            _fmt_s(percentile(loads, 0.95)),
+        ],
+    ]
+    return [
+        "## Lost work and recovery time",
+        "",
+        "Failure time is the last step the killed attempt logged; detect + exit ends when "
+        "its launcher has exited, restart when the new attempt records its start, load "
+        "when its first step begins.",
+        "",
+        *_table(header, rows),
+        "",
+        *_table(["Operation", "Samples", "P50", "P95"], summary),
+        "",
+    ]
 
 
 def _comparison_section(d: DrillData) -> list[str]:
@@ -231,49 +352,93 @@ def _comparison_section(d: DrillData) -> list[str]:
             base = d.baseline.get(r.step)
             if base is None or not restored < r.step <= restored + d.window:
                 continue
-            rows.append([f"{ev.scenario} #{ev.launch}", r.step, f"{base.loss:.6f}",
-                         f"{r.loss:.6f}", f"{r.loss - base.loss:+.1e}", f"{base.grad_norm:.5f}",
-                         f"{r.grad_norm:.5f}", "yes" if r.lr == base.lr else f"{r.lr:.4e}"])
-    header = ["Restore", "Step", "Baseline loss", "Recovered loss", "Diff", "Baseline grad norm",
-              "Recovered grad norm", "LR equal"]
-    return [f"## Steps after each restore vs. the baseline (window {d.window})", "",
-            *_table(header, rows), ""]
+            rows.append(
+                [
+                    f"{ev.scenario} #{ev.launch}",
+                    r.step,
+                    f"{base.loss:.6f}",
+                    f"{r.loss:.6f}",
+                    f"{r.loss - base.loss:+.1e}",
+                    f"{base.grad_norm:.5f}",
+                    f"{r.grad_norm:.5f}",
+                    "yes" if r.lr == base.lr else f"{r.lr:.4e}",
+                ]
+            )
+    header = [
+        "Restore",
+        "Step",
+        "Baseline loss",
+        "Recovered loss",
+        "Diff",
+        "Baseline grad norm",
+        "Recovered grad norm",
+        "LR equal",
+    ]
+    return [
+        f"## Steps after each restore vs. the baseline (window {d.window})",
+        "",
+        *_table(header, rows),
+        "",
+    ]
 
 
 def _header(d: DrillData, checks: list[CheckResult], overrides: list[str]) -> list[str]:
     failed = [c.id for c in checks if c.status == FAIL]
     verdict = "PASS" if not failed else f"FAIL ({', '.join(failed)})"
-    return [f"# Fault-recovery drill: {verdict}", "",
-            f"{time.strftime('%Y-%m-%d %H:%M:%S')}; launcher {d.launcher}, {d.nproc} ranks; "
-            f"overrides: "
-            f"`{' '.join(overrides)}`", "",
-            _plan_line(d), "",
-            f"![loss: baseline vs recovered]({PLOT_NAME})", ""]
+    return [
+        f"# Fault-recovery drill: {verdict}",
+        "",
+        f"{time.strftime('%Y-%m-%d %H:%M:%S')}; launcher {d.launcher}, {d.nproc} ranks; "
+        f"overrides: "
+        f"`{' '.join(overrides)}`",
+        "",
+        _plan_line(d),
+        "",
+        f"![loss: baseline vs recovered]({PLOT_NAME})",
+        "",
+    ]
 
 
 def _plan_line(d: DrillData) -> str:
     p = d.plan
-    parts = [f"Plan: {p.steps} steps, checkpoint every {p.save_every}, retry budget "
-             f"{p.max_retries}"]
+    parts = [
+        f"Plan: {p.steps} steps, checkpoint every {p.save_every}, retry budget {p.max_retries}"
+    ]
     if RECOVERY in d.requested:
-        parts.append(f"SIGKILL rank {p.fault_rank} before step(s) "
-                     f"{', '.join(map(str, p.kills))}, one kill per launch")
+        parts.append(
+            f"SIGKILL rank {p.fault_rank} before step(s) "
+            f"{', '.join(map(str, p.kills))}, one kill per launch"
+        )
     if NO_COMMIT in d.requested or NO_SHARD in d.requested:
-        parts.append("newest step broken in copies of the recovered run (no COMMITTED; a "
-                     "missing shard)")
+        parts.append(
+            "newest step broken in copies of the recovered run (no COMMITTED; a missing shard)"
+        )
     if BUDGET in d.requested:
         parts.append(f"{p.max_retries + 1} consecutive kills before step {p.budget_kill}")
     return "; ".join(parts) + "."
 
 
-def write_report(out: Path, d: DrillData, checks: list[CheckResult], plot: PlotData,
-                 overrides: list[str]) -> Path:
+def write_report(
+    out: Path, d: DrillData, checks: list[CheckResult], plot: PlotData, overrides: list[str]
+) -> Path:
     write_plot(plot, out / PLOT_NAME)
-    lines = [*_header(d, checks, overrides), *_checklist(checks), *_timings_section(d),
-             *_runs_table(d), *_comparison_section(d)]
+    lines = [
+        *_header(d, checks, overrides),
+        *_checklist(checks),
+        *_timings_section(d),
+        *_runs_table(d),
+        *_comparison_section(d),
+    ]
     path = out / REPORT_NAME
     path.write_text("\n".join(lines))
-    (out / JSON_NAME).write_text(json.dumps(
-        {"checks": [asdict(c) for c in checks], "timings": [asdict(t) for t in timings(d)],
-         "plot": asdict(plot)}, indent=1))
+    (out / JSON_NAME).write_text(
+        json.dumps(
+            {
+                "checks": [asdict(c) for c in checks],
+                "timings": [asdict(t) for t in timings(d)],
+                "plot": asdict(plot),
+            },
+            indent=1,
+        )
+    )
     return path

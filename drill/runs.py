@@ -8,18 +8,23 @@ from __future__ import annotations
 
 import logging
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
-from launch.retry_policy import STOP, Decision, decide, newest_attempt
 from drill.jobs import DrillError, Launcher, LaunchResult, LaunchSpec
+from launch.retry_policy import STOP, Decision, decide, newest_attempt
 from resiliency.storage.layout import COMMITTED_NAME, RunLayout
 
 log = logging.getLogger(__name__)
 
 BASELINE, RECOVERY, NO_COMMIT, NO_SHARD, BUDGET = (
-    "baseline", "recovery", "no-commit", "no-shard", "budget")
+    "baseline",
+    "recovery",
+    "no-commit",
+    "no-shard",
+    "budget",
+)
 SCENARIOS = (RECOVERY, NO_COMMIT, NO_SHARD, BUDGET)  # the baseline always runs
 BROKEN = (NO_COMMIT, NO_SHARD)
 
@@ -49,17 +54,27 @@ class DrillPlan:
     def validate(self) -> None:
         if self.save_every < 1 or self.steps <= self.save_every:
             raise DrillError(f"need 1 <= save_every < steps (got {self.save_every}, {self.steps})")
-        if not self.kills or list(self.kills) != sorted(set(self.kills)) \
-                or not self.save_every < self.kills[0] or self.kills[-1] > self.steps:
-            raise DrillError(f"kills {list(self.kills)} must increase, start after the first "
-                             f"save (step {self.save_every}) and end by step {self.steps}")
+        if (
+            not self.kills
+            or list(self.kills) != sorted(set(self.kills))
+            or not self.save_every < self.kills[0]
+            or self.kills[-1] > self.steps
+        ):
+            raise DrillError(
+                f"kills {list(self.kills)} must increase, start after the first "
+                f"save (step {self.save_every}) and end by step {self.steps}"
+            )
         commits = [self.last_commit_before(k) for k in self.kills]
         if len(set(commits)) != len(commits):
-            raise DrillError(f"kills {list(self.kills)}: put a save between consecutive kills, "
-                             f"so each restart restores a checkpoint the previous one wrote")
+            raise DrillError(
+                f"kills {list(self.kills)}: put a save between consecutive kills, "
+                f"so each restart restores a checkpoint the previous one wrote"
+            )
         if len(self.kills) > self.max_retries:
-            raise DrillError(f"{len(self.kills)} kills need at least as many retries "
-                             f"(--max-retries {self.max_retries})")
+            raise DrillError(
+                f"{len(self.kills)} kills need at least as many retries "
+                f"(--max-retries {self.max_retries})"
+            )
 
     def fault(self, step: int) -> str:
         return f"kill@{step}:{self.fault_rank}"
@@ -76,8 +91,9 @@ class Scenario:
     decisions: list[Decision | None] = field(default_factory=list)
     attempts: list[int | None] = field(default_factory=list)  # attempt id each launch recorded
 
-    def add(self, result: LaunchResult, fault: str, decision: Decision | None,
-            attempt: int | None) -> None:
+    def add(
+        self, result: LaunchResult, fault: str, decision: Decision | None, attempt: int | None
+    ) -> None:
         self.launches.append(result)
         self.faults.append(fault)
         self.decisions.append(decision)
@@ -111,8 +127,12 @@ class Runner:
         return self.runs_dir / scenario / self.run_id
 
     def overrides(self, run_dir: Path, extra: Sequence[str]) -> list[str]:
-        return [*self.base_overrides, f"output_dir={run_dir.parent}", f"run_id={self.run_id}",
-                *extra]
+        return [
+            *self.base_overrides,
+            f"output_dir={run_dir.parent}",
+            f"run_id={self.run_id}",
+            *extra,
+        ]
 
     def checkpointing(self) -> list[str]:
         keep = self.plan.steps // self.plan.save_every + 2  # keep every step as evidence
@@ -120,9 +140,11 @@ class Runner:
 
     def baseline(self) -> Scenario:
         scenario = Scenario(BASELINE, self.run_dir(BASELINE), [None])
-        spec = LaunchSpec(scenario.run_dir,
-                          self.overrides(scenario.run_dir, ["checkpoint.enabled=false"]),
-                          self.logs_dir / f"{BASELINE}-00.log")
+        spec = LaunchSpec(
+            scenario.run_dir,
+            self.overrides(scenario.run_dir, ["checkpoint.enabled=false"]),
+            self.logs_dir / f"{BASELINE}-00.log",
+        )
         result = self.launcher.launch(spec)
         scenario.add(result, "", None, None)
         log.info("baseline: exit %d in %.0f s", result.returncode, result.end - result.start)
@@ -160,19 +182,31 @@ class Runner:
             decision = decide(scenario.run_dir, restart, self.plan.max_retries, after)
             attempt = newest_attempt(scenario.run_dir)
             scenario.add(result, fault, decision, attempt if attempt > after else None)
-            log.info("%s: launch %d (%s) exit %d in %.0f s -> %s", scenario.name, restart,
-                     fault or "no fault", result.returncode, result.end - result.start,
-                     decision.line())
+            log.info(
+                "%s: launch %d (%s) exit %d in %.0f s -> %s",
+                scenario.name,
+                restart,
+                fault or "no fault",
+                result.returncode,
+                result.end - result.start,
+                decision.line(),
+            )
             if decision.action == STOP:
                 return
 
     def _spec(self, scenario: Scenario, restart: int, fault: str) -> LaunchSpec:
         resumed = bool(RunLayout.from_run_dir(scenario.run_dir).published_steps())
-        extra = [*self.checkpointing(), *([f"train.fault={fault}"] if fault else []),
-                 *(self.resume.overrides if resumed else ())]
-        return LaunchSpec(scenario.run_dir, self.overrides(scenario.run_dir, extra),
-                          self.logs_dir / f"{scenario.name}-{restart:02d}.log",
-                          dict(self.resume.env) if resumed else {})
+        extra = [
+            *self.checkpointing(),
+            *([f"train.fault={fault}"] if fault else []),
+            *(self.resume.overrides if resumed else ()),
+        ]
+        return LaunchSpec(
+            scenario.run_dir,
+            self.overrides(scenario.run_dir, extra),
+            self.logs_dir / f"{scenario.name}-{restart:02d}.log",
+            dict(self.resume.env) if resumed else {},
+        )
 
 
 def break_newest_step(layout: RunLayout, how: str) -> str:

@@ -7,13 +7,13 @@ import importlib
 import logging
 import sys
 
+from pretrain import exit_codes
 from pretrain.logs import setup_logging
 from recipes import ConfigError
-from pretrain import exit_codes
 
 # backend name -> module with add_arguments(parser) and run(args, overrides) -> int
 BACKENDS = {"local": "launch.local", "slurm": "launch.slurm", "k8s": "launch.k8s"}
-log = logging.getLogger("launch")
+log = logging.getLogger(__name__)
 
 
 def main(argv: list[str]) -> int:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from recipes import ConfigError, RunConfig, load_config, to_yaml
 from recipes.validate import validate_runtime
@@ -29,9 +29,11 @@ def plan_launch(overrides: Sequence[str]) -> LaunchPlan:
     try:
         dp = validate_runtime(run, run.launch.world_size, device)
     except ConfigError as exc:
-        raise ConfigError(f"{exc} (launch.nodes={run.launch.nodes} x "
-                          f"launch.nproc_per_node={run.launch.nproc_per_node} = "
-                          f"{run.launch.world_size} ranks)") from None
+        raise ConfigError(
+            f"{exc} (launch.nodes={run.launch.nodes} x "
+            f"launch.nproc_per_node={run.launch.nproc_per_node} = "
+            f"{run.launch.world_size} ranks)"
+        ) from None
     return LaunchPlan(run, list(overrides), Path(run.output_dir) / run.run_id, device, dp)
 
 
@@ -43,8 +45,10 @@ def check_run_dir_free(plan: LaunchPlan) -> None:
     except ValueError:
         return  # unreadable lease: the trainer's own acquire decides
     if info is not None and stale_reason(info, plan.run.checkpoint.lease_timeout_s) is None:
-        raise ConfigError(f"run dir {plan.run_dir} is owned by a live job "
-                          f"({info.describe(time.time())}); stop it or choose another run_id")
+        raise ConfigError(
+            f"run dir {plan.run_dir} is owned by a live job "
+            f"({info.describe(time.time())}); stop it or choose another run_id"
+        )
 
 
 def write_resolved_config(plan: LaunchPlan, name: str = "launch-config.yaml") -> Path:
@@ -58,6 +62,7 @@ def write_resolved_config(plan: LaunchPlan, name: str = "launch-config.yaml") ->
 
 
 def record_submission(plan: LaunchPlan, backend: str, detail: dict) -> None:
-    atomic_write_json(plan.run_dir / f"submission-{backend}.json",
-                      {"backend": backend, "time": time.time(), "overrides": plan.overrides,
-                       **detail})
+    atomic_write_json(
+        plan.run_dir / f"submission-{backend}.json",
+        {"backend": backend, "time": time.time(), "overrides": plan.overrides, **detail},
+    )

@@ -28,12 +28,17 @@ from pathlib import Path
 from typing import Any
 
 from launch import k8s_api
-from launch.common import (LaunchPlan, check_run_dir_free, plan_launch, record_submission,
-                           write_resolved_config)
+from launch.common import (
+    LaunchPlan,
+    check_run_dir_free,
+    plan_launch,
+    record_submission,
+    write_resolved_config,
+)
 from launch.k8s_render import Rendered, render, to_manifest_yaml
 from launch.k8s_schema import validate_objects
-from recipes import ConfigError
 from pretrain import exit_codes
+from recipes import ConfigError
 from resiliency.storage.manifest import code_commit
 
 log = logging.getLogger(__name__)
@@ -44,12 +49,16 @@ SUBMISSION_ENV = "MCORE_RECIPES_SUBMISSION_ID"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dry-run", action="store_true",
-                        help="render, validate and print the manifest; submit nothing")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="render, validate and print the manifest; submit nothing",
+    )
     parser.add_argument("--out", type=Path, help="write the manifest here instead of the run dir")
     parser.add_argument("--namespace", help="namespace for status/logs/delete (default: default)")
-    parser.add_argument("--replica", choices=("master", "worker"), default="master",
-                        help="logs: which replica type")
+    parser.add_argument(
+        "--replica", choices=("master", "worker"), default="master", help="logs: which replica type"
+    )
     parser.add_argument("--index", type=int, default=0, help="logs: replica index")
     parser.add_argument("--tail", type=int, help="logs: only the last N lines")
 
@@ -75,8 +84,9 @@ def render_run(overrides: list[str]) -> tuple[LaunchPlan, Rendered]:
 
 def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.namespace is not None:
-        raise ConfigError("--namespace is for status/logs/delete; to submit elsewhere set "
-                          "launch.k8s.namespace")
+        raise ConfigError(
+            "--namespace is for status/logs/delete; to submit elsewhere set launch.k8s.namespace"
+        )
     plan, rendered = render_run(overrides)
     text = to_manifest_yaml(rendered.objects)
     path = args.out or plan.run_dir / "k8s" / f"{rendered.name}.yaml"
@@ -88,12 +98,24 @@ def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
     _write(path, text)
     write_resolved_config(dataclasses.replace(plan, run=rendered.pod_run))
     created = k8s_api.submit(k8s_api.api_client(), rendered)
-    record_submission(plan, "k8s", {"namespace": rendered.namespace, "name": rendered.name,
-                                    "uid": created.get("metadata", {}).get("uid"),
-                                    "manifest": str(path)})
-    log.info("submitted PyTorchJob %s/%s; follow it with `python -m launch k8s status %s "
-             "--namespace %s`", rendered.namespace, rendered.name, rendered.name,
-             rendered.namespace)
+    record_submission(
+        plan,
+        "k8s",
+        {
+            "namespace": rendered.namespace,
+            "name": rendered.name,
+            "uid": created.get("metadata", {}).get("uid"),
+            "manifest": str(path),
+        },
+    )
+    log.info(
+        "submitted PyTorchJob %s/%s; follow it with `python -m launch k8s status %s "
+        "--namespace %s`",
+        rendered.namespace,
+        rendered.name,
+        rendered.name,
+        rendered.namespace,
+    )
     return exit_codes.OK
 
 
@@ -105,15 +127,17 @@ def _write(path: Path, text: str) -> None:
 
 def _manage(action: str, words: list[str], args: argparse.Namespace) -> int:
     if len(words) != 1:
-        raise ConfigError(f"usage: python -m launch k8s {action} NAME [--namespace NS]; "
-                          f"got {words}")
+        raise ConfigError(
+            f"usage: python -m launch k8s {action} NAME [--namespace NS]; got {words}"
+        )
     name, namespace = words[0], args.namespace or "default"
     api = k8s_api.api_client()
     if action == "status":
         print(format_status(k8s_api.get_job(api, namespace, name)), end="")
     elif action == "logs":
-        print(k8s_api.replica_logs(api, namespace, name, args.replica, args.index, args.tail),
-              end="")
+        print(
+            k8s_api.replica_logs(api, namespace, name, args.replica, args.index, args.tail), end=""
+        )
     else:
         k8s_api.delete(api, namespace, name)
         log.info("deleted PyTorchJob %s/%s", namespace, name)
@@ -126,13 +150,16 @@ def format_status(job: dict[str, Any]) -> str:
     lines = [f"{meta.get('namespace')}/{meta.get('name')}"]
     conditions = status.get("conditions") or []
     for cond in conditions:
-        lines.append(f"  {cond.get('lastTransitionTime', '-'):<22} {cond.get('type'):<10} "
-                     f"{cond.get('status'):<6} {cond.get('reason', '')}: "
-                     f"{cond.get('message', '')}")
+        lines.append(
+            f"  {cond.get('lastTransitionTime', '-'):<22} {cond.get('type'):<10} "
+            f"{cond.get('status'):<6} {cond.get('reason', '')}: "
+            f"{cond.get('message', '')}"
+        )
     if not conditions:
         lines.append("  no conditions yet (the operator has not reconciled the job)")
     for rtype, counts in sorted((status.get("replicaStatuses") or {}).items()):
-        summary = ", ".join(f"{k}={counts[k]}" for k in ("active", "succeeded", "failed")
-                            if k in counts)
+        summary = ", ".join(
+            f"{k}={counts[k]}" for k in ("active", "succeeded", "failed") if k in counts
+        )
         lines.append(f"  {rtype}: {summary or 'no pods'}")
     return "\n".join(lines) + "\n"

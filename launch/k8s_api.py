@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 from launch.k8s_render import API_VERSION, CONTAINER, Rendered, config_map_name
 
@@ -26,10 +27,12 @@ class K8sError(RuntimeError):
 def api_client() -> Any:
     """A client for the cluster: in-cluster when running in a pod, else $KUBECONFIG/~/.kube."""
     try:
+        # optional k8s extra
         from kubernetes import client, config
     except ModuleNotFoundError:
-        raise K8sError("submitting needs the kubernetes client: "
-                       "pip install 'mcore-recipes[k8s]'") from None
+        raise K8sError(
+            "submitting needs the kubernetes client: pip install 'mcore-recipes[k8s]'"
+        ) from None
     configuration = client.Configuration()
     if os.environ.get("KUBERNETES_SERVICE_HOST"):
         try:
@@ -48,14 +51,16 @@ def api_client() -> Any:
 
 @contextmanager
 def _api_errors(action: str) -> Iterator[None]:
+    # optional k8s extra
     from kubernetes.client.exceptions import ApiException
     from urllib3.exceptions import HTTPError
 
     try:
         yield
     except ApiException as exc:
-        raise K8sError(f"{action}: HTTP {exc.status} {exc.reason}: {_status_message(exc)}") \
-            from None
+        raise K8sError(
+            f"{action}: HTTP {exc.status} {exc.reason}: {_status_message(exc)}"
+        ) from None
     except HTTPError as exc:
         raise K8sError(f"{action}: cannot reach the API server: {exc}") from None
 
@@ -69,6 +74,7 @@ def _status_message(exc: Any) -> str:
 
 def submit(api: Any, rendered: Rendered) -> dict[str, Any]:
     """Create the ConfigMap, then the PyTorchJob; returns the job as the server stored it."""
+    # optional k8s extra
     from kubernetes import client
 
     core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
@@ -76,47 +82,57 @@ def submit(api: Any, rendered: Rendered) -> dict[str, Any]:
         core.create_namespaced_config_map(rendered.namespace, rendered.config_map)
     try:
         with _api_errors(f"creating PyTorchJob {rendered.namespace}/{rendered.name}"):
-            return custom.create_namespaced_custom_object(GROUP, VERSION, rendered.namespace,
-                                                          PLURAL, rendered.job)
+            return custom.create_namespaced_custom_object(
+                GROUP, VERSION, rendered.namespace, PLURAL, rendered.job
+            )
     except K8sError:
         _delete_config_map(core, rendered.namespace, rendered.config_map_name)
         raise
 
 
 def get_job(api: Any, namespace: str, name: str) -> dict[str, Any]:
+    # optional k8s extra
     from kubernetes import client
 
     with _api_errors(f"reading PyTorchJob {namespace}/{name}"):
         return client.CustomObjectsApi(api).get_namespaced_custom_object(
-            GROUP, VERSION, namespace, PLURAL, name)
+            GROUP, VERSION, namespace, PLURAL, name
+        )
 
 
-def replica_logs(api: Any, namespace: str, name: str, replica: str, index: int,
-                 tail: int | None = None) -> str:
+def replica_logs(
+    api: Any, namespace: str, name: str, replica: str, index: int, tail: int | None = None
+) -> str:
     """Logs of the ``pytorch`` container of one replica's newest pod."""
+    # optional k8s extra
     from kubernetes import client
 
     core = client.CoreV1Api(api)
-    selector = (f"{JOB_LABEL}={name},{REPLICA_TYPE_LABEL}={replica.lower()},"
-                f"{REPLICA_INDEX_LABEL}={index}")
+    selector = (
+        f"{JOB_LABEL}={name},{REPLICA_TYPE_LABEL}={replica.lower()},{REPLICA_INDEX_LABEL}={index}"
+    )
     with _api_errors(f"listing pods of {namespace}/{name}"):
         pods = core.list_namespaced_pod(namespace, label_selector=selector).items
     if not pods:
-        raise K8sError(f"no pod of {namespace}/{name} matches {selector} (not scheduled yet, "
-                       f"or cleaned up)")
+        raise K8sError(
+            f"no pod of {namespace}/{name} matches {selector} (not scheduled yet, or cleaned up)"
+        )
     pod = max(pods, key=lambda p: str(p.metadata.creation_timestamp or ""))
     with _api_errors(f"reading logs of pod {namespace}/{pod.metadata.name}"):
-        return core.read_namespaced_pod_log(pod.metadata.name, namespace, container=CONTAINER,
-                                            tail_lines=tail)
+        return core.read_namespaced_pod_log(
+            pod.metadata.name, namespace, container=CONTAINER, tail_lines=tail
+        )
 
 
 def delete(api: Any, namespace: str, name: str) -> None:
     """Delete the job (its pods go with it) and the ConfigMap rendered alongside."""
+    # optional k8s extra
     from kubernetes import client
 
     with _api_errors(f"deleting PyTorchJob {namespace}/{name}"):
         client.CustomObjectsApi(api).delete_namespaced_custom_object(
-            GROUP, VERSION, namespace, PLURAL, name, propagation_policy="Background")
+            GROUP, VERSION, namespace, PLURAL, name, propagation_policy="Background"
+        )
     _delete_config_map(client.CoreV1Api(api), namespace, config_map_name(name))
 
 

@@ -36,12 +36,16 @@ from pathlib import Path
 from types import FrameType
 
 from pretrain import exit_codes
+from recipes.load import load_config_file
+from resiliency.monitor.fault_tolerance import write_launcher_config
 from resiliency.storage.layout import atomic_write_json
 
 log = logging.getLogger(__name__)
 
-LAUNCHERS = {"torchrun": "torch.distributed.run",
-             "ft_launcher": "nvidia_resiliency_ext.fault_tolerance.launcher"}
+LAUNCHERS = {
+    "torchrun": "torch.distributed.run",
+    "ft_launcher": "nvidia_resiliency_ext.fault_tolerance.launcher",
+}
 SIGNAL_BASE = 128
 
 
@@ -133,15 +137,25 @@ def budget_path(state_dir: Path) -> Path:
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m launch.k8s_entry",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m launch.k8s_entry", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--launcher", choices=sorted(LAUNCHERS), default="torchrun")
-    parser.add_argument("--retries", type=int, required=True,
-                        help="unplanned restarts allowed per node before the job fails")
-    parser.add_argument("--state-dir", type=Path, required=True,
-                        help="directory on the shared volume for the retry counters")
-    parser.add_argument("launcher_args", nargs=argparse.REMAINDER,
-                        help="-- then the launcher's arguments")
+    parser.add_argument(
+        "--retries",
+        type=int,
+        required=True,
+        help="unplanned restarts allowed per node before the job fails",
+    )
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        required=True,
+        help="directory on the shared volume for the retry counters",
+    )
+    parser.add_argument(
+        "launcher_args", nargs=argparse.REMAINDER, help="-- then the launcher's arguments"
+    )
     args = parser.parse_args(argv)
     if args.launcher_args[:1] == ["--"]:
         args.launcher_args = args.launcher_args[1:]
@@ -153,8 +167,6 @@ def with_ft_config(launcher_args: list[str], state_dir: Path) -> list[str]:
     pinned run config (the ``--config`` after ``-m pretrain``) into the shared state dir."""
     if any(a.startswith("--ft-cfg-path") for a in launcher_args) or "--config" not in launcher_args:
         return launcher_args
-    from recipes.load import load_config_file
-    from resiliency.monitor.fault_tolerance import write_launcher_config
 
     run = load_config_file(launcher_args[launcher_args.index("--config") + 1])
     path = write_launcher_config(run, state_dir)
@@ -179,8 +191,11 @@ def main(argv: list[str]) -> int:
         outcome = Outcome(-exc.sigval, planned=True)
     code, counted = classify(outcome)
     if not budget.finish(counted) and code >= SIGNAL_BASE:
-        log.error("retry budget of %d restarts used up; not retrying (worker exit %d)",
-                  args.retries, outcome.code)
+        log.error(
+            "retry budget of %d restarts used up; not retrying (worker exit %d)",
+            args.retries,
+            outcome.code,
+        )
         return exit_codes.RETRY_BUDGET_EXHAUSTED
     log.info("worker exit %d -> container exit %d", outcome.code, code)
     return code

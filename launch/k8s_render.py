@@ -49,18 +49,21 @@ def render(plan: LaunchPlan, submission: str, code_commit: str | None) -> Render
     """ConfigError for settings that cannot work on a cluster; otherwise the two objects."""
     k8s = plan.run.launch.k8s
     if not k8s.image:
-        raise ConfigError("launch.k8s.image is required: the container image with this repo and "
-                          "its dependencies installed (e.g. launch.k8s.image=registry/mcore:tag)")
+        raise ConfigError(
+            "launch.k8s.image is required: the container image with this repo and "
+            "its dependencies installed (e.g. launch.k8s.image=registry/mcore:tag)"
+        )
     if not k8s.shared_pvc:
-        raise ConfigError("launch.k8s.shared_pvc is required: the ReadWriteMany claim that holds "
-                          "checkpoints, so they outlive the pod and its node")
+        raise ConfigError(
+            "launch.k8s.shared_pvc is required: the ReadWriteMany claim that holds "
+            "checkpoints, so they outlive the pod and its node"
+        )
     _check_grace(plan.run)
     _check_env(k8s)
     name = job_name(plan.run)
     pod_run = pod_paths(plan.run, k8s)
     labels = run_labels(plan.run, submission)
-    config_map = render_config_map(config_map_name(name), k8s.namespace, labels,
-                                   to_yaml(pod_run))
+    config_map = render_config_map(config_map_name(name), k8s.namespace, labels, to_yaml(pod_run))
     env = _env(pod_run, name, submission, code_commit)
     job = render_job(pod_run, name, labels, config_map_name(name), env)
     return Rendered(name, k8s.namespace, pod_run, config_map, job)
@@ -87,7 +90,8 @@ def _check_grace(run: RunConfig) -> None:
             f"launch.k8s.termination_grace_s={grace} is too short: the kubelet kills the pod "
             f"{grace}s after SIGTERM, but the emergency save may take "
             f"resiliency.emergency_save_timeout_s={save:g}s (+{GRACE_MARGIN_S}s to exit). "
-            f"Raise the grace period or lower the timeout.")
+            f"Raise the grace period or lower the timeout."
+        )
 
 
 def _check_env(k8s: K8sConfig) -> None:
@@ -105,9 +109,11 @@ def job_name(run: RunConfig) -> str:
     explicit = run.launch.k8s.job_name
     if explicit is not None:
         if not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", explicit) or len(explicit) > limit:
-            raise ConfigError(f"launch.k8s.job_name={explicit!r} must be lowercase letters, "
-                              f"digits and '-', start with a letter, end alphanumeric, and have "
-                              f"at most {limit} characters (pod names append {suffix!r})")
+            raise ConfigError(
+                f"launch.k8s.job_name={explicit!r} must be lowercase letters, "
+                f"digits and '-', start with a letter, end alphanumeric, and have "
+                f"at most {limit} characters (pod names append {suffix!r})"
+            )
         return explicit
     name = re.sub(r"[^a-z0-9]+", "-", run.run_id.lower()).strip("-")
     if name and not name[0].isalpha():
@@ -123,28 +129,35 @@ def label_value(text: str) -> str:
 
 
 def run_labels(run: RunConfig, submission: str) -> dict[str, str]:
-    labels = {f"{LABEL}run-id": label_value(run.run_id),
-              f"{LABEL}model": label_value(run.model.name),
-              f"{LABEL}submission": label_value(submission)}
+    labels = {
+        f"{LABEL}run-id": label_value(run.run_id),
+        f"{LABEL}model": label_value(run.model.name),
+        f"{LABEL}submission": label_value(submission),
+    }
     if run.launch.k8s.queue:
         # Kueue admits jobs by this label; Volcano reads runPolicy.schedulingPolicy.queue.
         labels[KUEUE_QUEUE_LABEL] = label_value(run.launch.k8s.queue)
     return labels
 
 
-def render_config_map(name: str, namespace: str, labels: dict[str, str],
-                      config_yaml: str) -> dict[str, Any]:
+def render_config_map(
+    name: str, namespace: str, labels: dict[str, str], config_yaml: str
+) -> dict[str, Any]:
     # Why a ConfigMap and not the file on the PVC: the pods must not depend on the submitting
     # host seeing the claim, and an immutable per-submission object cannot be rewritten by a
     # later submission of the same run while this one is still restarting pods from it.
-    return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": {"name": name, "namespace": namespace, "labels": dict(labels)},
-            "immutable": True,
-            "data": {CONFIG_FILE: config_yaml}}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": name, "namespace": namespace, "labels": dict(labels)},
+        "immutable": True,
+        "data": {CONFIG_FILE: config_yaml},
+    }
 
 
-def render_job(run: RunConfig, name: str, labels: dict[str, str], config_map: str,
-               env: list[dict[str, Any]]) -> dict[str, Any]:
+def render_job(
+    run: RunConfig, name: str, labels: dict[str, str], config_map: str, env: list[dict[str, Any]]
+) -> dict[str, Any]:
     launch, k8s = run.launch, run.launch.k8s
     # Kueue admits the job as one workload; the label on its pods would have Kueue's pod
     # integration (where enabled) queue each pod a second time.
@@ -152,11 +165,16 @@ def render_job(run: RunConfig, name: str, labels: dict[str, str], config_map: st
     replicas = {"Master": _replica(1, run, pod_labels, config_map, env)}
     if launch.nodes > 1:
         replicas["Worker"] = _replica(launch.nodes - 1, run, pod_labels, config_map, env)
-    return {"apiVersion": API_VERSION, "kind": KIND,
-            "metadata": {"name": name, "namespace": k8s.namespace, "labels": dict(labels)},
-            "spec": {"nprocPerNode": str(launch.nproc_per_node),
-                     "runPolicy": _run_policy(run),
-                     "pytorchReplicaSpecs": replicas}}
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {"name": name, "namespace": k8s.namespace, "labels": dict(labels)},
+        "spec": {
+            "nprocPerNode": str(launch.nproc_per_node),
+            "runPolicy": _run_policy(run),
+            "pytorchReplicaSpecs": replicas,
+        },
+    }
 
 
 def _run_policy(run: RunConfig) -> dict[str, Any]:
@@ -170,17 +188,23 @@ def _run_policy(run: RunConfig) -> dict[str, Any]:
     # OnFailure/Always replicas; with ExitCode the retry budget is kept by launch.k8s_entry.
     # cleanPodPolicy Running frees GPUs held by surviving pods once the job ends, and keeps
     # the failed pods so `python -m launch k8s logs` can still read them.
-    return {"backoffLimit": k8s.backoff_limit, "cleanPodPolicy": "Running",
-            "schedulingPolicy": scheduling}
+    return {
+        "backoffLimit": k8s.backoff_limit,
+        "cleanPodPolicy": "Running",
+        "schedulingPolicy": scheduling,
+    }
 
 
-def _replica(count: int, run: RunConfig, labels: dict[str, str], config_map: str,
-             env: list[dict[str, Any]]) -> dict[str, Any]:
+def _replica(
+    count: int, run: RunConfig, labels: dict[str, str], config_map: str, env: list[dict[str, Any]]
+) -> dict[str, Any]:
     # ExitCode: the operator recreates a pod whose container exited 128-255 (on another node if
     # need be) and fails the job for 1-127. launch.k8s_entry maps trainer exit codes onto that.
-    return {"replicas": count, "restartPolicy": "ExitCode",
-            "template": {"metadata": {"labels": dict(labels)},
-                         "spec": _pod_spec(run, config_map, env)}}
+    return {
+        "replicas": count,
+        "restartPolicy": "ExitCode",
+        "template": {"metadata": {"labels": dict(labels)}, "spec": _pod_spec(run, config_map, env)},
+    }
 
 
 def _pod_spec(run: RunConfig, config_map: str, env: list[dict[str, Any]]) -> dict[str, Any]:
@@ -188,10 +212,18 @@ def _pod_spec(run: RunConfig, config_map: str, env: list[dict[str, Any]]) -> dic
     volumes, mounts = _volumes(k8s, config_map)
     spec: dict[str, Any] = {
         "terminationGracePeriodSeconds": k8s.termination_grace_s,
-        "containers": [{"name": CONTAINER, "image": k8s.image, "command": entry_command(run),
-                        "env": [dict(var) for var in env], "resources": _resources(run),
-                        "volumeMounts": mounts}],
-        "volumes": volumes}
+        "containers": [
+            {
+                "name": CONTAINER,
+                "image": k8s.image,
+                "command": entry_command(run),
+                "env": [dict(var) for var in env],
+                "resources": _resources(run),
+                "volumeMounts": mounts,
+            }
+        ],
+        "volumes": volumes,
+    }
     if k8s.priority_class:
         spec["priorityClassName"] = k8s.priority_class
     return spec
@@ -199,13 +231,27 @@ def _pod_spec(run: RunConfig, config_map: str, env: list[dict[str, Any]]) -> dic
 
 def entry_command(run: RunConfig) -> list[str]:
     state_dir = f"{run.output_dir}/{run.run_id}/k8s/retries"
-    return ["python", "-m", "launch.k8s_entry", "--launcher", run.launch.backend,
-            "--retries", str(run.launch.k8s.backoff_limit), "--state-dir", state_dir,
-            "--", "-m", "pretrain", "--config", f"{CONFIG_DIR}/{CONFIG_FILE}"]
+    return [
+        "python",
+        "-m",
+        "launch.k8s_entry",
+        "--launcher",
+        run.launch.backend,
+        "--retries",
+        str(run.launch.k8s.backoff_limit),
+        "--state-dir",
+        state_dir,
+        "--",
+        "-m",
+        "pretrain",
+        "--config",
+        f"{CONFIG_DIR}/{CONFIG_FILE}",
+    ]
 
 
-def _env(run: RunConfig, name: str, submission: str,
-         code_commit: str | None) -> list[dict[str, Any]]:
+def _env(
+    run: RunConfig, name: str, submission: str, code_commit: str | None
+) -> list[dict[str, Any]]:
     k8s = run.launch.k8s
     values: dict[str, str] = {}
     if code_commit:
@@ -237,14 +283,18 @@ def _volumes(k8s: K8sConfig, config_map: str) -> tuple[list[dict[str, Any]], lis
     local: dict[str, Any] = {"emptyDir": {}}
     if k8s.local_volume == "hostPath":
         local = {"hostPath": {"path": k8s.local_host_path, "type": "DirectoryOrCreate"}}
-    volumes = [{"name": "local-ckpt", **local},
-               {"name": "shared-ckpt", "persistentVolumeClaim": {"claimName": k8s.shared_pvc}},
-               {"name": "dshm", "emptyDir": {"medium": "Memory"}},  # NCCL and dataloader IPC
-               {"name": "run-config", "configMap": {"name": config_map}}]
-    mounts = [{"name": "local-ckpt", "mountPath": k8s.local_mount},
-              {"name": "shared-ckpt", "mountPath": k8s.shared_mount},
-              {"name": "dshm", "mountPath": "/dev/shm"},
-              {"name": "run-config", "mountPath": CONFIG_DIR, "readOnly": True}]
+    volumes = [
+        {"name": "local-ckpt", **local},
+        {"name": "shared-ckpt", "persistentVolumeClaim": {"claimName": k8s.shared_pvc}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},  # NCCL and dataloader IPC
+        {"name": "run-config", "configMap": {"name": config_map}},
+    ]
+    mounts = [
+        {"name": "local-ckpt", "mountPath": k8s.local_mount},
+        {"name": "shared-ckpt", "mountPath": k8s.shared_mount},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "run-config", "mountPath": CONFIG_DIR, "readOnly": True},
+    ]
     return volumes, mounts
 
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 import functools
 import os
 import re
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import yaml
 
@@ -54,7 +55,8 @@ def crd_path() -> Path:
         raise ConfigError(
             f"PyTorchJob CRD not found at {path} ({source}); manifests are validated against it "
             f"before submission. Point {CRD_ENV} at a copy, e.g. "
-            f"`kubectl get crd pytorchjobs.kubeflow.org -o yaml > crd.yaml`")
+            f"`kubectl get crd pytorchjobs.kubeflow.org -o yaml > crd.yaml`"
+        )
     return path
 
 
@@ -81,8 +83,10 @@ def to_json_schema(node: Any) -> Any:
             out[key] = to_json_schema(value)
         elif key in ("allOf", "anyOf", "oneOf"):
             out[key] = [to_json_schema(sub) for sub in value]
-        elif key == _LIST_MAP_KEYS or not (key.startswith("x-kubernetes-") or key in (
-                "description", "default", "format", "nullable")):
+        elif key == _LIST_MAP_KEYS or not (
+            key.startswith("x-kubernetes-")
+            or key in ("description", "default", "format", "nullable")
+        ):
             out[key] = value
     if node.get("x-kubernetes-int-or-string"):
         out.pop("anyOf", None)
@@ -91,14 +95,19 @@ def to_json_schema(node: Any) -> Any:
         out["type"] = [out["type"], "null"]
     if out.get("type") == "integer" and node.get("format") in _INT_RANGES:
         out["minimum"], out["maximum"] = _INT_RANGES[node["format"]]
-    if ("properties" in node and "additionalProperties" not in node
-            and not node.get("x-kubernetes-preserve-unknown-fields")):
+    if (
+        "properties" in node
+        and "additionalProperties" not in node
+        and not node.get("x-kubernetes-preserve-unknown-fields")
+    ):
         out["additionalProperties"] = False
     return out
 
 
-def _unique_list_map_keys(validator: Any, keys: Sequence[str], instance: Any,
-                          schema: Mapping[str, Any]) -> Iterator[Any]:
+def _unique_list_map_keys(
+    validator: Any, keys: Sequence[str], instance: Any, schema: Mapping[str, Any]
+) -> Iterator[Any]:
+    # optional k8s extra
     from jsonschema import ValidationError
 
     if not isinstance(instance, list):
@@ -115,10 +124,12 @@ def _unique_list_map_keys(validator: Any, keys: Sequence[str], instance: Any,
 @functools.lru_cache(maxsize=4)
 def _validator(path: Path) -> Any:
     try:
+        # optional k8s extra
         from jsonschema import Draft202012Validator, validators
     except ModuleNotFoundError:
-        raise ConfigError("the k8s adapter validates manifests with jsonschema: "
-                          "pip install 'mcore-recipes[k8s]'") from None
+        raise ConfigError(
+            "the k8s adapter validates manifests with jsonschema: pip install 'mcore-recipes[k8s]'"
+        ) from None
     strict = validators.extend(Draft202012Validator, {_LIST_MAP_KEYS: _unique_list_map_keys})
     return strict(to_json_schema(crd_schema(path)))
 
@@ -144,11 +155,17 @@ def schema_errors(job: Mapping[str, Any], path: Path | None = None) -> list[str]
         where = list(error.absolute_path)
         if error.validator == "additionalProperties" and error.validator_value is False:
             known = set(error.schema.get("properties", {}))
-            lines += [f"{format_path(where + [k])}: unknown field" for k in error.instance
-                      if k not in known]
+            lines += [
+                f"{format_path(where + [k])}: unknown field"
+                for k in error.instance
+                if k not in known
+            ]
         elif error.validator == "required":
-            lines += [f"{format_path(where + [k])}: required field is missing"
-                      for k in error.validator_value if k not in error.instance]
+            lines += [
+                f"{format_path(where + [k])}: required field is missing"
+                for k in error.validator_value
+                if k not in error.instance
+            ]
         else:
             lines.append(f"{format_path(where)}: {error.message}")
     return sorted(set(lines))
@@ -158,12 +175,16 @@ def operator_errors(job: Mapping[str, Any]) -> list[str]:
     """What the training-operator's webhook and the pod API reject but the CRD schema allows."""
     errors = []
     if job.get("apiVersion") != "kubeflow.org/v1" or job.get("kind") != "PyTorchJob":
-        errors.append(f"<root>: expected kubeflow.org/v1 PyTorchJob, got "
-                      f"{job.get('apiVersion')} {job.get('kind')}")
+        errors.append(
+            f"<root>: expected kubeflow.org/v1 PyTorchJob, got "
+            f"{job.get('apiVersion')} {job.get('kind')}"
+        )
     errors += _metadata_errors(job.get("metadata", {}), "metadata", _DNS1035_LABEL, 63)
     spec = job.get("spec", {})
-    if spec.get("nprocPerNode") not in (None, "auto", "cpu", "gpu") and \
-            not str(spec.get("nprocPerNode")).isdigit():
+    if (
+        spec.get("nprocPerNode") not in (None, "auto", "cpu", "gpu")
+        and not str(spec.get("nprocPerNode")).isdigit()
+    ):
         errors.append(f"spec.nprocPerNode: {spec['nprocPerNode']!r} is not auto|cpu|gpu|<int>")
     clean = spec.get("runPolicy", {}).get("cleanPodPolicy")
     if clean is not None and clean not in CLEAN_POD_POLICIES:
@@ -176,13 +197,16 @@ def operator_errors(job: Mapping[str, Any]) -> list[str]:
     return errors
 
 
-def _metadata_errors(meta: Mapping[str, Any], where: str, name_re: re.Pattern[str],
-                     max_len: int) -> list[str]:
+def _metadata_errors(
+    meta: Mapping[str, Any], where: str, name_re: re.Pattern[str], max_len: int
+) -> list[str]:
     errors = []
     name = meta.get("name", "")
     if not name_re.fullmatch(name) or len(name) > max_len:
-        errors.append(f"{where}.name: {name!r} must match {name_re.pattern} and have at most "
-                      f"{max_len} characters")
+        errors.append(
+            f"{where}.name: {name!r} must match {name_re.pattern} and have at most "
+            f"{max_len} characters"
+        )
     namespace = meta.get("namespace", "")
     if not _DNS1123_LABEL.fullmatch(namespace) or len(namespace) > 63:
         errors.append(f"{where}.namespace: {namespace!r} is not a DNS-1123 label")
@@ -194,8 +218,12 @@ def _label_errors(labels: Mapping[str, Any], where: str) -> list[str]:
     errors = []
     for key, value in labels.items():
         prefix, _, name = key.rpartition("/")
-        if (prefix and not _DNS1123_SUBDOMAIN.fullmatch(prefix)) or len(name) > 63 \
-                or not _LABEL_VALUE.fullmatch(name) or not name:
+        if (
+            (prefix and not _DNS1123_SUBDOMAIN.fullmatch(prefix))
+            or len(name) > 63
+            or not _LABEL_VALUE.fullmatch(name)
+            or not name
+        ):
             errors.append(f"{where}[{key!r}]: invalid label key")
         if not isinstance(value, str) or len(value) > 63 or not _LABEL_VALUE.fullmatch(value):
             errors.append(f"{where}[{key!r}]: invalid label value {value!r}")
@@ -209,11 +237,13 @@ def _replica_errors(rtype: str, replica: Mapping[str, Any], where: str) -> list[
     if rtype == "Master" and replica.get("replicas", 1) != 1:
         errors.append(f"{where}.replicas: there must be exactly 1 Master replica")
     if replica.get("restartPolicy", "Never") not in RESTART_POLICIES:
-        errors.append(f"{where}.restartPolicy: {replica['restartPolicy']!r} not in "
-                      f"{list(RESTART_POLICIES)}")
+        errors.append(
+            f"{where}.restartPolicy: {replica['restartPolicy']!r} not in {list(RESTART_POLICIES)}"
+        )
     template = replica.get("template", {})
-    errors += _label_errors(template.get("metadata", {}).get("labels", {}),
-                            f"{where}.template.metadata.labels")
+    errors += _label_errors(
+        template.get("metadata", {}).get("labels", {}), f"{where}.template.metadata.labels"
+    )
     return errors + _pod_errors(template.get("spec", {}), f"{where}.template.spec")
 
 
@@ -221,14 +251,20 @@ def _pod_errors(pod: Mapping[str, Any], where: str) -> list[str]:
     containers = pod.get("containers", [])
     errors = [] if containers else [f"{where}.containers: at least one container is required"]
     if containers and DEFAULT_CONTAINER not in [c.get("name") for c in containers]:
-        errors.append(f"{where}.containers: the operator needs a container named "
-                      f"{DEFAULT_CONTAINER!r}")
+        errors.append(
+            f"{where}.containers: the operator needs a container named {DEFAULT_CONTAINER!r}"
+        )
     volumes = [v.get("name", "") for v in pod.get("volumes", [])]
-    errors += [f"{where}.volumes[{i}].name: {n!r} is not a DNS-1123 label"
-               for i, n in enumerate(volumes) if not _DNS1123_LABEL.fullmatch(n)]
-    errors += [f"{where}.volumes[{i}].hostPath.path: {v['hostPath'].get('path')!r} is not "
-               f"absolute" for i, v in enumerate(pod.get("volumes", []))
-               if "hostPath" in v and not str(v["hostPath"].get("path", "")).startswith("/")]
+    errors += [
+        f"{where}.volumes[{i}].name: {n!r} is not a DNS-1123 label"
+        for i, n in enumerate(volumes)
+        if not _DNS1123_LABEL.fullmatch(n)
+    ]
+    errors += [
+        f"{where}.volumes[{i}].hostPath.path: {v['hostPath'].get('path')!r} is not absolute"
+        for i, v in enumerate(pod.get("volumes", []))
+        if "hostPath" in v and not str(v["hostPath"].get("path", "")).startswith("/")
+    ]
     for i, container in enumerate(containers):
         errors += _container_errors(container, set(volumes), f"{where}.containers[{i}]")
     return errors
@@ -242,12 +278,15 @@ def _container_errors(container: Mapping[str, Any], volumes: set[str], where: st
         if mount.get("name") not in volumes:
             errors.append(f"{where}.volumeMounts[{i}].name: no volume named {mount.get('name')!r}")
         if not str(mount.get("mountPath", "")).startswith("/"):
-            errors.append(f"{where}.volumeMounts[{i}].mountPath: {mount.get('mountPath')!r} is "
-                          f"not absolute")
+            errors.append(
+                f"{where}.volumeMounts[{i}].mountPath: {mount.get('mountPath')!r} is not absolute"
+            )
     for i, var in enumerate(container.get("env", [])):
         if not _ENV_NAME.fullmatch(var.get("name", "")):
-            errors.append(f"{where}.env[{i}].name: {var.get('name')!r} is not a valid "
-                          f"environment variable name")
+            errors.append(
+                f"{where}.env[{i}].name: {var.get('name')!r} is not a valid "
+                f"environment variable name"
+            )
     return errors
 
 

@@ -4,7 +4,8 @@
 pins the resolved config in ``<run_dir>/launch-config.yaml`` and runs the launcher chosen by
 ``launch.backend``:
 
-* ``ft_launcher``: rank monitors watch the sections every rank reports (:mod:`resiliency.monitor.fault_tolerance`);
+* ``ft_launcher``: rank monitors watch the sections every rank reports
+  (:mod:`resiliency.monitor.fault_tolerance`);
   a hung or dead rank gets the whole worker group torn down and restarted in place (at most K
   times), resuming from the newest verified checkpoint. Ranks that fail deterministically ask
   ft_launcher not to restart.
@@ -36,9 +37,9 @@ from typing import IO
 from launch.common import LaunchPlan, check_run_dir_free, plan_launch, write_resolved_config
 from launch.retry_policy import STOP, Decision, decide, newest_attempt, read_outcome
 from pretrain import exit_codes
-from resiliency.storage.attempts import recorded_attempts
 from resiliency.monitor.fault_tolerance import write_launcher_config
 from resiliency.monitor.postmortem import LauncherEvents, finalize_attempts
+from resiliency.storage.attempts import recorded_attempts
 from resiliency.storage.layout import RunLayout
 
 log = logging.getLogger(__name__)
@@ -48,11 +49,18 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nproc", type=int, default=None,
-                        help="ranks on this machine (default: launch.nproc_per_node)")
-    parser.add_argument("--max-restarts", type=int, default=None,
-                        help="restarts after infrastructure failures "
-                             "(default: resiliency.max_restarts)")
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="ranks on this machine (default: launch.nproc_per_node)",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=None,
+        help="restarts after infrastructure failures (default: resiliency.max_restarts)",
+    )
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -72,11 +80,16 @@ def launcher_command(plan: LaunchPlan, config: Path, restarts: int) -> list[str]
     if run.launch.backend == "torchrun":
         return [str(bin_dir / "torchrun"), *common, "--max-restarts=0", *tail]
     ft = run.resiliency.ft
-    return [str(bin_dir / "ft_launcher"), *common, f"--max-restarts={restarts}",
-            f"--monitor-interval={ft.check_interval_s}",
-            # SIGTERM -> SIGKILL grace: room for the ranks' emergency save.
-            f"--term-timeout={run.resiliency.emergency_save_timeout_s + 30:.0f}",
-            f"--ft-cfg-path={write_launcher_config(run, plan.run_dir)}", *tail]
+    return [
+        str(bin_dir / "ft_launcher"),
+        *common,
+        f"--max-restarts={restarts}",
+        f"--monitor-interval={ft.check_interval_s}",
+        # SIGTERM -> SIGKILL grace: room for the ranks' emergency save.
+        f"--term-timeout={run.resiliency.emergency_save_timeout_s + 30:.0f}",
+        f"--ft-cfg-path={write_launcher_config(run, plan.run_dir)}",
+        *tail,
+    ]
 
 
 class LocalSupervisor:
@@ -118,8 +131,7 @@ class LocalSupervisor:
 
     def _decide(self, before: int) -> Decision:
         finalize_attempts(self.layout, self._attempts(before), self.events, self.tokens_per_step)
-        decision = decide(self.plan.run_dir, self._restarts_used(before), self.max_restarts,
-                          before)
+        decision = decide(self.plan.run_dir, self._restarts_used(before), self.max_restarts, before)
         log.info("launch local: %s", decision.line())
         return decision
 
@@ -133,8 +145,9 @@ class LocalSupervisor:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         started = time.time()
         with open(self.plan.run_dir / LOG_NAME, "a") as keep:
-            self.child = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, bufsize=1)
+            self.child = subprocess.Popen(
+                cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=1
+            )
             assert self.child.stdout is not None
             self._pump(self.child.stdout, keep)
             code = self.child.wait()
@@ -153,6 +166,5 @@ class LocalSupervisor:
     def _forward(self, signum: int, frame: FrameType | None) -> None:
         self.signal = signum
         if self.child is not None and self.child.poll() is None:
-            log.warning("launch local: forwarding %s to the launcher",
-                        signal.Signals(signum).name)
+            log.warning("launch local: forwarding %s to the launcher", signal.Signals(signum).name)
             self.child.send_signal(signum)

@@ -21,7 +21,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from pretrain import exit_codes
 from resiliency.storage.attempts import recorded_attempts
@@ -46,9 +46,9 @@ class Decision:
 class Outcome:
     """What the newest attempt of this run says about how it ended."""
 
-    attempt: Optional[int]
-    status: Optional[str]
-    exit_code: Optional[int]
+    attempt: int | None
+    status: str | None
+    exit_code: int | None
     detail: str
 
 
@@ -62,8 +62,13 @@ def read_outcome(run_dir: Path, after_attempt: int = 0) -> Outcome:
     layout = RunLayout.from_run_dir(run_dir)
     attempts = [a for a in recorded_attempts(layout) if a > after_attempt]
     if not attempts:
-        return Outcome(None, None, None, "no attempt record was written (the trainer never "
-                                         "started, or died before claiming an attempt)")
+        return Outcome(
+            None,
+            None,
+            None,
+            "no attempt record was written (the trainer never "
+            "started, or died before claiming an attempt)",
+        )
     attempt = attempts[-1]
     path = layout.attempt_path(attempt)
     try:
@@ -77,21 +82,27 @@ def read_outcome(run_dir: Path, after_attempt: int = 0) -> Outcome:
     return Outcome(attempt, record.get("status"), code if isinstance(code, int) else None, detail)
 
 
-def decide(run_dir: Path, restart_count: int, max_requeues: int,
-           after_attempt: int = 0) -> Decision:
+def decide(
+    run_dir: Path, restart_count: int, max_requeues: int, after_attempt: int = 0
+) -> Decision:
     """Requeue planned exits and infrastructure deaths under the budget; stop on the rest."""
     outcome = read_outcome(run_dir, after_attempt)
     if outcome.status == "finished":
         return Decision(STOP, outcome.exit_code or exit_codes.OK, f"finished ({outcome.detail})")
     if outcome.status == "preempted" or outcome.exit_code == exit_codes.REQUEUE:
-        return _requeue(f"preempted after an emergency save ({outcome.detail})",
-                        restart_count, max_requeues)
+        return _requeue(
+            f"preempted after an emergency save ({outcome.detail})", restart_count, max_requeues
+        )
     if outcome.exit_code in exit_codes.DO_NOT_RETRY:
-        return Decision(STOP, outcome.exit_code,
-                        f"deterministic failure, not retried ({outcome.detail})")
+        return Decision(
+            STOP, outcome.exit_code, f"deterministic failure, not retried ({outcome.detail})"
+        )
     if outcome.status is None or outcome.status in KILLED_STATUSES:
-        return _requeue(f"infrastructure: process killed or never recorded ({outcome.detail})",
-                        restart_count, max_requeues)
+        return _requeue(
+            f"infrastructure: process killed or never recorded ({outcome.detail})",
+            restart_count,
+            max_requeues,
+        )
     if outcome.exit_code is None or outcome.exit_code in RETRYABLE_CODES:
         return _requeue(f"infrastructure failure ({outcome.detail})", restart_count, max_requeues)
     # An exit code we do not know: retrying blindly could loop on a deterministic bug.
@@ -100,23 +111,35 @@ def decide(run_dir: Path, restart_count: int, max_requeues: int,
 
 def _requeue(reason: str, restart_count: int, max_requeues: int) -> Decision:
     if restart_count >= max_requeues:
-        return Decision(STOP, exit_codes.RETRY_BUDGET_EXHAUSTED,
-                        f"retry budget exhausted ({restart_count} of {max_requeues} requeues "
-                        f"used); last: {reason}")
-    return Decision(REQUEUE, exit_codes.OK,
-                    f"requeue {restart_count + 1} of {max_requeues}: {reason}")
+        return Decision(
+            STOP,
+            exit_codes.RETRY_BUDGET_EXHAUSTED,
+            f"retry budget exhausted ({restart_count} of {max_requeues} requeues "
+            f"used); last: {reason}",
+        )
+    return Decision(
+        REQUEUE, exit_codes.OK, f"requeue {restart_count + 1} of {max_requeues}: {reason}"
+    )
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m launch.retry_policy",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m launch.retry_policy", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("run_dir", type=Path)
-    parser.add_argument("--newest-attempt", action="store_true",
-                        help="print the newest attempt id (0 if none) and exit")
+    parser.add_argument(
+        "--newest-attempt",
+        action="store_true",
+        help="print the newest attempt id (0 if none) and exit",
+    )
     parser.add_argument("--restart-count", type=int, default=0, help="SLURM_RESTART_COUNT")
     parser.add_argument("--max-requeues", type=int, default=0)
-    parser.add_argument("--after-attempt", type=int, default=0,
-                        help="ignore attempt records with this id or lower (earlier runs)")
+    parser.add_argument(
+        "--after-attempt",
+        type=int,
+        default=0,
+        help="ignore attempt records with this id or lower (earlier runs)",
+    )
     return parser.parse_args(argv)
 
 

@@ -16,10 +16,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launch.common import (LaunchPlan, check_run_dir_free, plan_launch, record_submission,
-                           write_resolved_config)
+from launch.common import (
+    LaunchPlan,
+    check_run_dir_free,
+    plan_launch,
+    record_submission,
+    write_resolved_config,
+)
 from launch.slurm_script import ScriptInputs, render_sbatch
 from recipes import ConfigError
+from resiliency.monitor.fault_tolerance import write_launcher_config
 from resiliency.storage.manifest import code_commit, image_digest
 
 log = logging.getLogger(__name__)
@@ -27,8 +33,11 @@ CONFIG_NAME = "launch-config.yaml"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dry-run", action="store_true",
-                        help="render the batch script into the run dir, do not submit it")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="render the batch script into the run dir, do not submit it",
+    )
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -40,8 +49,6 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     sbatch = None if args.dry_run else _find_sbatch()
     write_resolved_config(plan, CONFIG_NAME)
     if plan.run.launch.backend == "ft_launcher":
-        from resiliency.monitor.fault_tolerance import write_launcher_config
-
         write_launcher_config(plan.run, plan.run_dir)
     script = write_script(plan, text)
     if sbatch is None:
@@ -50,8 +57,9 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         return 0
     job_id = submit(sbatch, script)
     record_submission(plan, "slurm", {"job_id": job_id, "script": str(script)})
-    log.info("submitted job %s for run %s (output: %s/slurm/)", job_id, plan.run.run_id,
-             plan.run_dir)
+    log.info(
+        "submitted job %s for run %s (output: %s/slurm/)", job_id, plan.run.run_id, plan.run_dir
+    )
     print(job_id)
     return 0
 
@@ -67,9 +75,11 @@ def _absolute_output_dir(plan: LaunchPlan) -> LaunchPlan:
 def _find_sbatch() -> str:
     sbatch = shutil.which("sbatch")
     if sbatch is None:
-        raise ConfigError("sbatch not found on PATH: submit from a Slurm login node (or source "
-                          "the cluster's environment), or pass --dry-run to only render the "
-                          "batch script")
+        raise ConfigError(
+            "sbatch not found on PATH: submit from a Slurm login node (or source "
+            "the cluster's environment), or pass --dry-run to only render the "
+            "batch script"
+        )
     return sbatch
 
 
@@ -77,15 +87,24 @@ def _warn_on_short_grace(plan: LaunchPlan) -> None:
     grace = plan.run.launch.slurm.signal_grace_s
     save = plan.run.resiliency.emergency_save_timeout_s
     if plan.run.resiliency.preemption and grace < save:
-        log.warning("launch.slurm.signal_grace_s=%d is shorter than "
-                    "resiliency.emergency_save_timeout_s=%.0f: at the time limit Slurm may kill "
-                    "the job before its emergency save ends", grace, save)
+        log.warning(
+            "launch.slurm.signal_grace_s=%d is shorter than "
+            "resiliency.emergency_save_timeout_s=%.0f: at the time limit Slurm may kill "
+            "the job before its emergency save ends",
+            grace,
+            save,
+        )
 
 
 def render(plan: LaunchPlan) -> str:
-    inputs = ScriptInputs(config_path=plan.run_dir / CONFIG_NAME, run_dir=plan.run_dir,
-                          workdir=Path.cwd(), bin_dir=Path(sys.executable).parent,
-                          code_commit=code_commit(), image_digest=image_digest())
+    inputs = ScriptInputs(
+        config_path=plan.run_dir / CONFIG_NAME,
+        run_dir=plan.run_dir,
+        workdir=Path.cwd(),
+        bin_dir=Path(sys.executable).parent,
+        code_commit=code_commit(),
+        image_digest=image_digest(),
+    )
     return render_sbatch(plan.run, inputs)
 
 
@@ -99,10 +118,13 @@ def write_script(plan: LaunchPlan, text: str) -> Path:
 
 def submit(sbatch: str, script: Path) -> str:
     """Submit ``script``; the job id, or ConfigError with sbatch's own message."""
-    proc = subprocess.run([sbatch, "--parsable", str(script)], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sbatch, "--parsable", str(script)], capture_output=True, text=True, timeout=120
+    )
     if proc.returncode != 0:
-        raise ConfigError(f"sbatch refused {script} (exit {proc.returncode}): "
-                          f"{proc.stderr.strip() or proc.stdout.strip()}")
+        raise ConfigError(
+            f"sbatch refused {script} (exit {proc.returncode}): "
+            f"{proc.stderr.strip() or proc.stdout.strip()}"
+        )
     # --parsable prints "<job id>[;<cluster>]"
     return proc.stdout.strip().split(";")[0]

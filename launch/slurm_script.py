@@ -13,9 +13,9 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from string import Template
-from typing import Optional
 
 from recipes import ConfigError, RunConfig
+from resiliency.monitor.fault_tolerance import LAUNCHER_CONFIG_FILE
 
 LAUNCHERS = {"torchrun": "torchrun", "ft_launcher": "ft_launcher"}
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -41,8 +41,8 @@ class ScriptInputs:
     run_dir: Path
     workdir: Path  # the job's working directory (where output_dir was resolved)
     bin_dir: Path  # python, torchrun and ft_launcher of the environment that submitted
-    code_commit: Optional[str]
-    image_digest: Optional[str]
+    code_commit: str | None
+    image_digest: str | None
 
 
 def render_sbatch(run: RunConfig, inputs: ScriptInputs) -> str:
@@ -77,16 +77,20 @@ def _q(value: object) -> str:
 def _check_env_names(names: list[str]) -> None:
     bad = [n for n in names if not _ENV_NAME.match(n)]
     if bad:
-        raise ConfigError(f"launch.slurm.env_passthrough: {bad} are not environment variable "
-                          "names (letters, digits and '_', not starting with a digit)")
+        raise ConfigError(
+            f"launch.slurm.env_passthrough: {bad} are not environment variable "
+            "names (letters, digits and '_', not starting with a digit)"
+        )
 
 
 def _check_unquoted_paths(inputs: ScriptInputs) -> None:
     # sbatch reads "#SBATCH --output=..." without shell quoting.
     for name, path in (("output_dir", inputs.run_dir), ("working directory", inputs.workdir)):
         if re.search(r"\s", str(path)):
-            raise ConfigError(f"{name} {str(path)!r} contains whitespace, which #SBATCH lines "
-                              "cannot quote; choose a path without spaces")
+            raise ConfigError(
+                f"{name} {str(path)!r} contains whitespace, which #SBATCH lines "
+                "cannot quote; choose a path without spaces"
+            )
 
 
 def _sbatch_lines(run: RunConfig, inputs: ScriptInputs) -> str:
@@ -131,7 +135,8 @@ def _passthrough_lines(names: list[str]) -> str:
     return "\n".join(
         f'if [ -n "${{{n}+set}}" ]; then export {n}; '
         f'else echo "warning: env_passthrough {n} is not set in the submitting environment"; fi'
-        for n in names)
+        for n in names
+    )
 
 
 def _srun_args(run: RunConfig) -> str:
@@ -145,7 +150,6 @@ def _srun_args(run: RunConfig) -> str:
 
 
 def _launcher(run: RunConfig, inputs: ScriptInputs) -> str:
-    from resiliency.monitor.fault_tolerance import LAUNCHER_CONFIG_FILE
 
     name = LAUNCHERS[run.launch.backend]
     # Inside a container the image provides the environment; outside, the submitting venv does.

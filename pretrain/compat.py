@@ -12,13 +12,19 @@ a release: a supported version (``SUPPORTED_MCORE``) missing from a fix's list i
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import ctypes
 import functools
+import importlib
 import logging
 import os
+import signal
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib.metadata import version
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -63,8 +69,13 @@ def _fix_f(cls: Any) -> None:
     original = cls.sharded_state_dict
 
     @functools.wraps(original)
-    def sharded_state_dict(self: Any, model_sharded_state_dict: Any = None,
-                           is_loading: bool = False, *args: Any, **kwargs: Any) -> Any:
+    def sharded_state_dict(
+        self: Any,
+        model_sharded_state_dict: Any = None,
+        is_loading: bool = False,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
         if is_loading:
             _prime_empty_adam_state(self)
         return original(self, model_sharded_state_dict or {}, is_loading, *args, **kwargs)
@@ -93,7 +104,8 @@ def _fix_g(cls: Any) -> None:
 
 def _fix_h(cls: Any) -> None:
     cls.load_parameter_state_from_dp_reshardable = torch.no_grad()(
-        cls.load_parameter_state_from_dp_reshardable)
+        cls.load_parameter_state_from_dp_reshardable
+    )
 
 
 def _fix_i(cls: Any) -> None:
@@ -129,12 +141,15 @@ def fix_uninitialised_tp_attributes(chunks: list[Any]) -> None:
     """
     if "L" in skipped() or not mcore_version().startswith(L_AFFECTED):
         return
-    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
-                                                      VocabParallelEmbedding,
-                                                      set_tensor_model_parallel_attributes)
+    # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
 
-    partition_dim = ((VocabParallelEmbedding, 0), (ColumnParallelLinear, 0),
-                     (RowParallelLinear, 1))
+    partition_dim = ((VocabParallelEmbedding, 0), (ColumnParallelLinear, 0), (RowParallelLinear, 1))
     for chunk in chunks:
         for module in chunk.modules():
             weight = getattr(module, "weight", None)
@@ -145,8 +160,9 @@ def fix_uninitialised_tp_attributes(chunks: list[Any]) -> None:
             set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
 
 
-def vpp_tied_embedding_save_problem(vpp: int | None, tied_embeddings: bool,
-                                    distributed_optimizer: bool, optim_format: str) -> str | None:
+def vpp_tied_embedding_save_problem(
+    vpp: int | None, tied_embeddings: bool, distributed_optimizer: bool, optim_format: str
+) -> str | None:
     """K: a measured silent corruption, refused rather than patched (root cause not isolated).
 
     With virtual pipeline stages, tied embeddings and the distributed optimizer, a
@@ -155,20 +171,25 @@ def vpp_tied_embedding_save_problem(vpp: int | None, tied_embeddings: bool,
     step). Untied embeddings or ``dp_reshardable`` resume bit-exactly.
     """
     affected = mcore_version().startswith(K_AFFECTED) and "K" not in skipped()
-    if affected and (vpp or 1) > 1 and tied_embeddings and distributed_optimizer \
-            and optim_format == "fully_reshardable":
-        return (f"megatron-core {mcore_version()} saves a corrupt optimizer state for tied "
-                "embeddings with parallel.vpp>1 and checkpoint.optim_format=fully_reshardable "
-                "(measured: resumed runs diverge). Use checkpoint.optim_format=dp_reshardable, or "
-                "model.share_embeddings_and_output_weights=false.")
+    if (
+        affected
+        and (vpp or 1) > 1
+        and tied_embeddings
+        and distributed_optimizer
+        and optim_format == "fully_reshardable"
+    ):
+        return (
+            f"megatron-core {mcore_version()} saves a corrupt optimizer state for tied "
+            "embeddings with parallel.vpp>1 and checkpoint.optim_format=fully_reshardable "
+            "(measured: resumed runs diverge). Use checkpoint.optim_format=dp_reshardable, or "
+            "model.share_embeddings_and_output_weights=false."
+        )
     return None
 
 
 def die_with_parent() -> None:
     """For helper processes of a rank (the checkpoint writer): SIGKILLed when the rank dies,
     deaf to the SIGTERM/SIGUSR1 that Slurm sends every process of a step."""
-    import ctypes
-    import signal
 
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
@@ -179,10 +200,12 @@ def die_with_parent() -> None:
 
 def _writer_queue_modules() -> list[Any]:
     """The modules whose module-level write-results queue this release's saves use."""
+    # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     modules = [filesystem_async]  # sync saves (and async ones on 0.16)
     if mcore_version().startswith(J_NVRX_WRITER):
+        # nvrx: loaded only where the feature runs
         from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async as nvrx_fs
 
         modules.append(nvrx_fs)
@@ -199,12 +222,12 @@ def fix_orphaned_writer_manager() -> None:
     queue instead (pretrain/file_queue.py): no process to orphan, and no Manager to spawn,
     which took ~0.9 s of every (re)start here.
     """
-    import atexit
-    import sys
 
-
-    if "J" in skipped() or not sys.platform.startswith("linux") \
-            or not mcore_version().startswith(J_AFFECTED):
+    if (
+        "J" in skipped()
+        or not sys.platform.startswith("linux")
+        or not mcore_version().startswith(J_AFFECTED)
+    ):
         return
     modules = [m for m in _writer_queue_modules() if m._results_queue is None]
     if not modules:
@@ -221,22 +244,27 @@ def route_shard_writer_open(open_fn: Callable[..., Any]) -> None:
     globals; a name there shadows it, so every shard file a writer (thread, fork or spawned
     process that calls this) opens goes through ``open_fn`` (resiliency's checksumming stream).
     A megatron that opens files some other way bypasses it, and the commit reads files back."""
+    # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     filesystem_async.open = open_fn
 
 
 @contextlib.contextmanager
-def fully_reshardable_state_from(optimizer: Any, build: Callable[[Any, Any], Any]) -> Iterator[None]:
+def fully_reshardable_state_from(
+    optimizer: Any, build: Callable[[Any, Any], Any]
+) -> Iterator[None]:
     """Not a bug fix: while active, ``optimizer`` (a megatron DistributedOptimizer instance, not
     the class) builds its save-side fully-reshardable state with ``build(model_sd, metadata)``
     instead of its own gather; loads and the memory-efficient variant keep megatron's path."""
     original = optimizer.sharded_param_state_fully_reshardable
 
-    def sharded_param_state(model_sd: Any, is_loading: bool = False,
-                            metadata: dict | None = None) -> Any:
+    def sharded_param_state(
+        model_sd: Any, is_loading: bool = False, metadata: dict | None = None
+    ) -> Any:
         if is_loading or (metadata or {}).get(
-                "distrib_optim_fully_reshardable_mem_efficient", False):
+            "distrib_optim_fully_reshardable_mem_efficient", False
+        ):
             return original(model_sd, is_loading=is_loading, metadata=metadata)
         return build(model_sd, metadata)
 
@@ -248,29 +276,50 @@ def fully_reshardable_state_from(optimizer: Any, build: Callable[[Any, Any], Any
 
 
 # nvidia-resiliency-ext moved its straggler package (same Detector API) under attribution/ in 0.7.
-NVRX_STRAGGLER_PACKAGE = {"0.4.": "nvidia_resiliency_ext.straggler",
-                          "0.7.": "nvidia_resiliency_ext.attribution.straggler"}
+NVRX_STRAGGLER_PACKAGE = {
+    "0.4.": "nvidia_resiliency_ext.straggler",
+    "0.7.": "nvidia_resiliency_ext.attribution.straggler",
+}
 
 
 def nvrx_straggler(submodule: str = "") -> Any:
     """nvrx's straggler package (or one of its submodules) for the installed nvrx release."""
-    import importlib
 
     nvrx = version("nvidia-resiliency-ext")
-    package = next((p for v, p in NVRX_STRAGGLER_PACKAGE.items() if nvrx.startswith(v)),
-                   NVRX_STRAGGLER_PACKAGE["0.7."])
+    package = next(
+        (p for v, p in NVRX_STRAGGLER_PACKAGE.items() if nvrx.startswith(v)),
+        NVRX_STRAGGLER_PACKAGE["0.7."],
+    )
     return importlib.import_module(f"{package}.{submodule}" if submodule else package)
 
 
 FIXES: tuple[Fix, ...] = (
-    Fix("F", "sharded_state_dict(is_loading=True) on a never-stepped torch Adam asserts "
-             "len(steps) == 1", _fix_f, BOTH),
-    Fix("G", "loading copies the pre-load 'step' over the restored one: KeyError for "
-             "fully_reshardable, a silently reset Adam step for dp_reshardable", _fix_g, BOTH),
-    Fix("H", "load_parameter_state_from_dp_reshardable runs in-place ops on leaf views "
-             "outside no_grad", _fix_h, BOTH),
-    Fix("I", "load_state_dict shares one 'step' tensor across params, so each resumed step "
-             "adds n_params to it (silently wrong bias correction)", _fix_i, BOTH),
+    Fix(
+        "F",
+        "sharded_state_dict(is_loading=True) on a never-stepped torch Adam asserts len(steps) == 1",
+        _fix_f,
+        BOTH,
+    ),
+    Fix(
+        "G",
+        "loading copies the pre-load 'step' over the restored one: KeyError for "
+        "fully_reshardable, a silently reset Adam step for dp_reshardable",
+        _fix_g,
+        BOTH,
+    ),
+    Fix(
+        "H",
+        "load_parameter_state_from_dp_reshardable runs in-place ops on leaf views outside no_grad",
+        _fix_h,
+        BOTH,
+    ),
+    Fix(
+        "I",
+        "load_state_dict shares one 'step' tensor across params, so each resumed step "
+        "adds n_params to it (silently wrong bias correction)",
+        _fix_i,
+        BOTH,
+    ),
 )
 
 _applied: list[str] = []
@@ -286,6 +335,7 @@ def needed_fixes(mcore: str | None = None, have_fused_adam: bool | None = None) 
     if mcore is None:
         mcore = mcore_version()
     if have_fused_adam is None:
+        # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
         from megatron.core.optimizer import distrib_optimizer
 
         have_fused_adam = bool(distrib_optimizer.HAVE_APEX_OR_TE)
@@ -302,11 +352,15 @@ def apply() -> list[str]:
         return list(_applied)
     mcore = mcore_version()
     if not mcore.startswith(SUPPORTED_MCORE):
-        log.warning("megatron-core %s is not a supported release (%s): no compat fix applied",
-                    mcore, ", ".join(f"{p}x" for p in SUPPORTED_MCORE))
+        log.warning(
+            "megatron-core %s is not a supported release (%s): no compat fix applied",
+            mcore,
+            ", ".join(f"{p}x" for p in SUPPORTED_MCORE),
+        )
     wanted = set(needed_fixes(mcore)) - skipped()
     if not wanted:
         return []
+    # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     for fix in FIXES:

@@ -15,10 +15,12 @@ import os
 import sys
 import time
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
+import torch.cuda.random as cuda_random
 from torch.overrides import TorchFunctionMode
 
 from pretrain.compat import MCORE_0_16, MCORE_0_19, mcore_version, nvrx_straggler
@@ -76,14 +78,20 @@ def _is_cuda_device(device: Any) -> bool:
 
 
 class _CudaToCpuMode(TorchFunctionMode):
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs = {**kwargs, "device": "cpu"}
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]) \
-                and not isinstance(args[1], int):
+        if (
+            func is torch.Tensor.to
+            and len(args) > 1
+            and _is_cuda_device(args[1])
+            and not isinstance(args[1], int)
+        ):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)
 
@@ -96,8 +104,8 @@ def _patch_current_device() -> None:
 
 
 def _patch_rng() -> None:
+    # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
     import megatron.core.tensor_parallel.random as mcore_random
-    import torch.cuda.random as cuda_random
 
     def get_state(device: Any = "cpu") -> torch.Tensor:
         return torch.get_rng_state()
@@ -131,7 +139,9 @@ def _patch_device_kwargs() -> None:
 def _patch_tensor_type() -> None:
     original = torch.Tensor.type
 
-    def cuda_type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kw: Any) -> Any:
+    def cuda_type(
+        self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kw: Any
+    ) -> Any:
         if dtype is None and not kw:
             name = original(self)
             return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
@@ -141,17 +151,26 @@ def _patch_tensor_type() -> None:
 
 
 def _patch_moe_te_names() -> None:
+    # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
     import megatron.core.transformer.moe.moe_utils as moe_utils
 
-    for name in ("te_general_gemm", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss",
-                 "fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
-                 "fused_sort_chunks_by_index_with_probs", "fused_topk_with_score_function",
-                 "fused_unpermute"):
+    for name in (
+        "te_general_gemm",
+        "fused_compute_score_for_moe_aux_loss",
+        "fused_moe_aux_loss",
+        "fused_permute",
+        "fused_permute_with_probs",
+        "fused_sort_chunks_by_index",
+        "fused_sort_chunks_by_index_with_probs",
+        "fused_topk_with_score_function",
+        "fused_unpermute",
+    ):
         if not hasattr(moe_utils, name):
             setattr(moe_utils, name, None)
 
 
 def _patch_moe_split_sizes() -> None:
+    # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
     import megatron.core.transformer.moe.moe_utils as moe_utils
     import megatron.core.transformer.moe.token_dispatcher as dispatcher
 
@@ -163,21 +182,43 @@ def _patch_moe_split_sizes() -> None:
 
 
 PATCHES: tuple[Patch, ...] = (
-    Patch("current_device", "mcore allocates on torch.cuda.current_device(); make that 'cpu'",
-          _patch_current_device),
-    Patch("rng", "mcore's RNG tracker forks CUDA generators; fork the CPU generator instead",
-          _patch_rng),
-    Patch("sync_and_streams", "synchronize/Stream/Event raise without CUDA; CPU work is ordered",
-          _patch_sync_and_streams),
-    Patch("device_kwargs", "optimizer, clip_grads and schedules hard-code device='cuda'/.cuda()",
-          _patch_device_kwargs),
-    Patch("tensor_type", "distrib_optimizer/clip_grads accept only param.type()=='torch.cuda.*'",
-          _patch_tensor_type),
+    Patch(
+        "current_device",
+        "mcore allocates on torch.cuda.current_device(); make that 'cpu'",
+        _patch_current_device,
+    ),
+    Patch(
+        "rng",
+        "mcore's RNG tracker forks CUDA generators; fork the CPU generator instead",
+        _patch_rng,
+    ),
+    Patch(
+        "sync_and_streams",
+        "synchronize/Stream/Event raise without CUDA; CPU work is ordered",
+        _patch_sync_and_streams,
+    ),
+    Patch(
+        "device_kwargs",
+        "optimizer, clip_grads and schedules hard-code device='cuda'/.cuda()",
+        _patch_device_kwargs,
+    ),
+    Patch(
+        "tensor_type",
+        "distrib_optimizer/clip_grads accept only param.type()=='torch.cuda.*'",
+        _patch_tensor_type,
+    ),
     # 0.19 tests HAVE_TE before each fused-op name (measured: MoE trains without this patch).
-    Patch("moe_te_names", "moe_utils names TE fused ops only when TE imports -> NameError",
-          _patch_moe_te_names, affected=(MCORE_0_16,)),
-    Patch("moe_split_sizes", "alltoall split sizes become lists only for CUDA tensors",
-          _patch_moe_split_sizes),
+    Patch(
+        "moe_te_names",
+        "moe_utils names TE fused ops only when TE imports -> NameError",
+        _patch_moe_te_names,
+        affected=(MCORE_0_16,),
+    ),
+    Patch(
+        "moe_split_sizes",
+        "alltoall split sizes become lists only for CUDA tensors",
+        _patch_moe_split_sizes,
+    ),
 )
 
 _applied: list[str] = []
@@ -255,8 +296,9 @@ class NullCuptiProfiler:
 
 
 def _cpu_clock() -> types.SimpleNamespace:
-    return types.SimpleNamespace(perf_counter_ns=time.process_time_ns, monotonic=time.monotonic,
-                                 time=time.time)
+    return types.SimpleNamespace(
+        perf_counter_ns=time.process_time_ns, monotonic=time.monotonic, time=time.time
+    )
 
 
 def install_cupti_stub() -> None:

@@ -31,16 +31,24 @@ class BatchPlan:
         return self.micro_batch_size * self.num_microbatches * self.dp_size
 
     def sample_indices(self, consumed: int, microbatch: int) -> range:
-        start = consumed + microbatch * self.micro_batch_size * self.dp_size \
+        start = (
+            consumed
+            + microbatch * self.micro_batch_size * self.dp_size
             + self.dp_rank * self.micro_batch_size
+        )
         return range(start, start + self.micro_batch_size)
 
 
-def build_train_dataset(cfg: DataConfig, tokenizer: Any, seq_length: int, num_samples: int,
-                        cache_dir: Path) -> Any:
+def build_train_dataset(
+    cfg: DataConfig, tokenizer: Any, seq_length: int, num_samples: int, cache_dir: Path
+) -> Any:
     """Build the train split on every rank (rank 0 first, so it writes the index cache)."""
+    # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
     from megatron.core.datasets.blended_megatron_dataset_builder import (
-        BlendedMegatronDatasetBuilder)
+        BlendedMegatronDatasetBuilder,
+    )
+
+    # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
     blend = None
@@ -48,16 +56,27 @@ def build_train_dataset(cfg: DataConfig, tokenizer: Any, seq_length: int, num_sa
         _check_prefixes(cfg.paths)
         blend = (list(cfg.paths), list(cfg.weights) if cfg.weights else None)
     dataset_config = GPTDatasetConfig(
-        random_seed=cfg.seed, sequence_length=seq_length, blend=blend, split=cfg.split,
-        path_to_cache=str(cache_dir), tokenizer=tokenizer,
-        reset_position_ids=cfg.reset_position_ids, reset_attention_mask=cfg.reset_attention_mask,
-        eod_mask_loss=cfg.eod_mask_loss, create_attention_mask=True, mmap_bin_files=True)
+        random_seed=cfg.seed,
+        sequence_length=seq_length,
+        blend=blend,
+        split=cfg.split,
+        path_to_cache=str(cache_dir),
+        tokenizer=tokenizer,
+        reset_position_ids=cfg.reset_position_ids,
+        reset_attention_mask=cfg.reset_attention_mask,
+        eod_mask_loss=cfg.eod_mask_loss,
+        create_attention_mask=True,
+        mmap_bin_files=True,
+    )
     dataset_cls = MockGPTDataset if cfg.kind == "mock" else GPTDataset
     train, _, _ = BlendedMegatronDatasetBuilder(
-        dataset_cls, [num_samples, 0, 0], lambda: True, dataset_config).build()
+        dataset_cls, [num_samples, 0, 0], lambda: True, dataset_config
+    ).build()
     if train is None or len(train) < num_samples:
-        raise ValueError(f"the train split has {0 if train is None else len(train)} samples but "
-                         f"{num_samples} are needed; add data or lower train.train_steps")
+        raise ValueError(
+            f"the train split has {0 if train is None else len(train)} samples but "
+            f"{num_samples} are needed; add data or lower train.train_steps"
+        )
     return train
 
 
@@ -67,14 +86,21 @@ def _check_prefixes(prefixes: list[str]) -> None:
             if not Path(prefix + suffix).is_file():
                 raise FileNotFoundError(
                     f"data prefix {prefix!r}: {prefix + suffix} not found; build it with "
-                    f"`python -m pretrain.prepare` (see README)")
+                    f"`python -m pretrain.prepare` (see README)"
+                )
 
 
 def dataset_fingerprint(cfg: DataConfig) -> dict[str, Any]:
     """What identifies the data snapshot: prefixes, weights, split and seed."""
-    return {"kind": cfg.kind, "paths": list(cfg.paths),
-            "weights": list(cfg.weights) if cfg.weights else None, "split": cfg.split,
-            "seed": cfg.seed, "tokenizer": cfg.tokenizer, "tokenizer_path": cfg.tokenizer_path}
+    return {
+        "kind": cfg.kind,
+        "paths": list(cfg.paths),
+        "weights": list(cfg.weights) if cfg.weights else None,
+        "split": cfg.split,
+        "seed": cfg.seed,
+        "tokenizer": cfg.tokenizer,
+        "tokenizer_path": cfg.tokenizer_path,
+    }
 
 
 def microbatches(dataset: Any, plan: BatchPlan, consumed: int) -> list[dict[str, torch.Tensor]]:

@@ -6,6 +6,7 @@ import datetime
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,13 +26,18 @@ class DistEnv:
 
     @property
     def torch_device(self) -> torch.device:
-        return torch.device("cuda", self.local_rank) if self.device == "cuda" else torch.device("cpu")
+        return (
+            torch.device("cuda", self.local_rank) if self.device == "cuda" else torch.device("cpu")
+        )
 
 
 def launch_env() -> tuple[int, int, int]:
     """(rank, world_size, local_rank) from torchrun/ft_launcher's environment."""
-    return (int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")),
-            int(os.environ.get("LOCAL_RANK", "0")))
+    return (
+        int(os.environ.get("RANK", "0")),
+        int(os.environ.get("WORLD_SIZE", "1")),
+        int(os.environ.get("LOCAL_RANK", "0")),
+    )
 
 
 def init_distributed(device: str, timeout_s: float = 600.0) -> DistEnv:
@@ -47,12 +53,14 @@ def init_distributed(device: str, timeout_s: float = 600.0) -> DistEnv:
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+        )
     return DistEnv(rank, world_size, local_rank, device)
 
 
 def init_model_parallel(par: ParallelConfig) -> None:
+    # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
@@ -66,8 +74,16 @@ def init_model_parallel(par: ParallelConfig) -> None:
 
 
 def shutdown() -> None:
+    # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
     from megatron.core import parallel_state
 
     if dist.is_initialized():
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+def broadcast_object(value: Any, src: int = 0) -> Any:
+    """``value`` from rank ``src`` on every rank (collective)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

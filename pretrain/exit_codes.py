@@ -5,18 +5,30 @@ the "do not retry" codes are deterministic and would fail again on fresh hardwar
 """
 
 OK = 0
-INFRASTRUCTURE = 1      # lost peer, collective timeout, hang: retry from the last checkpoint
-CONFIG_ERROR = 2        # bad config or overrides: fix the command line
-TOPOLOGY_REFUSED = 3    # checkpoint cannot be restored into this layout
-USER_CODE = 4           # deterministic exception in user code
-NUMERIC = 5             # non-finite loss or grad norm
-LEASE_HELD = 6          # another live job owns this run directory
+INFRASTRUCTURE = 1  # lost peer, collective timeout, hang: retry from the last checkpoint
+CONFIG_ERROR = 2  # bad config or overrides: fix the command line
+TOPOLOGY_REFUSED = 3  # checkpoint cannot be restored into this layout
+USER_CODE = 4  # deterministic exception in user code
+NUMERIC = 5  # non-finite loss or grad norm
+LEASE_HELD = 6  # another live job owns this run directory
 RETRY_BUDGET_EXHAUSTED = 7
 OOM = 8
-DATA = 9                # missing/corrupt data files
-CHECKPOINT_IO = 10      # a save could not be written (e.g. disk full) or a restore mismatched
-STRAGGLER = 11          # stopped on purpose: a rank is persistently slow (same hardware, same result)
-REQUEUE = 75            # planned exit after an emergency save (EX_TEMPFAIL): requeue me
+DATA = 9  # missing/corrupt data files
+CHECKPOINT_IO = 10  # a save could not be written (e.g. disk full) or a restore mismatched
+STRAGGLER = 11  # stopped on purpose: a rank is persistently slow (same hardware, same result)
+REQUEUE = 75  # planned exit after an emergency save (EX_TEMPFAIL): requeue me
 
-DO_NOT_RETRY = frozenset({CONFIG_ERROR, TOPOLOGY_REFUSED, USER_CODE, NUMERIC, LEASE_HELD,
-                          RETRY_BUDGET_EXHAUSTED, OOM, DATA, CHECKPOINT_IO, STRAGGLER})
+DO_NOT_RETRY = frozenset(
+    {
+        CONFIG_ERROR,
+        TOPOLOGY_REFUSED,
+        USER_CODE,
+        NUMERIC,
+        LEASE_HELD,
+        RETRY_BUDGET_EXHAUSTED,
+        OOM,
+        DATA,
+        CHECKPOINT_IO,
+        STRAGGLER,
+    }
+)

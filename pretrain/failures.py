@@ -14,8 +14,17 @@ from typing import ClassVar
 from pretrain import exit_codes
 from recipes import ConfigError
 
-INFRA_MARKERS = ("gloo", "nccl", "connection reset", "connection closed", "timed out",
-                 "broken pipe", "socket", "peer", "watchdog")
+INFRA_MARKERS = (
+    "gloo",
+    "nccl",
+    "connection reset",
+    "connection closed",
+    "timed out",
+    "broken pipe",
+    "socket",
+    "peer",
+    "watchdog",
+)
 
 
 class ClassifiedError(RuntimeError):

@@ -41,8 +41,11 @@ class InjectedFault(RuntimeError):
 class FaultInjector:
     def __init__(self, faults: list[Fault], rank: int) -> None:
         current_round = int(os.environ.get(ROUND_ENV, "0") or 0)
-        self.faults = [f for f in faults if (f.rank is None or f.rank == rank)
-                       and (f.round is None or f.round == current_round)]
+        self.faults = [
+            f
+            for f in faults
+            if (f.rank is None or f.rank == rank) and (f.round is None or f.round == current_round)
+        ]
         self._cpu_start: float | None = None
         self._step_cpu_s: float | None = None  # last unslowed forward+backward CPU time
 
@@ -99,15 +102,27 @@ def _parse_entry(item: str) -> Fault:
     entry, _, round_ = item.partition("/")
     kind, _, where = entry.partition("@")
     step, on_rank, factor, *rest = where.split(":") + ["", ""]
-    ok = (kind in KINDS and step.isdigit() and (not on_rank or on_rank.isdigit())
-          and not any(rest) and (not round_ or round_.isdigit())
-          and (not factor or (kind == "slow" and _is_factor(factor))))
+    ok = (
+        kind in KINDS
+        and step.isdigit()
+        and (not on_rank or on_rank.isdigit())
+        and not any(rest)
+        and (not round_ or round_.isdigit())
+        and (not factor or (kind == "slow" and _is_factor(factor)))
+    )
     if not ok or (kind == "slow" and not (on_rank and factor)):
-        raise ValueError(f"train.fault: bad entry {item!r}; expected "
-                         f"<kind>@<step>[:<rank>][/<round>] with kind in {KINDS}, or "
-                         "slow@<step>:<rank>:<factor>")
-    return Fault(kind, int(step), int(on_rank) if on_rank else None,
-                 float(factor) if factor else 1.0, int(round_) if round_ else None)
+        raise ValueError(
+            f"train.fault: bad entry {item!r}; expected "
+            f"<kind>@<step>[:<rank>][/<round>] with kind in {KINDS}, or "
+            "slow@<step>:<rank>:<factor>"
+        )
+    return Fault(
+        kind,
+        int(step),
+        int(on_rank) if on_rank else None,
+        float(factor) if factor else 1.0,
+        int(round_) if round_ else None,
+    )
 
 
 def _is_factor(text: str) -> bool:

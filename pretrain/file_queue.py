@@ -44,7 +44,7 @@ def _pid_alive(pid: int) -> bool:
 def remove_stale(root: Path) -> None:
     """Directories of queues whose owning process is gone (SIGKILLed ranks)."""
     for path in root.glob(f"{PREFIX}*"):
-        pid = path.name[len(PREFIX):].split("-", 1)[0]
+        pid = path.name[len(PREFIX) :].split("-", 1)[0]
         if pid.isdigit() and not _pid_alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
 

@@ -11,9 +11,10 @@ Hook providers are found through the ``mcore_recipes.train_hooks`` entry-point g
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from recipes import ConfigError
 
@@ -90,9 +91,11 @@ def build_hooks(run: RunConfig, env: DistEnv, run_dir: Path) -> list[TrainHook]:
     Checkpointing is a hook: a run that asks for it never trains silently without it."""
     providers = hook_builders()
     if run.checkpoint.enabled and not providers:
-        raise ConfigError(f"checkpoint.enabled=true but no train-hook provider is installed "
-                          f"(entry-point group {HOOK_PROVIDERS}); install the package "
-                          "(pip install -e .) or set checkpoint.enabled=false")
+        raise ConfigError(
+            f"checkpoint.enabled=true but no train-hook provider is installed "
+            f"(entry-point group {HOOK_PROVIDERS}); install the package "
+            "(pip install -e .) or set checkpoint.enabled=false"
+        )
     hooks: list[TrainHook] = []
     for _, builder in sorted(providers.items()):
         hooks.extend(builder(run, env, run_dir))

@@ -9,22 +9,24 @@ import logging
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from pretrain import data, model as model_lib, optim
+from pretrain import data, optim
+from pretrain import model as model_lib
+from pretrain.compat import fix_uninitialised_tp_attributes
 from pretrain.distributed import DistEnv, init_model_parallel
-from pretrain.faults import FaultInjector
 from pretrain.failures import NonFiniteError
+from pretrain.faults import FaultInjector
 from pretrain.hooks import StepResult, TrainHook
 from pretrain.tokenizer import build_tokenizer
-from pretrain.failures import NonFiniteError
 from recipes.schema import RunConfig
 from recipes.validate import num_microbatches
 
@@ -34,6 +36,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class TrainState:
     """Loop position saved with every checkpoint."""
+
     step: int = 0
     consumed_samples: int = 0
     consumed_tokens: int = 0
@@ -53,6 +56,7 @@ class Components:
 
 
 def seed_everything(seed: int) -> None:
+    # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
     from megatron.core import parallel_state as ps
 
     # Megatron-LM's rule: distinct streams per pipeline stage, identical across TP/DP.
@@ -64,39 +68,54 @@ def seed_everything(seed: int) -> None:
 
 
 def init_model_parallel_seed(seed: int) -> None:
+    # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
     from megatron.core import tensor_parallel
 
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def build_components(run: RunConfig, env: DistEnv, dp: int, run_dir: Path) -> Components:
+    # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
     from megatron.core import parallel_state as ps
 
     bf16 = run.train.precision == "bf16" or (run.train.precision == "auto" and env.device == "cuda")
     tokenizer = build_tokenizer(run.data.tokenizer, run.data.tokenizer_path)
     padded = model_lib.padded_vocab_size(run.model, tokenizer.vocab_size, run.parallel.tp)
     tcfg = model_lib.transformer_config(run.model, run.parallel, env.device, bf16)
-    chunks = model_lib.build_chunks(run.model, run.parallel, tcfg, padded,
-                                    use_te=env.device == "cuda" and _have_te())
+    chunks = model_lib.build_chunks(
+        run.model, run.parallel, tcfg, padded, use_te=env.device == "cuda" and _have_te()
+    )
     if run.model.layout_invariant_init and run.model.perform_initialization:
         model_lib.layout_invariant_init(chunks, run.model, run.train.seed)
     if not run.model.perform_initialization:
-        from pretrain.compat import fix_uninitialised_tp_attributes
-
         fix_uninitialised_tp_attributes(chunks)
     for chunk in chunks:
         chunk.to(env.torch_device)
     ddp = model_lib.wrap_ddp(chunks, tcfg, run.optimizer.use_distributed_optimizer, bf16)
     optimizer = optim.build_optimizer(run.optimizer, ddp, tcfg, bf16)
-    scheduler = optim.build_scheduler(run.scheduler, run.optimizer, optimizer, run.train.train_steps)
-    plan = data.BatchPlan(run.train.micro_batch_size, num_microbatches(run, dp), dp,
-                          ps.get_data_parallel_rank())
+    scheduler = optim.build_scheduler(
+        run.scheduler, run.optimizer, optimizer, run.train.train_steps
+    )
+    plan = data.BatchPlan(
+        run.train.micro_batch_size, num_microbatches(run, dp), dp, ps.get_data_parallel_rank()
+    )
     cache = Path(run.data.cache_dir) if run.data.cache_dir else run_dir / "data-cache"
-    dataset = data.build_train_dataset(run.data, tokenizer, run.model.seq_length,
-                                       run.train.train_steps * plan.global_batch_size, cache)
-    log.info("model: %s, %d params on this rank (padded vocab %d), %s, %d microbatches x %d",
-             run.model.name, model_lib.count_parameters(chunks), padded,
-             "bf16" if bf16 else "fp32", plan.num_microbatches, plan.micro_batch_size)
+    dataset = data.build_train_dataset(
+        run.data,
+        tokenizer,
+        run.model.seq_length,
+        run.train.train_steps * plan.global_batch_size,
+        cache,
+    )
+    log.info(
+        "model: %s, %d params on this rank (padded vocab %d), %s, %d microbatches x %d",
+        run.model.name,
+        model_lib.count_parameters(chunks),
+        padded,
+        "bf16" if bf16 else "fp32",
+        plan.num_microbatches,
+        plan.micro_batch_size,
+    )
     return Components(tcfg, chunks, ddp, optimizer, scheduler, dataset, tokenizer, plan, padded)
 
 
@@ -117,14 +136,21 @@ def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Ten
 
 def _forward_step(device: torch.device, batches: Iterator[dict], model: Any) -> tuple:
     batch = data.to_device(next(batches), device)
-    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
-                   labels=batch["labels"])
+    output = model(
+        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+    )
     return output, partial(_loss_func, batch["loss_mask"])
 
 
 class Trainer:
-    def __init__(self, run: RunConfig, env: DistEnv, dp: int, run_dir: Path,
-                 hooks: list[TrainHook] | None = None) -> None:
+    def __init__(
+        self,
+        run: RunConfig,
+        env: DistEnv,
+        dp: int,
+        run_dir: Path,
+        hooks: list[TrainHook] | None = None,
+    ) -> None:
         self.env, self.dp, self.run_dir = env, dp, run_dir
         self.hooks = hooks or []
         init_model_parallel(run.parallel)
@@ -206,12 +232,15 @@ class Trainer:
             result = self.train_step()
             self._log(result)
             if not (math.isfinite(result.loss) and math.isfinite(result.grad_norm)):
-                raise NonFiniteError(f"step {result.step}: loss {result.loss}, grad norm "
-                                     f"{result.grad_norm}; not retrying a numeric failure")
+                raise NonFiniteError(
+                    f"step {result.step}: loss {result.loss}, grad norm "
+                    f"{result.grad_norm}; not retrying a numeric failure"
+                )
             for hook in self.hooks:
                 hook.after_step(self, result)
 
     def train_step(self) -> StepResult:
+        # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         parts, start = self.parts, time.perf_counter()
@@ -226,8 +255,11 @@ class Trainer:
             forward_step_func=partial(_forward_step, self.env.torch_device),
             data_iterator=iterators if len(iterators) > 1 else iterators[0],
             model=parts.ddp if len(parts.ddp) > 1 else parts.ddp[0],
-            num_microbatches=parts.plan.num_microbatches, seq_length=self.run.model.seq_length,
-            micro_batch_size=parts.plan.micro_batch_size, forward_only=False)
+            num_microbatches=parts.plan.num_microbatches,
+            seq_length=self.run.model.seq_length,
+            micro_batch_size=parts.plan.micro_batch_size,
+            forward_only=False,
+        )
         self.faults.after_backward(self.state.step + 1, parts.ddp)
         _, grad_norm, _ = parts.optimizer.step()
         self.state.step += 1
@@ -235,12 +267,20 @@ class Trainer:
         self.state.consumed_tokens += self.tokens_per_step
         loss, stop_asked = self._reduce_loss(losses)
         elapsed = time.perf_counter() - start
-        return StepResult(self.state.step, loss, float(grad_norm or 0.0), self.lr, elapsed,
-                          self.tokens_per_step / elapsed, stop_asked)
+        return StepResult(
+            self.state.step,
+            loss,
+            float(grad_norm or 0.0),
+            self.lr,
+            elapsed,
+            self.tokens_per_step / elapsed,
+            stop_asked,
+        )
 
     def _reduce_loss(self, losses: list[dict]) -> tuple[float, bool]:
         """Mean loss over microbatches and DP ranks, and whether any rank's hook wants to
         stop, known on every rank (one all-reduce)."""
+        # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
         from megatron.core import parallel_state as ps
 
         local = torch.zeros(2, dtype=torch.float64, device=self.env.torch_device)
@@ -256,9 +296,16 @@ class Trainer:
         if self.env.rank != 0:
             return
         if result.step % self.run.logging.log_interval == 0 or result.step == 1:
-            log.info("step %6d/%d | loss %.6f | lr %.3e | grad norm %.4f | %.0f tokens/s | %.3f s",
-                     result.step, self.run.train.train_steps, result.loss, result.lr,
-                     result.grad_norm, result.tokens_per_s, result.step_time_s)
+            log.info(
+                "step %6d/%d | loss %.6f | lr %.3e | grad norm %.4f | %.0f tokens/s | %.3f s",
+                result.step,
+                self.run.train.train_steps,
+                result.loss,
+                result.lr,
+                result.grad_norm,
+                result.tokens_per_s,
+                result.step_time_s,
+            )
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         with self.metrics_path.open("a") as stream:
             stream.write(json.dumps({**asdict(result), "time": time.time()}) + "\n")

@@ -19,62 +19,89 @@ def padded_vocab_size(model: ModelConfig, vocab_size: int, tp: int) -> int:
     """Megatron's padding rule unless the model pins the padded size (kept across TP changes)."""
     if model.padded_vocab_size is not None:
         if model.padded_vocab_size < vocab_size:
-            raise ValueError(f"model.padded_vocab_size={model.padded_vocab_size} is smaller than "
-                             f"the tokenizer's vocab size {vocab_size}")
+            raise ValueError(
+                f"model.padded_vocab_size={model.padded_vocab_size} is smaller than "
+                f"the tokenizer's vocab size {vocab_size}"
+            )
         return model.padded_vocab_size
     multiple = model.make_vocab_size_divisible_by * tp
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
 def transformer_config(model: ModelConfig, par: ParallelConfig, device: str, bf16: bool) -> Any:
+    # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = torch.bfloat16 if bf16 else torch.float32
     on_gpu = device == "cuda"
     moe: dict[str, Any] = {}
     if model.is_moe:
-        moe = dict(num_moe_experts=model.num_experts, moe_router_topk=model.moe_router_topk,
-                   moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.ffn_hidden_size,
-                   moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
-                   moe_aux_loss_coeff=model.moe_aux_loss_coeff,
-                   moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff else "none")
+        moe = dict(
+            num_moe_experts=model.num_experts,
+            moe_router_topk=model.moe_router_topk,
+            moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.ffn_hidden_size,
+            moe_token_dispatcher_type="alltoall",
+            moe_grouped_gemm=False,
+            moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+            moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff else "none",
+        )
     swiglu = model.activation == "swiglu"
     return TransformerConfig(
-        num_layers=model.num_layers, hidden_size=model.hidden_size,
-        num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
-        ffn_hidden_size=model.ffn_hidden_size, normalization=model.normalization,
-        gated_linear_unit=swiglu, activation_func=F.silu if swiglu else F.gelu,
-        add_bias_linear=model.add_bias_linear, hidden_dropout=model.hidden_dropout,
-        attention_dropout=model.attention_dropout, init_method_std=model.init_method_std,
-        tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp,
-        virtual_pipeline_model_parallel_size=par.vpp, context_parallel_size=par.cp,
-        expert_model_parallel_size=par.ep, sequence_parallel=par.sequence_parallel,
-        params_dtype=dtype, pipeline_dtype=dtype, bf16=bf16,
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        ffn_hidden_size=model.ffn_hidden_size,
+        normalization=model.normalization,
+        gated_linear_unit=swiglu,
+        activation_func=F.silu if swiglu else F.gelu,
+        add_bias_linear=model.add_bias_linear,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
+        init_method_std=model.init_method_std,
+        tensor_model_parallel_size=par.tp,
+        pipeline_model_parallel_size=par.pp,
+        virtual_pipeline_model_parallel_size=par.vpp,
+        context_parallel_size=par.cp,
+        expert_model_parallel_size=par.ep,
+        sequence_parallel=par.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=bf16,
         use_cpu_initialization=not on_gpu,
         perform_initialization=model.perform_initialization,
         # The fused kernels below exist only as CUDA extensions.
-        bias_dropout_fusion=on_gpu, bias_activation_fusion=on_gpu and not swiglu,
-        masked_softmax_fusion=on_gpu, apply_rope_fusion=False, persist_layer_norm=on_gpu,
+        bias_dropout_fusion=on_gpu,
+        bias_activation_fusion=on_gpu and not swiglu,
+        masked_softmax_fusion=on_gpu,
+        apply_rope_fusion=False,
+        persist_layer_norm=on_gpu,
         gradient_accumulation_fusion=False,
         # Batched p2p posts send_prev before send_next; with 2 stages both go to the same peer
         # and gloo matches them by order, swapping activations and gradients under VPP.
-        batch_p2p_comm=on_gpu, **moe,
+        batch_p2p_comm=on_gpu,
+        **moe,
     )
 
 
 def layer_spec(model: ModelConfig, use_te: bool) -> Any:
+    # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if use_te:
-        return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=model.num_experts,
-                                                                moe_grouped_gemm=False)
-    return specs.get_gpt_layer_local_spec(num_experts=model.num_experts, moe_grouped_gemm=False,
-                                          normalization=model.normalization)
+        return specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=model.num_experts, moe_grouped_gemm=False
+        )
+    return specs.get_gpt_layer_local_spec(
+        num_experts=model.num_experts, moe_grouped_gemm=False, normalization=model.normalization
+    )
 
 
-def build_chunks(model: ModelConfig, par: ParallelConfig, tcfg: Any, vocab: int,
-                 use_te: bool) -> list[torch.nn.Module]:
+def build_chunks(
+    model: ModelConfig, par: ParallelConfig, tcfg: Any, vocab: int, use_te: bool
+) -> list[torch.nn.Module]:
     """One GPTModel per virtual pipeline stage held by this rank."""
+    # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -82,14 +109,20 @@ def build_chunks(model: ModelConfig, par: ParallelConfig, tcfg: Any, vocab: int,
     chunks = []
     for vp in range(par.vpp or 1):
         stage = vp if par.vpp else None
-        chunks.append(GPTModel(
-            config=tcfg, transformer_layer_spec=spec, vocab_size=vocab,
-            max_sequence_length=model.max_position_embeddings or model.seq_length,
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            share_embeddings_and_output_weights=model.share_embeddings_and_output_weights,
-            position_embedding_type=model.position_embedding_type, rotary_base=model.rotary_base,
-            vp_stage=stage))
+        chunks.append(
+            GPTModel(
+                config=tcfg,
+                transformer_layer_spec=spec,
+                vocab_size=vocab,
+                max_sequence_length=model.max_position_embeddings or model.seq_length,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                share_embeddings_and_output_weights=model.share_embeddings_and_output_weights,
+                position_embedding_type=model.position_embedding_type,
+                rotary_base=model.rotary_base,
+                vp_stage=stage,
+            )
+        )
     return chunks
 
 
@@ -100,8 +133,9 @@ def layout_invariant_init(chunks: list[torch.nn.Module], model: ModelConfig, see
     different weights. Keys in the sharded state dict are layout-free (global layer numbers,
     global shapes and offsets), which makes every layout start from the same model.
     """
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
     from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     out_std = model.init_method_std / math.sqrt(2.0 * model.num_layers)
     with torch.no_grad():
@@ -110,11 +144,17 @@ def layout_invariant_init(chunks: list[torch.nn.Module], model: ModelConfig, see
                 if not isinstance(sharded, ShardedTensor) or not _is_random_weight(sharded.key):
                     continue
                 std = out_std if _is_output_projection(sharded.key) else model.init_method_std
-                generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(
-                    sharded.key.encode()))
+                generator = torch.Generator().manual_seed(
+                    seed * 1_000_003 + zlib.crc32(sharded.key.encode())
+                )
                 full = torch.randn(sharded.global_shape, generator=generator) * std
-                index = tuple(slice(off, off + size) for off, size in zip(
-                    sharded.global_offset, (1,) * sharded.prepend_axis_num + tuple(sharded.local_shape)))
+                index = tuple(
+                    slice(off, off + size)
+                    for off, size in zip(
+                        sharded.global_offset,
+                        (1,) * sharded.prepend_axis_num + tuple(sharded.local_shape),
+                    )
+                )
                 sharded.data.copy_(full[index].reshape(sharded.data.shape))
 
 
@@ -126,20 +166,29 @@ def _is_output_projection(key: str) -> bool:
     return "linear_proj" in key or "linear_fc2" in key
 
 
-def wrap_ddp(chunks: list[torch.nn.Module], tcfg: Any, use_distributed_optimizer: bool,
-             bf16: bool) -> list[Any]:
+def wrap_ddp(
+    chunks: list[torch.nn.Module], tcfg: Any, use_distributed_optimizer: bool, bf16: bool
+) -> list[Any]:
+    # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
-        use_distributed_optimizer=use_distributed_optimizer, check_for_nan_in_grad=True)
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        overlap_param_gather=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+        check_for_nan_in_grad=True,
+    )
     wrapped = []
     for index, chunk in enumerate(chunks):
         module = Float16Module(tcfg, chunk) if bf16 else chunk
         # Only the first chunk gets bucketing, as in Megatron-LM (overlap needs one bucket order).
-        wrapped.append(DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=module,
-                                               disable_bucketing=index > 0))
+        wrapped.append(
+            DistributedDataParallel(
+                config=tcfg, ddp_config=ddp_config, module=module, disable_bucketing=index > 0
+            )
+        )
     return wrapped
 
 

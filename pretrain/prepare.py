@@ -33,10 +33,23 @@ DEFAULT_STDLIB_MAX_BYTES = 4 * 1024 * 1024
 DEFAULT_LOG_INTERVAL = 1000
 DOCUMENT_SUFFIX = "_text_document"  # Megatron-LM's preprocess_data.py naming for --json-keys text
 # Tests, vendored/third-party code, demos and generated tables: not representative source code.
-STDLIB_SKIP_DIRS = frozenset({
-    "site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib", "lib2to3",
-    "turtledemo", "__pycache__", "__phello__", "pydoc_data", "encodings", "lib-dynload",
-})
+STDLIB_SKIP_DIRS = frozenset(
+    {
+        "site-packages",
+        "dist-packages",
+        "test",
+        "tests",
+        "idle_test",
+        "idlelib",
+        "lib2to3",
+        "turtledemo",
+        "__pycache__",
+        "__phello__",
+        "pydoc_data",
+        "encodings",
+        "lib-dynload",
+    }
+)
 
 
 class PrepareError(ValueError):
@@ -111,8 +124,9 @@ def stdlib_files() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames
-                       if d not in STDLIB_SKIP_DIRS and not d.startswith("config-")]
+        dirnames[:] = [
+            d for d in dirnames if d not in STDLIB_SKIP_DIRS and not d.startswith("config-")
+        ]
         files.extend(Path(dirpath, name) for name in filenames if name.endswith(".py"))
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
@@ -137,8 +151,12 @@ def stdlib_documents(max_bytes: int = DEFAULT_STDLIB_MAX_BYTES) -> Iterator[str]
         yield text
 
 
-def prepare_corpus(documents: Iterable[str], output_prefix: str, tokenizer: Tokenizer,
-                   log_interval: int = DEFAULT_LOG_INTERVAL) -> tuple[int, int]:
+def prepare_corpus(
+    documents: Iterable[str],
+    output_prefix: str,
+    tokenizer: Tokenizer,
+    log_interval: int = DEFAULT_LOG_INTERVAL,
+) -> tuple[int, int]:
     """Write `documents` (each followed by eod) to dataset_prefix(output_prefix).{bin,idx}.
 
     Returns (documents, tokens), eod included. Documents that tokenize to nothing are skipped.
@@ -160,8 +178,13 @@ def prepare_corpus(documents: Iterable[str], output_prefix: str, tokenizer: Toke
     return counts
 
 
-def _write_indexed(documents: Iterable[str], tmp_prefix: str, tokenizer: Tokenizer,
-                   dtype: type[numpy.number], log_interval: int) -> tuple[int, int]:
+def _write_indexed(
+    documents: Iterable[str],
+    tmp_prefix: str,
+    tokenizer: Tokenizer,
+    dtype: type[numpy.number],
+    log_interval: int,
+) -> tuple[int, int]:
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder  # noqa: PLC0415
 
     builder = IndexedDatasetBuilder(f"{tmp_prefix}.bin", dtype=dtype)
@@ -198,21 +221,38 @@ def _publish(tmp_prefix: str, prefix: str) -> None:
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m pretrain.prepare", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m pretrain.prepare",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--input", action="append", metavar="FILE_OR_GLOB",
-                        help="input file or glob (repeatable); .jsonl or plain text")
-    source.add_argument("--stdlib", action="store_true",
-                        help="use this Python's standard-library sources as the corpus")
+    source.add_argument(
+        "--input",
+        action="append",
+        metavar="FILE_OR_GLOB",
+        help="input file or glob (repeatable); .jsonl or plain text",
+    )
+    source.add_argument(
+        "--stdlib",
+        action="store_true",
+        help="use this Python's standard-library sources as the corpus",
+    )
     parser.add_argument("--stdlib-max-bytes", type=int, default=DEFAULT_STDLIB_MAX_BYTES)
-    parser.add_argument("--output-prefix", required=True,
-                        help=f"writes PREFIX{DOCUMENT_SUFFIX}.bin/.idx (parent dirs are created)")
+    parser.add_argument(
+        "--output-prefix",
+        required=True,
+        help=f"writes PREFIX{DOCUMENT_SUFFIX}.bin/.idx (parent dirs are created)",
+    )
     parser.add_argument("--tokenizer", choices=TOKENIZER_KINDS, default="byte")
     parser.add_argument("--tokenizer-path", help="local tokenizer directory (huggingface)")
     parser.add_argument("--json-key", default="text")
-    parser.add_argument("--log-interval", type=int, default=DEFAULT_LOG_INTERVAL,
-                        help="log progress every N documents")
+    parser.add_argument(
+        "--log-interval",
+        type=int,
+        default=DEFAULT_LOG_INTERVAL,
+        help="log progress every N documents",
+    )
     args = parser.parse_args(argv)
     if args.stdlib_max_bytes <= 0 or args.log_interval <= 0:
         parser.error("--stdlib-max-bytes and --log-interval must be positive")
@@ -234,12 +274,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.monotonic()
     try:
         tokenizer = build_tokenizer(args.tokenizer, args.tokenizer_path)
-        docs, tokens = prepare_corpus(_documents(args), args.output_prefix, tokenizer,
-                                      args.log_interval)
+        docs, tokens = prepare_corpus(
+            _documents(args), args.output_prefix, tokenizer, args.log_interval
+        )
     except (PrepareError, TokenizerError) as err:
         raise SystemExit(f"pretrain.prepare: error: {err}") from None
-    log.info("wrote %s.{bin,idx}: %d documents, %d tokens in %.1fs",
-             dataset_prefix(args.output_prefix), docs, tokens, time.monotonic() - start)
+    log.info(
+        "wrote %s.{bin,idx}: %d documents, %d tokens in %.1fs",
+        dataset_prefix(args.output_prefix),
+        docs,
+        tokens,
+        time.monotonic() - start,
+    )
     return 0
 
 

@@ -13,7 +13,7 @@ from pretrain.logs import setup_logging
 from pretrain.loop import Trainer
 from recipes import ConfigError, RunConfig, to_yaml
 
-log = logging.getLogger("pretrain")
+log = logging.getLogger(__name__)
 
 
 def train(run: RunConfig, device: str, dp: int) -> int:
@@ -41,8 +41,12 @@ def train(run: RunConfig, device: str, dp: int) -> int:
         for hook in hooks:
             hook.on_exception(trainer, exc)
         failure = classify(exc)
-        log.exception("training failed (%s, exit %d, %s)", failure.kind, failure.exit_code,
-                      "retryable" if failure.retryable else "do not retry")
+        log.exception(
+            "training failed (%s, exit %d, %s)",
+            failure.kind,
+            failure.exit_code,
+            "retryable" if failure.retryable else "do not retry",
+        )
         return failure.exit_code
     finally:
         _close_all(hooks)

@@ -59,11 +59,14 @@ class ByteTokenizer:
 class HFTokenizer:
     """A Hugging Face tokenizer loaded from a local directory only."""
 
-    def __init__(self, path: str, eod_token: str | None = None,
-                 add_special_tokens: bool = True) -> None:
+    def __init__(
+        self, path: str, eod_token: str | None = None, add_special_tokens: bool = True
+    ) -> None:
         if not os.path.isdir(path):
-            raise TokenizerError(f"tokenizer directory {path!r} does not exist (it must be a local "
-                                 "directory holding tokenizer.json or a transformers tokenizer)")
+            raise TokenizerError(
+                f"tokenizer directory {path!r} does not exist (it must be a local "
+                "directory holding tokenizer.json or a transformers tokenizer)"
+            )
         self.path = os.path.abspath(path)
         # True matches Megatron-LM's HuggingFaceTokenizer (e.g. Llama's BOS is kept).
         self.add_special_tokens = add_special_tokens
@@ -75,9 +78,14 @@ class HFTokenizer:
 
     @property
     def unique_identifiers(self) -> dict[str, Any]:
-        return {"class": type(self).__name__, "tokenizer_path": self.path,
-                "vocab_size": self.vocab_size, "eod": self.eod, "pad": self.pad,
-                "add_special_tokens": self.add_special_tokens}
+        return {
+            "class": type(self).__name__,
+            "tokenizer_path": self.path,
+            "vocab_size": self.vocab_size,
+            "eod": self.eod,
+            "pad": self.pad,
+            "add_special_tokens": self.add_special_tokens,
+        }
 
     def tokenize(self, text: str) -> list[int]:
         if _is_fast_file(self._backend):
@@ -104,16 +112,19 @@ def _load_backend(path: str) -> Any:
 
         return RawTokenizer.from_file(tokenizer_json)
     if importlib.util.find_spec("transformers") is None:
-        raise TokenizerError(f"{path!r} has no tokenizer.json and `transformers` is not installed: "
-                             "provide a tokenizer.json (tokenizers library format) or "
-                             "`pip install transformers sentencepiece`")
+        raise TokenizerError(
+            f"{path!r} has no tokenizer.json and `transformers` is not installed: "
+            "provide a tokenizer.json (tokenizers library format) or "
+            "`pip install transformers sentencepiece`"
+        )
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as err:
         raise TokenizerError(
-            f"transformers could not load a tokenizer from {path!r}: {err}") from err
+            f"transformers could not load a tokenizer from {path!r}: {err}"
+        ) from err
 
 
 def _vocab(backend: Any) -> dict[str, int]:
@@ -139,8 +150,10 @@ def _find_eod(vocab: dict[str, int], eod_token: str | None, backend: Any, path: 
     eos_id = getattr(backend, "eos_token_id", None)
     if eos_id is not None:
         return int(eos_id)
-    raise TokenizerError(f"no end-of-document token in {path!r}: none of {list(EOD_CANDIDATES)} "
-                         "is in its vocabulary; pass eod_token explicitly")
+    raise TokenizerError(
+        f"no end-of-document token in {path!r}: none of {list(EOD_CANDIDATES)} "
+        "is in its vocabulary; pass eod_token explicitly"
+    )
 
 
 def _find_pad(vocab: dict[str, int], backend: Any, eod: int) -> int:
@@ -163,4 +176,5 @@ def build_tokenizer(kind: str, path: str | None = None, eod_token: str | None = 
             raise TokenizerError("tokenizer kind 'huggingface' needs a local tokenizer directory")
         return HFTokenizer(path, eod_token=eod_token)
     raise TokenizerError(
-        f"unknown tokenizer kind {kind!r}; expected one of {list(TOKENIZER_KINDS)}")
+        f"unknown tokenizer kind {kind!r}; expected one of {list(TOKENIZER_KINDS)}"
+    )

@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
@@ -91,8 +92,10 @@ def _reject_unknown_keys(tree: Any, overrides: list[str], prefix: str = "") -> N
 def _unknown_key_message(bad: str) -> str:
     close = difflib.get_close_matches(bad, schema_keys(), n=3, cutoff=0.6)
     hint = f" Did you mean: {', '.join(close)}?" if close else ""
-    return (f"unknown config key '{bad}'.{hint} "
-            f"Run `python -m pretrain --show-keys` to list every valid key.")
+    return (
+        f"unknown config key '{bad}'.{hint} "
+        f"Run `python -m pretrain --show-keys` to list every valid key."
+    )
 
 
 def _explain(exc: BaseException, overrides: list[str]) -> str:
@@ -112,7 +115,8 @@ def _explain(exc: BaseException, overrides: list[str]) -> str:
     if bad is not None:
         return _unknown_key_message(bad)
     return f"invalid config: {text.splitlines()[0]}" + (
-        "\n" + "\n".join(text.splitlines()[1:4]) if len(text.splitlines()) > 1 else "")
+        "\n" + "\n".join(text.splitlines()[1:4]) if len(text.splitlines()) > 1 else ""
+    )
 
 
 def _unknown_override_key(overrides: list[str], text: str) -> str | None:
@@ -121,8 +125,13 @@ def _unknown_override_key(overrides: list[str], text: str) -> str | None:
     valid = set(schema_keys())
     for item in overrides:
         key = item.split("=", 1)[0].lstrip("+~")
-        if "=" in item and key not in valid and "/" not in key and "@" not in key \
-                and key not in _group_names():
+        if (
+            "=" in item
+            and key not in valid
+            and "/" not in key
+            and "@" not in key
+            and key not in _group_names()
+        ):
             return key
     match = re.search(r"full_key: (\S+)", text)
     return match.group(1) if match else None

@@ -66,26 +66,43 @@ class ModelConfig:
     moe_aux_loss_coeff: float = 0.0
 
     def __post_init__(self) -> None:
-        _positive("model", num_layers=self.num_layers, hidden_size=self.hidden_size,
-                  num_attention_heads=self.num_attention_heads, seq_length=self.seq_length,
-                  num_query_groups=self.num_query_groups, ffn_hidden_size=self.ffn_hidden_size,
-                  num_experts=self.num_experts, moe_router_topk=self.moe_router_topk,
-                  padded_vocab_size=self.padded_vocab_size)
-        _require(self.hidden_size % self.num_attention_heads == 0,
-                 f"model.hidden_size={self.hidden_size} must be divisible by "
-                 f"model.num_attention_heads={self.num_attention_heads}")
+        _positive(
+            "model",
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            seq_length=self.seq_length,
+            num_query_groups=self.num_query_groups,
+            ffn_hidden_size=self.ffn_hidden_size,
+            num_experts=self.num_experts,
+            moe_router_topk=self.moe_router_topk,
+            padded_vocab_size=self.padded_vocab_size,
+        )
+        _require(
+            self.hidden_size % self.num_attention_heads == 0,
+            f"model.hidden_size={self.hidden_size} must be divisible by "
+            f"model.num_attention_heads={self.num_attention_heads}",
+        )
         groups = self.num_query_groups or self.num_attention_heads
-        _require(self.num_attention_heads % groups == 0,
-                 f"model.num_attention_heads={self.num_attention_heads} must be divisible by "
-                 f"model.num_query_groups={groups}")
-        _one_of("model", "position_embedding_type", self.position_embedding_type,
-                ("rope", "learned_absolute"))
+        _require(
+            self.num_attention_heads % groups == 0,
+            f"model.num_attention_heads={self.num_attention_heads} must be divisible by "
+            f"model.num_query_groups={groups}",
+        )
+        _one_of(
+            "model",
+            "position_embedding_type",
+            self.position_embedding_type,
+            ("rope", "learned_absolute"),
+        )
         _one_of("model", "normalization", self.normalization, ("LayerNorm", "RMSNorm"))
         _one_of("model", "activation", self.activation, ("gelu", "swiglu"))
         if self.num_experts is not None:
-            _require(self.moe_router_topk <= self.num_experts,
-                     f"model.moe_router_topk={self.moe_router_topk} exceeds "
-                     f"model.num_experts={self.num_experts}")
+            _require(
+                self.moe_router_topk <= self.num_experts,
+                f"model.moe_router_topk={self.moe_router_topk} exceeds "
+                f"model.num_experts={self.num_experts}",
+            )
         for key in ("hidden_dropout", "attention_dropout"):
             value = getattr(self, key)
             _require(0.0 <= value < 1.0, f"model.{key} must be in [0, 1), got {value}")
@@ -106,17 +123,28 @@ class ParallelConfig:
     sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
-        _positive("parallel", tp=self.tp, pp=self.pp, vpp=self.vpp, cp=self.cp, ep=self.ep,
-                  dp=self.dp)
-        _require(not self.sequence_parallel or self.tp > 1,
-                 "parallel.sequence_parallel=true needs parallel.tp > 1")
-        _require(self.vpp is None or self.pp > 1,
-                 f"parallel.vpp={self.vpp} needs parallel.pp > 1 (interleaving needs stages)")
+        _positive(
+            "parallel", tp=self.tp, pp=self.pp, vpp=self.vpp, cp=self.cp, ep=self.ep, dp=self.dp
+        )
+        _require(
+            not self.sequence_parallel or self.tp > 1,
+            "parallel.sequence_parallel=true needs parallel.tp > 1",
+        )
+        _require(
+            self.vpp is None or self.pp > 1,
+            f"parallel.vpp={self.vpp} needs parallel.pp > 1 (interleaving needs stages)",
+        )
 
     def layout(self, dp: int) -> dict[str, int]:
         """The layout as recorded in checkpoint manifests (vpp 1 = not interleaved)."""
-        return {"tp": self.tp, "pp": self.pp, "vpp": self.vpp or 1, "cp": self.cp,
-                "ep": self.ep, "dp": dp}
+        return {
+            "tp": self.tp,
+            "pp": self.pp,
+            "vpp": self.vpp or 1,
+            "cp": self.cp,
+            "ep": self.ep,
+            "dp": dp,
+        }
 
     @property
     def model_parallel_size(self) -> int:
@@ -125,15 +153,21 @@ class ParallelConfig:
     def data_parallel_size(self, world_size: int) -> int:
         """The DP size for ``world_size`` ranks, or a ConfigError naming the mismatch."""
         mp = self.model_parallel_size
-        _require(world_size % mp == 0,
-                 f"world size {world_size} is not divisible by tp*pp*cp = "
-                 f"{self.tp}*{self.pp}*{self.cp} = {mp}")
+        _require(
+            world_size % mp == 0,
+            f"world size {world_size} is not divisible by tp*pp*cp = "
+            f"{self.tp}*{self.pp}*{self.cp} = {mp}",
+        )
         dp = world_size // mp
-        _require(self.dp is None or self.dp == dp,
-                 f"parallel.dp={self.dp} but tp*pp*cp*dp must equal the world size {world_size}: "
-                 f"dp would be {dp} (set parallel.dp=null to derive it)")
-        _require((dp * self.cp) % self.ep == 0,
-                 f"parallel.ep={self.ep} must divide dp*cp = {dp}*{self.cp}")
+        _require(
+            self.dp is None or self.dp == dp,
+            f"parallel.dp={self.dp} but tp*pp*cp*dp must equal the world size {world_size}: "
+            f"dp would be {dp} (set parallel.dp=null to derive it)",
+        )
+        _require(
+            (dp * self.cp) % self.ep == 0,
+            f"parallel.ep={self.ep} must divide dp*cp = {dp}*{self.cp}",
+        )
         return dp
 
 
@@ -152,8 +186,10 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         _one_of("optimizer", "name", self.name, ("adam", "sgd"))
         _require(self.lr > 0, f"optimizer.lr must be > 0, got {self.lr}")
-        _require(0 <= self.min_lr <= self.lr,
-                 f"optimizer.min_lr={self.min_lr} must be in [0, optimizer.lr={self.lr}]")
+        _require(
+            0 <= self.min_lr <= self.lr,
+            f"optimizer.min_lr={self.min_lr} must be in [0, optimizer.lr={self.lr}]",
+        )
         _require(self.clip_grad >= 0, f"optimizer.clip_grad must be >= 0, got {self.clip_grad}")
 
 
@@ -169,10 +205,18 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         _require(self.warmup_steps >= 0, "scheduler.warmup_steps must be >= 0")
         _positive("scheduler", decay_steps=self.decay_steps)
-        _one_of("scheduler", "decay_style", self.decay_style,
-                ("constant", "linear", "cosine", "inverse-square-root"))
-        _one_of("scheduler", "weight_decay_incr_style", self.weight_decay_incr_style,
-                ("constant", "linear", "cosine"))
+        _one_of(
+            "scheduler",
+            "decay_style",
+            self.decay_style,
+            ("constant", "linear", "cosine", "inverse-square-root"),
+        )
+        _one_of(
+            "scheduler",
+            "weight_decay_incr_style",
+            self.weight_decay_incr_style,
+            ("constant", "linear", "cosine"),
+        )
 
 
 @dataclass(kw_only=True)
@@ -193,17 +237,24 @@ class DataConfig:
     def __post_init__(self) -> None:
         _one_of("data", "kind", self.kind, ("indexed", "mock"))
         _one_of("data", "tokenizer", self.tokenizer, ("byte", "huggingface"))
-        _require(self.kind != "indexed" or len(self.paths) > 0,
-                 "data.kind=indexed needs data.paths (prefixes of .bin/.idx files made by "
-                 "`python -m pretrain.prepare`)")
-        _require(self.weights is None or len(self.weights) == len(self.paths),
-                 f"data.weights has {len(self.weights or [])} entries for "
-                 f"{len(self.paths)} data.paths")
-        _require(self.tokenizer != "huggingface" or self.tokenizer_path is not None,
-                 "data.tokenizer=huggingface needs data.tokenizer_path (a local directory)")
+        _require(
+            self.kind != "indexed" or len(self.paths) > 0,
+            "data.kind=indexed needs data.paths (prefixes of .bin/.idx files made by "
+            "`python -m pretrain.prepare`)",
+        )
+        _require(
+            self.weights is None or len(self.weights) == len(self.paths),
+            f"data.weights has {len(self.weights or [])} entries for {len(self.paths)} data.paths",
+        )
+        _require(
+            self.tokenizer != "huggingface" or self.tokenizer_path is not None,
+            "data.tokenizer=huggingface needs data.tokenizer_path (a local directory)",
+        )
         parts = self.split.split(",")
-        _require(len(parts) == 3 and all(p.strip().replace(".", "", 1).isdigit() for p in parts),
-                 f"data.split={self.split!r} must be three comma-separated weights (train,valid,test)")
+        _require(
+            len(parts) == 3 and all(p.strip().replace(".", "", 1).isdigit() for p in parts),
+            f"data.split={self.split!r} must be three comma-separated weights (train,valid,test)",
+        )
 
 
 @dataclass(kw_only=True)
@@ -218,11 +269,17 @@ class TrainConfig:
     fault: str = ""
 
     def __post_init__(self) -> None:
-        _positive("train", train_steps=self.train_steps, micro_batch_size=self.micro_batch_size,
-                  global_batch_size=self.global_batch_size)
-        _require(self.global_batch_size % self.micro_batch_size == 0,
-                 f"train.global_batch_size={self.global_batch_size} must be a multiple of "
-                 f"train.micro_batch_size={self.micro_batch_size}")
+        _positive(
+            "train",
+            train_steps=self.train_steps,
+            micro_batch_size=self.micro_batch_size,
+            global_batch_size=self.global_batch_size,
+        )
+        _require(
+            self.global_batch_size % self.micro_batch_size == 0,
+            f"train.global_batch_size={self.global_batch_size} must be a multiple of "
+            f"train.micro_batch_size={self.micro_batch_size}",
+        )
         _one_of("train", "device", self.device, ("auto", "cpu", "cuda"))
         _one_of("train", "precision", self.precision, ("auto", "fp32", "bf16"))
 
@@ -242,10 +299,14 @@ class LocalCheckpointConfig:
         return self.interval is not None
 
     def __post_init__(self) -> None:
-        _positive("checkpoint.local", interval=self.interval, replication_jump=self.replication_jump)
-        _require(self.interval is None or bool(self.dir),
-                 "checkpoint.local.interval is set but checkpoint.local.dir is not: give the "
-                 "node-local directory, e.g. checkpoint.local.dir=/local_nvme/ckpt")
+        _positive(
+            "checkpoint.local", interval=self.interval, replication_jump=self.replication_jump
+        )
+        _require(
+            self.interval is None or bool(self.dir),
+            "checkpoint.local.interval is set but checkpoint.local.dir is not: give the "
+            "node-local directory, e.g. checkpoint.local.dir=/local_nvme/ckpt",
+        )
         _require(self.replication_factor >= 1, "checkpoint.local.replication_factor must be >= 1")
         _require(self.keep_last >= 1, "checkpoint.local.keep_last must be >= 1")
 
@@ -274,21 +335,33 @@ class CheckpointConfig:
     local: LocalCheckpointConfig = field(default_factory=LocalCheckpointConfig)
 
     def __post_init__(self) -> None:
-        _one_of("checkpoint", "optim_format", self.optim_format,
-                ("fully_reshardable", "dp_reshardable"))
-        _positive("checkpoint", save_interval=self.save_interval,
-                  milestone_interval=self.milestone_interval, writer_threads=self.writer_threads)
-        _require(self.keep_last >= 2,
-                 f"checkpoint.keep_last={self.keep_last}: at least 2 verified steps are kept, so a "
-                 "corrupt newest step always has a fallback")
+        _one_of(
+            "checkpoint", "optim_format", self.optim_format, ("fully_reshardable", "dp_reshardable")
+        )
+        _positive(
+            "checkpoint",
+            save_interval=self.save_interval,
+            milestone_interval=self.milestone_interval,
+            writer_threads=self.writer_threads,
+        )
+        _require(
+            self.keep_last >= 2,
+            f"checkpoint.keep_last={self.keep_last}: at least 2 verified steps are kept, so a "
+            "corrupt newest step always has a fallback",
+        )
         _require(self.lease_timeout_s > 0, "checkpoint.lease_timeout_s must be > 0")
-        _one_of("checkpoint", "batch_change_lr_scaling", self.batch_change_lr_scaling,
-                ("refuse", "none", "linear", "sqrt"))
+        _one_of(
+            "checkpoint",
+            "batch_change_lr_scaling",
+            self.batch_change_lr_scaling,
+            ("refuse", "none", "linear", "sqrt"),
+        )
 
 
 @dataclass(kw_only=True)
 class FtConfig:
     """Hang detection by nvidia-resiliency-ext rank monitors (launch.backend=ft_launcher)."""
+
     # Section timeouts in seconds. "step" and the out-of-section timeout are replaced by learned
     # values (multiplier x the slowest observed, at least the floor) once learned.
     setup_timeout_s: float = 900.0
@@ -306,8 +379,14 @@ class FtConfig:
     stack_dumps: bool = True
 
     def __post_init__(self) -> None:
-        for key in ("setup_timeout_s", "step_timeout_s", "checkpointing_timeout_s",
-                    "out_of_section_timeout_s", "timeout_floor_s", "check_interval_s"):
+        for key in (
+            "setup_timeout_s",
+            "step_timeout_s",
+            "checkpointing_timeout_s",
+            "out_of_section_timeout_s",
+            "timeout_floor_s",
+            "check_interval_s",
+        ):
             _require(getattr(self, key) > 0, f"resiliency.ft.{key} must be > 0")
         _require(self.timeout_multiplier >= 1, "resiliency.ft.timeout_multiplier must be >= 1")
         _positive("resiliency.ft", learn_after_steps=self.learn_after_steps)
@@ -316,6 +395,7 @@ class FtConfig:
 @dataclass(kw_only=True)
 class StragglerConfig:
     """Straggler reports from nvidia-resiliency-ext's Detector (sections; CUDA kernels on GPU)."""
+
     enabled: bool = False
     report_interval: int = 20  # steps between reports
     warmup_steps: int = 5  # first steps of every attempt are not timed (allocator, caches)
@@ -334,6 +414,7 @@ class StragglerConfig:
 @dataclass(kw_only=True)
 class MetricsConfig:
     """Prometheus metrics: <run_dir>/metrics/metrics.prom (rank 0), optionally served over HTTP."""
+
     enabled: bool = True
     write_interval_steps: int = 10
     http_port: int = 0  # 0: no HTTP endpoint
@@ -346,6 +427,7 @@ class MetricsConfig:
 @dataclass(kw_only=True)
 class WatchConfig:
     """After a restore, compare loss and grad norm with the values logged before the failure."""
+
     steps: int = 10  # 0: off
     loss_tolerance: float = 0.1  # relative increase that counts as a jump
     grad_norm_tolerance: float = 1.0
@@ -353,8 +435,10 @@ class WatchConfig:
 
     def __post_init__(self) -> None:
         _require(self.steps >= 0, "resiliency.watch.steps must be >= 0")
-        _require(self.loss_tolerance > 0 and self.grad_norm_tolerance > 0,
-                 "resiliency.watch tolerances must be > 0")
+        _require(
+            self.loss_tolerance > 0 and self.grad_norm_tolerance > 0,
+            "resiliency.watch tolerances must be > 0",
+        )
 
 
 @dataclass(kw_only=True)
@@ -370,8 +454,9 @@ class ResiliencyConfig:
     watch: WatchConfig = field(default_factory=WatchConfig)
 
     def __post_init__(self) -> None:
-        _require(self.emergency_save_timeout_s > 0,
-                 "resiliency.emergency_save_timeout_s must be > 0")
+        _require(
+            self.emergency_save_timeout_s > 0, "resiliency.emergency_save_timeout_s must be > 0"
+        )
         _require(self.max_restarts >= 0, "resiliency.max_restarts must be >= 0")
 
 
@@ -400,9 +485,11 @@ class SlurmConfig:
     def __post_init__(self) -> None:
         _require(self.signal_grace_s >= 0, "launch.slurm.signal_grace_s must be >= 0")
         _require(self.max_requeues >= 0, "launch.slurm.max_requeues must be >= 0")
-        _require(bool(re.fullmatch(r"(\d+-)?\d+(:\d{2}){0,2}", self.time_limit)),
-                 f"launch.slurm.time_limit={self.time_limit!r} is not a Slurm time "
-                 "(e.g. 04:00:00 or 2-00:00:00)")
+        _require(
+            bool(re.fullmatch(r"(\d+-)?\d+(:\d{2}){0,2}", self.time_limit)),
+            f"launch.slurm.time_limit={self.time_limit!r} is not a Slurm time "
+            "(e.g. 04:00:00 or 2-00:00:00)",
+        )
 
 
 @dataclass(kw_only=True)
@@ -425,8 +512,10 @@ class K8sConfig:
 
     def __post_init__(self) -> None:
         _one_of("launch.k8s", "local_volume", self.local_volume, ("emptyDir", "hostPath"))
-        _require(self.local_volume != "hostPath" or self.local_host_path is not None,
-                 "launch.k8s.local_volume=hostPath needs launch.k8s.local_host_path")
+        _require(
+            self.local_volume != "hostPath" or self.local_host_path is not None,
+            "launch.k8s.local_volume=hostPath needs launch.k8s.local_host_path",
+        )
         _require(self.termination_grace_s >= 0, "launch.k8s.termination_grace_s must be >= 0")
         _require(self.backoff_limit >= 0, "launch.k8s.backoff_limit must be >= 0")
 
@@ -444,9 +533,11 @@ class LaunchConfig:
         _one_of("launch", "backend", self.backend, ("torchrun", "ft_launcher"))
         _positive("launch", nodes=self.nodes, nproc_per_node=self.nproc_per_node)
         _require(self.gpus_per_node >= 0, "launch.gpus_per_node must be >= 0")
-        _require(self.gpus_per_node in (0, self.nproc_per_node),
-                 f"launch.gpus_per_node={self.gpus_per_node} must be 0 (CPU) or equal "
-                 f"launch.nproc_per_node={self.nproc_per_node} (one rank per GPU)")
+        _require(
+            self.gpus_per_node in (0, self.nproc_per_node),
+            f"launch.gpus_per_node={self.gpus_per_node} must be 0 (CPU) or equal "
+            f"launch.nproc_per_node={self.nproc_per_node} (one rank per GPU)",
+        )
 
     @property
     def world_size(self) -> int:
@@ -469,27 +560,41 @@ class RunConfig:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     def __post_init__(self) -> None:
-        _require(bool(self.run_id) and "/" not in self.run_id and self.run_id not in (".", ".."),
-                 f"run_id={self.run_id!r} must be a non-empty name without '/'")
+        _require(
+            bool(self.run_id) and "/" not in self.run_id and self.run_id not in (".", ".."),
+            f"run_id={self.run_id!r} must be a non-empty name without '/'",
+        )
         model, par = self.model, self.parallel
-        _require(model.num_attention_heads % par.tp == 0,
-                 f"model.num_attention_heads={model.num_attention_heads} is not divisible by "
-                 f"parallel.tp={par.tp}")
+        _require(
+            model.num_attention_heads % par.tp == 0,
+            f"model.num_attention_heads={model.num_attention_heads} is not divisible by "
+            f"parallel.tp={par.tp}",
+        )
         groups = model.num_query_groups or model.num_attention_heads
-        _require(groups % par.tp == 0,
-                 f"model.num_query_groups={groups} is not divisible by parallel.tp={par.tp}")
+        _require(
+            groups % par.tp == 0,
+            f"model.num_query_groups={groups} is not divisible by parallel.tp={par.tp}",
+        )
         stages = par.pp * (par.vpp or 1)
-        _require(model.num_layers % stages == 0,
-                 f"model.num_layers={model.num_layers} is not divisible by pp*vpp = "
-                 f"{par.pp}*{par.vpp or 1} = {stages}")
+        _require(
+            model.num_layers % stages == 0,
+            f"model.num_layers={model.num_layers} is not divisible by pp*vpp = "
+            f"{par.pp}*{par.vpp or 1} = {stages}",
+        )
         if model.padded_vocab_size is not None:
-            _require(model.padded_vocab_size % par.tp == 0,
-                     f"model.padded_vocab_size={model.padded_vocab_size} is not divisible by "
-                     f"parallel.tp={par.tp}")
+            _require(
+                model.padded_vocab_size % par.tp == 0,
+                f"model.padded_vocab_size={model.padded_vocab_size} is not divisible by "
+                f"parallel.tp={par.tp}",
+            )
         if par.ep > 1:
             _require(model.is_moe, f"parallel.ep={par.ep} needs an MoE model (model.num_experts)")
-            _require(model.num_experts % par.ep == 0,
-                     f"parallel.ep={par.ep} must divide model.num_experts={model.num_experts}")
+            _require(
+                model.num_experts % par.ep == 0,
+                f"parallel.ep={par.ep} must divide model.num_experts={model.num_experts}",
+            )
         if model.is_moe and par.tp > 1:
-            _require(par.sequence_parallel,
-                     "MoE with parallel.tp > 1 needs parallel.sequence_parallel=true (Megatron-Core)")
+            _require(
+                par.sequence_parallel,
+                "MoE with parallel.tp > 1 needs parallel.sequence_parallel=true (Megatron-Core)",
+            )

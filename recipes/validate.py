@@ -19,7 +19,8 @@ def validate_runtime(run: RunConfig, world_size: int, device: str) -> int:
     if par.cp > 1 and device != "cuda":
         raise ConfigError(
             f"parallel.cp={par.cp} needs CUDA: context parallelism in megatron-core is implemented "
-            "only by Transformer Engine's TEDotProductAttention. Use parallel.cp=1 on CPU.")
+            "only by Transformer Engine's TEDotProductAttention. Use parallel.cp=1 on CPU."
+        )
     if train.precision == "bf16" and device != "cuda":
         raise ConfigError("train.precision=bf16 is supported on CUDA only; use fp32 or auto on CPU")
     dp = par.data_parallel_size(world_size)
@@ -27,7 +28,8 @@ def validate_runtime(run: RunConfig, world_size: int, device: str) -> int:
     if train.global_batch_size % per_step:
         raise ConfigError(
             f"train.global_batch_size={train.global_batch_size} must be a multiple of "
-            f"train.micro_batch_size*dp = {train.micro_batch_size}*{dp} = {per_step}")
+            f"train.micro_batch_size*dp = {train.micro_batch_size}*{dp} = {per_step}"
+        )
     return dp
 
 

@@ -30,8 +30,11 @@ def build_hooks(run: RunConfig, env: DistEnv, run_dir: Path) -> list[TrainHook]:
     """
     cfg = run.resiliency
     checkpoint = CheckpointHook(run, env, run_dir) if run.checkpoint.enabled else None
-    evidence = (AttemptEvidenceHook(env, run_dir, checkpoint, cfg.ft.check_interval_s)
-                if checkpoint is not None else None)
+    evidence = (
+        AttemptEvidenceHook(env, run_dir, checkpoint, cfg.ft.check_interval_s)
+        if checkpoint is not None
+        else None
+    )
     front: list[TrainHook] = [evidence] if evidence is not None else []
     if under_ft_launcher():
         front.append(FaultToleranceHook(cfg.ft, env, run_dir, checkpoint))

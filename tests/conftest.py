@@ -21,8 +21,13 @@ def stdlib_corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="session")
 def tiny_overrides(stdlib_corpus: str) -> list[str]:
     """gpt_tiny on the stdlib corpus, short: the base of every training test."""
-    return ["recipe=gpt_tiny", f"data.paths=[{stdlib_corpus}]", "train.train_steps=10",
-            "train.micro_batch_size=2", "train.global_batch_size=8"]
+    return [
+        "recipe=gpt_tiny",
+        f"data.paths=[{stdlib_corpus}]",
+        "train.train_steps=10",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=8",
+    ]
 
 
 @pytest.fixture()

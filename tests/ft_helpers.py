@@ -12,27 +12,43 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from tests.helpers import REPO
 
 STEPS, SAVE_EVERY = 12, 4
 FLOOR_S, CHECK_S = 4.0, 0.5
 # Small timeouts keep the hang test short; the floor still covers the first (slow) steps.
-FT = ["launch.backend=ft_launcher", "resiliency.ft.learn_after_steps=3",
-      f"resiliency.ft.timeout_floor_s={FLOOR_S}", f"resiliency.ft.check_interval_s={CHECK_S}"]
-STRAGGLER = ["resiliency.straggler.enabled=true", "resiliency.straggler.report_interval=4",
-             "resiliency.straggler.warmup_steps=2"]
+FT = [
+    "launch.backend=ft_launcher",
+    "resiliency.ft.learn_after_steps=3",
+    f"resiliency.ft.timeout_floor_s={FLOOR_S}",
+    f"resiliency.ft.check_interval_s={CHECK_S}",
+]
+STRAGGLER = [
+    "resiliency.straggler.enabled=true",
+    "resiliency.straggler.report_interval=4",
+    "resiliency.straggler.warmup_steps=2",
+]
 
 
 def base_overrides(tiny: Sequence[str], root: Path, run_id: str) -> list[str]:
-    return [*tiny, f"output_dir={root}", f"run_id={run_id}", f"train.train_steps={STEPS}",
-            f"checkpoint.save_interval={SAVE_EVERY}", *FT, *STRAGGLER]
+    return [
+        *tiny,
+        f"output_dir={root}",
+        f"run_id={run_id}",
+        f"train.train_steps={STEPS}",
+        f"checkpoint.save_interval={SAVE_EVERY}",
+        *FT,
+        *STRAGGLER,
+    ]
 
 
-def launch_cmd(overrides: Sequence[str], nproc: int = 2,
-               max_restarts: int | None = None) -> list[str]:
+def launch_cmd(
+    overrides: Sequence[str], nproc: int = 2, max_restarts: int | None = None
+) -> list[str]:
     extra = [] if max_restarts is None else [f"--max-restarts={max_restarts}"]
     return [sys.executable, "-m", "launch", "local", f"--nproc={nproc}", *extra, *overrides]
 
@@ -41,10 +57,17 @@ def env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
-def launch_local(overrides: Sequence[str], max_restarts: int | None = None,
-                 timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(launch_cmd(overrides, max_restarts=max_restarts), cwd=REPO, env=env(),
-                          text=True, capture_output=True, timeout=timeout)
+def launch_local(
+    overrides: Sequence[str], max_restarts: int | None = None, timeout: float = 240
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        launch_cmd(overrides, max_restarts=max_restarts),
+        cwd=REPO,
+        env=env(),
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+    )
 
 
 def clean_run(tiny: Sequence[str], base: Path) -> Path:

@@ -6,8 +6,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
@@ -17,11 +17,23 @@ def pretrain_cmd(nproc: int, overrides: Sequence[str]) -> list[str]:
     return [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", "-m", "pretrain", *overrides]
 
 
-def run_pretrain(nproc: int, overrides: Sequence[str], *, env: dict[str, str] | None = None,
-                 timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+def run_pretrain(
+    nproc: int,
+    overrides: Sequence[str],
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run(pretrain_cmd(nproc, overrides), cwd=REPO, env=full_env, text=True,
-                          capture_output=True, timeout=timeout)
+    proc = subprocess.run(
+        pretrain_cmd(nproc, overrides),
+        cwd=REPO,
+        env=full_env,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"pretrain failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
     return proc

@@ -1,4 +1,4 @@
-"""The benchmark command's table is well formed (no timing is asserted: benchmarks are not tests)."""
+"""The benchmark command's table is well formed (no timing is asserted: benchmarks are no tests)."""
 
 from __future__ import annotations
 
@@ -13,29 +13,59 @@ def _s(*values: float) -> dict:
 
 
 def test_table_has_one_well_formed_row_per_figure():
-    save = {"bytes": 1 << 30, "P1": _s(0.5, 0.4, 0.6), "raw_write_GiBps": _s(1.0),
-            "save_GiBps": _s(0.5), "P2_blocked_over_memcpy": _s(10.0),
-            "P2_blocked_s": _s(1.0), "P2_memcpy_s": _s(0.1), "P2_save_call_s": _s(0.9),
-            "P2_commit_s": _s(0.1), "P2_goal_met": False, "P2_step_slowdown": None,
-            "P2_busy_steps": 0}
-    restore = {"bytes": 1 << 30, "P3": _s(1.0), "resumed_s": _s(4.0), "first_step_s": _s(5.0),
-               "floor_s": _s(3.0),
-               "read_GiBps": _s(1.0), "P3_goal_met": True}
-    results = {"save": {"tiny": save}, "restore": {"tiny": restore},
-               "hang": {"detection_ratio": _s(1.2), "monitor_ratio": _s(1.1), "timeout_s": _s(10)},
-               "overhead": {"tiny": {"P5": _s(1.0), "bare_step_s": _s(0.1),
-                                     "framework_step_s": _s(0.1), "shim_calls_per_step": 10,
-                                     "hooks_ms_per_step": {"PreemptionHook.before_step": 1.0},
-                                     "shim_s_per_step": 0.001,
-                                     "shim_fraction_of_bare_step": 0.01}}}
+    save = {
+        "bytes": 1 << 30,
+        "P1": _s(0.5, 0.4, 0.6),
+        "raw_write_GiBps": _s(1.0),
+        "save_GiBps": _s(0.5),
+        "P2_blocked_over_memcpy": _s(10.0),
+        "P2_blocked_s": _s(1.0),
+        "P2_memcpy_s": _s(0.1),
+        "P2_save_call_s": _s(0.9),
+        "P2_commit_s": _s(0.1),
+        "P2_goal_met": False,
+        "P2_step_slowdown": None,
+        "P2_busy_steps": 0,
+    }
+    restore = {
+        "bytes": 1 << 30,
+        "P3": _s(1.0),
+        "resumed_s": _s(4.0),
+        "first_step_s": _s(5.0),
+        "floor_s": _s(3.0),
+        "read_GiBps": _s(1.0),
+        "P3_goal_met": True,
+    }
+    results = {
+        "save": {"tiny": save},
+        "restore": {"tiny": restore},
+        "hang": {"detection_ratio": _s(1.2), "monitor_ratio": _s(1.1), "timeout_s": _s(10)},
+        "overhead": {
+            "tiny": {
+                "P5": _s(1.0),
+                "bare_step_s": _s(0.1),
+                "framework_step_s": _s(0.1),
+                "shim_calls_per_step": 10,
+                "hooks_ms_per_step": {"PreemptionHook.before_step": 1.0},
+                "shim_s_per_step": 0.001,
+                "shim_fraction_of_bare_step": 0.01,
+            }
+        },
+    }
     lines = table(results).strip().splitlines()
     assert len(lines) == 2 + 6
-    assert all(line.startswith("|") and line.endswith("|") and len(line.split("|")) == 10
-               for line in lines)
+    assert all(
+        line.startswith("|") and line.endswith("|") and len(line.split("|")) == 10 for line in lines
+    )
     assert [line.split(" | ")[0][2:4] for line in lines[2:]] == ["P1", "P2", "P2", "P3", "P4", "P5"]
 
 
 def test_bench_command_parses_its_options():
-    proc = subprocess.run([sys.executable, "-m", "bench", "--help"], cwd=REPO, text=True,
-                          capture_output=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--help"],
+        cwd=REPO,
+        text=True,
+        capture_output=True,
+        timeout=60,
+    )
     assert proc.returncode == 0 and "--full" in proc.stdout

@@ -1,4 +1,4 @@
-"""Broken checkpoints on disk are rejected with a logged reason; a full disk fails a save cleanly."""
+"""Broken checkpoints on disk are rejected with a logged reason; a full disk fails a save."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from pretrain import exit_codes
 from resiliency.storage.checksum import FileEntry
 from resiliency.storage.layout import RunLayout
-from resiliency.storage.manifest import read_manifest, manifest_checksum
+from resiliency.storage.manifest import manifest_checksum, read_manifest
 from resiliency.storage.verify import verify_step_dir
 from tests.helpers import losses, read_steps, run_pretrain
 
@@ -41,34 +41,49 @@ def _flip_byte(path: Path) -> None:
 
 CORRUPTIONS = {
     10: ("missing COMMITTED", lambda d: (d / "COMMITTED").unlink(), "no COMMITTED marker"),
-    9: ("truncated shard", lambda d: _shards(d)[0].write_bytes(_shards(d)[0].read_bytes()[:-100]),
-        "bytes, manifest says"),
+    9: (
+        "truncated shard",
+        lambda d: _shards(d)[0].write_bytes(_shards(d)[0].read_bytes()[:-100]),
+        "bytes, manifest says",
+    ),
     8: ("flipped byte", lambda d: _flip_byte(_shards(d)[0]), "crc32c mismatch"),
     7: ("missing manifest", lambda d: (d / "manifest.json").unlink(), "manifest"),
-    6: ("manifest from another run",
+    6: (
+        "manifest from another run",
         lambda d: _rewrite_manifest(d, lambda m: setattr(m, "run_id", "someone-else")),
-        "checkpoint from another run"),
-    5: ("path traversal",
-        lambda d: _rewrite_manifest(d, lambda m: m.files.append(
-            FileEntry("../../../../etc/hostname", 1, "0", "crc32c"))),
-        "escapes the step dir"),
+        "checkpoint from another run",
+    ),
+    5: (
+        "path traversal",
+        lambda d: _rewrite_manifest(
+            d, lambda m: m.files.append(FileEntry("../../../../etc/hostname", 1, "0", "crc32c"))
+        ),
+        "escapes the step dir",
+    ),
     4: ("missing shard", lambda d: _shards(d)[-1].unlink(), "is missing"),
 }
 
 
 @pytest.fixture(scope="module")
-def saved_every_step(tmp_path_factory: pytest.TempPathFactory,
-                     tiny_overrides: list[str]) -> tuple[Path, list[str], list[float]]:
+def saved_every_step(
+    tmp_path_factory: pytest.TempPathFactory, tiny_overrides: list[str]
+) -> tuple[Path, list[str], list[float]]:
     root = tmp_path_factory.mktemp("corrupt")
-    overrides = [*tiny_overrides, f"output_dir={root}", "run_id=run",
-                 f"train.train_steps={STEPS}", "checkpoint.save_interval=1",
-                 f"checkpoint.keep_last={STEPS}"]
+    overrides = [
+        *tiny_overrides,
+        f"output_dir={root}",
+        "run_id=run",
+        f"train.train_steps={STEPS}",
+        "checkpoint.save_interval=1",
+        f"checkpoint.keep_last={STEPS}",
+    ]
     run_pretrain(2, overrides)
     return root, overrides, losses(root / "run")
 
 
 def test_every_corruption_is_rejected_and_the_newest_good_step_used(
-        saved_every_step: tuple[Path, list[str], list[float]]) -> None:
+    saved_every_step: tuple[Path, list[str], list[float]],
+) -> None:
     root, overrides, baseline = saved_every_step
     layout = RunLayout(root, "run")
     assert layout.published_steps() == list(range(1, STEPS + 1))
@@ -83,7 +98,7 @@ def test_every_corruption_is_rejected_and_the_newest_good_step_used(
     proc = run_pretrain(2, overrides)
 
     for step, (name, _, reason) in CORRUPTIONS.items():
-        lines = [l for l in proc.stderr.splitlines() if f"skipped step-{step:09d}" in l]
+        lines = [line for line in proc.stderr.splitlines() if f"skipped step-{step:09d}" in line]
         assert lines and reason in lines[0], (name, lines)
     assert "latest.json" in proc.stderr and "restore: skipped latest.json" in proc.stderr
     assert "resumed from step-000000003 at step 3" in proc.stderr
@@ -99,8 +114,11 @@ def test_every_corruption_is_rejected_and_the_newest_good_step_used(
 def small_disk(tmp_path: Path):  # noqa: ANN201 - yields a Path
     mount = tmp_path / "disk"
     mount.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=11m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=11m", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a size-limited tmpfs here (needs root): {proc.stderr.strip()}")
     yield mount
@@ -108,13 +126,20 @@ def small_disk(tmp_path: Path):  # noqa: ANN201 - yields a Path
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_full_disk_fails_the_save_cleanly(small_disk: Path, tiny_overrides: list[str],
-                                          tmp_path: Path, mode: str) -> None:
+def test_full_disk_fails_the_save_cleanly(
+    small_disk: Path, tiny_overrides: list[str], tmp_path: Path, mode: str
+) -> None:
     # Each save is ~4.2 MiB: steps 3 and 6 fit in 11 MiB, step 9 does not. Async: the spawned
     # writer hits ENOSPC and the rank learns of it when it finalizes the save.
-    overrides = [*tiny_overrides, f"output_dir={small_disk}", "run_id=run",
-                 f"data.cache_dir={tmp_path / 'cache'}", f"train.train_steps={STEPS}",
-                 "checkpoint.save_interval=3", f"checkpoint.async_save={mode == 'async'}"]
+    overrides = [
+        *tiny_overrides,
+        f"output_dir={small_disk}",
+        "run_id=run",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        f"train.train_steps={STEPS}",
+        "checkpoint.save_interval=3",
+        f"checkpoint.async_save={mode == 'async'}",
+    ]
     proc = run_pretrain(2, overrides, check=False)
     assert proc.returncode != 0
     assert "The disk is (nearly) full" in proc.stderr, proc.stderr[-3000:]
@@ -129,12 +154,19 @@ def test_full_disk_fails_the_save_cleanly(small_disk: Path, tiny_overrides: list
 
 
 def test_killed_writer_process_fails_the_run_and_keeps_earlier_steps(
-        tiny_overrides: list[str], tmp_path: Path) -> None:
+    tiny_overrides: list[str], tmp_path: Path
+) -> None:
     """Rank 1's async writer is SIGKILLed while it holds step 6: the rank says so and the run
     stops (no hang on the peers); step 3 stays published and verified, step 6 never appears."""
-    overrides = [*tiny_overrides, f"output_dir={tmp_path}", "run_id=run",
-                 f"train.train_steps={STEPS}", "checkpoint.save_interval=3",
-                 "checkpoint.async_save=true", "train.fault=kill_writer@6:1"]
+    overrides = [
+        *tiny_overrides,
+        f"output_dir={tmp_path}",
+        "run_id=run",
+        f"train.train_steps={STEPS}",
+        "checkpoint.save_interval=3",
+        "checkpoint.async_save=true",
+        "train.fault=kill_writer@6:1",
+    ]
     proc = run_pretrain(2, overrides, check=False, timeout=180)
     assert proc.returncode != 0
     assert "checkpoint writer process exited with code -9" in proc.stderr, proc.stderr[-3000:]

@@ -8,19 +8,34 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
-from resiliency.storage.attempts import (AttemptConflictError, claim_attempt, ensure_run_record,
-                                 next_attempt_id, write_attempt_record)
+from resiliency.storage.attempts import (
+    AttemptConflictError,
+    claim_attempt,
+    ensure_run_record,
+    next_attempt_id,
+    write_attempt_record,
+)
 from resiliency.storage.checksum import FileEntry, bytes_checksum, describe_files, file_checksum
 from resiliency.storage.layout import RunLayout, atomic_write_json, parse_step, parse_tmp
-from resiliency.storage.manifest import (Manifest, ManifestError, manifest_checksum, merge_file_entries,
-                                 read_manifest)
-from resiliency.storage.publish import (PublishError, begin_step, publish, update_latest,
-                                write_manifest_and_commit)
+from resiliency.storage.manifest import (
+    Manifest,
+    ManifestError,
+    manifest_checksum,
+    merge_file_entries,
+    read_manifest,
+)
+from resiliency.storage.publish import (
+    PublishError,
+    begin_step,
+    publish,
+    update_latest,
+    write_manifest_and_commit,
+)
 from resiliency.storage.retention import apply_gc, plan_gc
 from resiliency.storage.select import select_restore_step
 from resiliency.storage.synthetic import synthetic_manifest, write_payload, write_synthetic_step
@@ -54,6 +69,7 @@ def flip_byte(path: Path, offset: int = 100) -> None:
 
 
 # ---------------------------------------------------------------- layout / checksum / manifest
+
 
 def test_layout_names(layout: RunLayout) -> None:
     assert layout.step_dir(100).name == "step-000000100"
@@ -103,6 +119,7 @@ def test_sha256_entries_are_verified(layout: RunLayout) -> None:
 
 # ---------------------------------------------------------------- publish
 
+
 def test_publish_happy_path(layout: RunLayout) -> None:
     final = make_steps(layout, [100])[0]
     assert final == layout.step_dir(100) and not layout.tmp_dirs()
@@ -139,8 +156,9 @@ def test_publish_can_set_aside_an_invalid_dir(layout: RunLayout) -> None:
         publish(layout, tmp, 100)
     publish(layout, tmp, 100, replace_invalid=True)
     assert verify_step_dir(final, RUN).ok
-    assert [p.name.startswith(".rejected-step-000000100") for p in layout.steps_dir.iterdir()
-            ].count(True) == 1
+    assert [
+        p.name.startswith(".rejected-step-000000100") for p in layout.steps_dir.iterdir()
+    ].count(True) == 1
 
 
 def test_commit_refuses_incomplete_payload(layout: RunLayout) -> None:
@@ -156,6 +174,7 @@ def test_commit_refuses_incomplete_payload(layout: RunLayout) -> None:
 
 
 # ---------------------------------------------------------------- select + corruption
+
 
 def test_select_picks_newest_verified(layout: RunLayout) -> None:
     make_steps(layout, [100, 200, 300])
@@ -181,6 +200,7 @@ def _forge_paths(bad_path: str) -> Callable[[RunLayout, Path], None]:
         m = read_manifest(d)
         m.files = m.files + [FileEntry(bad_path, 10, "00000000")]
         raw_commit(d, m)
+
     return corrupt
 
 
@@ -206,12 +226,17 @@ CORRUPTIONS: dict[str, tuple[Callable[[RunLayout, Path], None], str]] = {
     "truncated_shard": (lambda lo, d: os.truncate(d / SHARD, 10), "has 10 bytes"),
     "flipped_byte": (lambda lo, d: flip_byte(d / SHARD), "crc32c mismatch"),
     "missing_manifest": (lambda lo, d: (d / "manifest.json").unlink(), "manifest.json is missing"),
-    "garbage_manifest": (lambda lo, d: (d / "manifest.json").write_text("{garbage"),
-                         "another manifest"),
+    "garbage_manifest": (
+        lambda lo, d: (d / "manifest.json").write_text("{garbage"),
+        "another manifest",
+    ),
     "garbage_manifest_recommitted": (
-        lambda lo, d: ((d / "manifest.json").write_text("{garbage"),
-                       (d / "COMMITTED").write_text(manifest_checksum(b"{garbage"))),
-        "not valid JSON"),
+        lambda lo, d: (
+            (d / "manifest.json").write_text("{garbage"),
+            (d / "COMMITTED").write_text(manifest_checksum(b"{garbage")),
+        ),
+        "not valid JSON",
+    ),
     "committed_from_other_manifest": (_foreign_commit, "another manifest"),
     "other_run": (_copy_from_other_run, "checkpoint from another run"),
     "wrong_step": (_wrong_step, "manifest step 250"),
@@ -220,8 +245,10 @@ CORRUPTIONS: dict[str, tuple[Callable[[RunLayout, Path], None], str]] = {
     "symlink_outside": (_symlink_outside, "resolves outside"),
     "missing_shard": (lambda lo, d: (d / SHARD).unlink(), "is missing"),
     "extra_shard": (lambda lo, d: (d / "model/__9_0.distcp").write_bytes(b"x" * 64), "unlisted"),
-    "extra_rank_state": (lambda lo, d: (d / "rank-state/rank-00009.pt").write_bytes(b"x"),
-                         "unlisted"),
+    "extra_rank_state": (
+        lambda lo, d: (d / "rank-state/rank-00009.pt").write_bytes(b"x"),
+        "unlisted",
+    ),
 }
 
 
@@ -246,13 +273,16 @@ def test_quick_verify_misses_size_preserving_flip(layout: RunLayout) -> None:
     assert select_restore_step(layout, RUN, full_verify=True).step == 100
 
 
-@pytest.mark.parametrize("content, reason", [
-    ("not json at all", "not valid JSON"),
-    ('{"dir": "steps/step-000000300"}', "no valid 'step'"),
-    ('[1, 2]', "no valid 'step'"),
-    ('{"step": 300, "dir": "../../elsewhere/step-000000300"}', "is not steps/"),
-    ('{"step": 999, "dir": "steps/step-000000999"}', "does not exist"),
-])
+@pytest.mark.parametrize(
+    "content, reason",
+    [
+        ("not json at all", "not valid JSON"),
+        ('{"dir": "steps/step-000000300"}', "no valid 'step'"),
+        ("[1, 2]", "no valid 'step'"),
+        ('{"step": 300, "dir": "../../elsewhere/step-000000300"}', "is not steps/"),
+        ('{"step": 999, "dir": "steps/step-000000999"}', "does not exist"),
+    ],
+)
 def test_bad_latest_falls_back_to_scan(layout: RunLayout, content: str, reason: str) -> None:
     make_steps(layout, [100, 200, 300])
     layout.latest_path.write_text(content)
@@ -287,14 +317,16 @@ def test_tmp_dirs_never_selected(layout: RunLayout) -> None:
 
 # ---------------------------------------------------------------- retention
 
+
 def _names(pairs: list[tuple[Path, str]]) -> set[str]:
     return {p.name for p, _ in pairs}
 
 
 def test_gc_keep_last(layout: RunLayout) -> None:
     make_steps(layout, [100, 200, 300, 400, 500])
-    plan = plan_gc(layout, RUN, keep_last=2, milestone_interval=None, protected=set(),
-                   live_attempt=None)
+    plan = plan_gc(
+        layout, RUN, keep_last=2, milestone_interval=None, protected=set(), live_attempt=None
+    )
     assert _names(plan.delete_steps) == {"step-000000100", "step-000000200", "step-000000300"}
     apply_gc(plan)
     assert layout.published_steps() == [400, 500]
@@ -304,8 +336,9 @@ def test_gc_keep_last(layout: RunLayout) -> None:
 
 def test_gc_milestones_and_protected(layout: RunLayout) -> None:
     make_steps(layout, [100, 200, 300, 400, 500, 600])
-    plan = plan_gc(layout, RUN, keep_last=2, milestone_interval=200, protected={100},
-                   live_attempt=None)
+    plan = plan_gc(
+        layout, RUN, keep_last=2, milestone_interval=200, protected={100}, live_attempt=None
+    )
     assert _names(plan.delete_steps) == {"step-000000300"}
     apply_gc(plan)
     assert layout.published_steps() == [100, 200, 400, 500, 600]
@@ -314,8 +347,9 @@ def test_gc_milestones_and_protected(layout: RunLayout) -> None:
 def test_gc_keep_last_counts_verified_only(layout: RunLayout) -> None:
     make_steps(layout, [100, 200, 300, 400])
     (layout.step_dir(300) / "COMMITTED").unlink()
-    plan = plan_gc(layout, RUN, keep_last=2, milestone_interval=None, protected=set(),
-                   live_attempt=None)
+    plan = plan_gc(
+        layout, RUN, keep_last=2, milestone_interval=None, protected=set(), live_attempt=None
+    )
     # 300 is invalid and older than newest verified (400): deletable; 200 is kept as 2nd verified.
     assert _names(plan.delete_steps) == {"step-000000100", "step-000000300"}
 
@@ -323,8 +357,9 @@ def test_gc_keep_last_counts_verified_only(layout: RunLayout) -> None:
 def test_gc_keeps_invalid_newer_than_newest_verified(layout: RunLayout) -> None:
     make_steps(layout, [100, 200, 300, 400])
     (layout.step_dir(400) / "COMMITTED").unlink()
-    plan = plan_gc(layout, RUN, keep_last=2, milestone_interval=None, protected=set(),
-                   live_attempt=None)
+    plan = plan_gc(
+        layout, RUN, keep_last=2, milestone_interval=None, protected=set(), live_attempt=None
+    )
     assert _names(plan.delete_steps) == {"step-000000100"}
     assert "step-000000400" in _names(plan.keep)
 
@@ -333,8 +368,9 @@ def test_gc_deletes_nothing_without_a_verified_step(layout: RunLayout) -> None:
     for d in make_steps(layout, [100, 200, 300]):
         (d / "COMMITTED").unlink()
     begin_step(layout, 400, 1)
-    plan = plan_gc(layout, RUN, keep_last=2, milestone_interval=None, protected=set(),
-                   live_attempt=None)
+    plan = plan_gc(
+        layout, RUN, keep_last=2, milestone_interval=None, protected=set(), live_attempt=None
+    )
     assert plan.deletions == []
     assert apply_gc(plan) == [] and layout.published_steps() == [100, 200, 300]
 
@@ -344,8 +380,9 @@ def test_gc_tmp_dirs_of_dead_attempts(layout: RunLayout) -> None:
     dead = begin_step(layout, 300, 1)
     live = begin_step(layout, 300, 2)
     (layout.steps_dir / ".trash-step-000000050-deadbeef").mkdir()
-    plan = plan_gc(layout, RUN, keep_last=2, milestone_interval=None, protected=set(),
-                   live_attempt=2)
+    plan = plan_gc(
+        layout, RUN, keep_last=2, milestone_interval=None, protected=set(), live_attempt=2
+    )
     assert _names(plan.delete_tmp) == {dead.name}
     assert live.name in _names(plan.keep)
     apply_gc(plan)
@@ -354,11 +391,13 @@ def test_gc_tmp_dirs_of_dead_attempts(layout: RunLayout) -> None:
 
 def test_gc_rejects_keep_last_below_two(layout: RunLayout) -> None:
     with pytest.raises(ValueError, match="keep_last"):
-        plan_gc(layout, RUN, keep_last=1, milestone_interval=None, protected=set(),
-                live_attempt=None)
+        plan_gc(
+            layout, RUN, keep_last=1, milestone_interval=None, protected=set(), live_attempt=None
+        )
 
 
 # ---------------------------------------------------------------- attempts
+
 
 def test_next_attempt_id(layout: RunLayout) -> None:
     assert next_attempt_id(layout) == 1
@@ -370,11 +409,19 @@ def test_next_attempt_id(layout: RunLayout) -> None:
 
 
 def test_attempt_env_override(layout: RunLayout) -> None:
-    code = ("import sys; from pathlib import Path; from resiliency.storage import RunLayout, "
-            "next_attempt_id; print(next_attempt_id(RunLayout(Path(sys.argv[1]), sys.argv[2])))")
+    code = (
+        "import sys; from pathlib import Path; from resiliency.storage import RunLayout, "
+        "next_attempt_id; print(next_attempt_id(RunLayout(Path(sys.argv[1]), sys.argv[2])))"
+    )
     env = {**os.environ, "MCORE_RECIPES_ATTEMPT": "42"}
-    out = subprocess.run([sys.executable, "-c", code, str(layout.root), RUN], env=env, cwd=REPO,
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(layout.root), RUN],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout.strip() == "42"
 
 
@@ -383,8 +430,9 @@ def _write_record_in_child(root: str, attempt: int) -> None:
 
 
 def test_attempt_records_not_overwritten(layout: RunLayout) -> None:
-    child = mp.get_context("fork").Process(target=_write_record_in_child,
-                                           args=(str(layout.root), 3))
+    child = mp.get_context("fork").Process(
+        target=_write_record_in_child, args=(str(layout.root), 3)
+    )
     child.start()
     child.join()
     assert child.exitcode == 0

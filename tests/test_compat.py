@@ -27,8 +27,14 @@ STEPS, SAVE_EVERY, KILL_AT = 6, 3, 5
 
 
 def _overrides(tiny: list[str], root: Path, fmt: str) -> list[str]:
-    return [*tiny, f"output_dir={root}", "run_id=run", f"train.train_steps={STEPS}",
-            f"checkpoint.save_interval={SAVE_EVERY}", f"checkpoint.optim_format={fmt}"]
+    return [
+        *tiny,
+        f"output_dir={root}",
+        "run_id=run",
+        f"train.train_steps={STEPS}",
+        f"checkpoint.save_interval={SAVE_EVERY}",
+        f"checkpoint.optim_format={fmt}",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +43,17 @@ def killed_runs(tmp_path_factory: pytest.TempPathFactory, tiny_overrides: list[s
     runs = {}
     for fmt in ("fully_reshardable", "dp_reshardable"):
         root = tmp_path_factory.mktemp(fmt)
-        proc = run_pretrain(2, [*_overrides(tiny_overrides, root, fmt), f"train.fault=kill@{KILL_AT}:1"],
-                            check=False)
+        proc = run_pretrain(
+            2,
+            [*_overrides(tiny_overrides, root, fmt), f"train.fault=kill@{KILL_AT}:1"],
+            check=False,
+        )
         assert proc.returncode != 0
         runs[fmt] = root
     base = tmp_path_factory.mktemp("baseline")
-    run_pretrain(2, [*_overrides(tiny_overrides, base, "fully_reshardable"),
-                     "checkpoint.enabled=false"])
+    run_pretrain(
+        2, [*_overrides(tiny_overrides, base, "fully_reshardable"), "checkpoint.enabled=false"]
+    )
     runs["baseline"] = losses(base / "run")
     return runs
 
@@ -51,44 +61,53 @@ def killed_runs(tmp_path_factory: pytest.TempPathFactory, tiny_overrides: list[s
 def _resume_without(fix: str, fmt: str, killed_runs: dict, tiny: list[str], tmp_path: Path):
     root = tmp_path / "copy"
     shutil.copytree(killed_runs[fmt], root)
-    return root, run_pretrain(2, _overrides(tiny, root, fmt), env={compat.SKIP_ENV: fix},
-                              check=False)
+    return root, run_pretrain(
+        2, _overrides(tiny, root, fmt), env={compat.SKIP_ENV: fix}, check=False
+    )
 
 
-@pytest.mark.parametrize("fix, fmt, failure", [
-    ("F", "fully_reshardable", "assert len(steps) == 1"),
-    ("G", "fully_reshardable", "KeyError: 'step'"),
-    ("H", "dp_reshardable", "a view of a leaf Variable that requires grad"),
-])
-def test_fix_prevents_a_crash(fix: str, fmt: str, failure: str, killed_runs: dict,
-                              tiny_overrides: list[str], tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "fix, fmt, failure",
+    [
+        ("F", "fully_reshardable", "assert len(steps) == 1"),
+        ("G", "fully_reshardable", "KeyError: 'step'"),
+        ("H", "dp_reshardable", "a view of a leaf Variable that requires grad"),
+    ],
+)
+def test_fix_prevents_a_crash(
+    fix: str, fmt: str, failure: str, killed_runs: dict, tiny_overrides: list[str], tmp_path: Path
+) -> None:
     _, proc = _resume_without(fix, fmt, killed_runs, tiny_overrides, tmp_path)
     assert proc.returncode != 0, f"restore passed without fix {fix}: is it still needed?"
     assert failure in proc.stderr, proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("fix, fmt", [("G", "dp_reshardable"), ("I", "fully_reshardable"),
-                                      ("I", "dp_reshardable")])
-def test_fix_prevents_silent_drift(fix: str, fmt: str, killed_runs: dict,
-                                   tiny_overrides: list[str], tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "fix, fmt", [("G", "dp_reshardable"), ("I", "fully_reshardable"), ("I", "dp_reshardable")]
+)
+def test_fix_prevents_silent_drift(
+    fix: str, fmt: str, killed_runs: dict, tiny_overrides: list[str], tmp_path: Path
+) -> None:
     root, proc = _resume_without(fix, fmt, killed_runs, tiny_overrides, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     resumed = losses(root / "run")
     assert resumed[:SAVE_EVERY] == killed_runs["baseline"][:SAVE_EVERY]
-    assert resumed[SAVE_EVERY + 1:] != killed_runs["baseline"][SAVE_EVERY + 1:], (
-        f"resume without fix {fix} matched the baseline: is it still needed?")
+    assert resumed[SAVE_EVERY + 1 :] != killed_runs["baseline"][SAVE_EVERY + 1 :], (
+        f"resume without fix {fix} matched the baseline: is it still needed?"
+    )
 
 
-def test_l_marks_uninitialised_weights_tensor_parallel(killed_runs: dict,
-                                                      tiny_overrides: list[str],
-                                                      tmp_path: Path) -> None:
+def test_l_marks_uninitialised_weights_tensor_parallel(
+    killed_runs: dict, tiny_overrides: list[str], tmp_path: Path
+) -> None:
     """Restores build the model uninitialised; on 0.16 only fix L keeps the TP marking."""
     root, proc = _resume_without("L", "fully_reshardable", killed_runs, tiny_overrides, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     resumed = losses(root / "run")
     if compat.mcore_version().startswith(compat.L_AFFECTED):
-        assert resumed[SAVE_EVERY + 1:] != killed_runs["baseline"][SAVE_EVERY + 1:], (
-            "resume without fix L matched the baseline: is it still needed?")
+        assert resumed[SAVE_EVERY + 1 :] != killed_runs["baseline"][SAVE_EVERY + 1 :], (
+            "resume without fix L matched the baseline: is it still needed?"
+        )
     else:  # measured not needed: this release marks the weights itself
         assert resumed == killed_runs["baseline"]
 
@@ -102,19 +121,30 @@ def _orphans() -> set[int]:
     return found
 
 
-@pytest.mark.parametrize("skip, mode", [("", "sync"), ("J", "sync"), ("", "async"),
-                                        ("J", "async")])
-def test_killed_rank_leaves_no_orphaned_writer(skip: str, mode: str, tiny_overrides: list[str],
-                                               tmp_path: Path) -> None:
+@pytest.mark.parametrize("skip, mode", [("", "sync"), ("J", "sync"), ("", "async"), ("J", "async")])
+def test_killed_rank_leaves_no_orphaned_writer(
+    skip: str, mode: str, tiny_overrides: list[str], tmp_path: Path
+) -> None:
     """Async saves matter on 0.19, where they go through nvrx's writer and its own queue."""
     before = _orphans()
     # Output goes to a file: an orphan holding a pipe would block reading it forever.
-    cmd = pretrain_cmd(2, [*_overrides(tiny_overrides, tmp_path, "fully_reshardable"),
-                           f"checkpoint.async_save={mode == 'async'}",
-                           f"train.fault=kill@{KILL_AT}:1"])
+    cmd = pretrain_cmd(
+        2,
+        [
+            *_overrides(tiny_overrides, tmp_path, "fully_reshardable"),
+            f"checkpoint.async_save={mode == 'async'}",
+            f"train.fault=kill@{KILL_AT}:1",
+        ],
+    )
     with (tmp_path / "log").open("w") as log:
-        returncode = subprocess.run(cmd, cwd=REPO, env={**os.environ, compat.SKIP_ENV: skip},
-                                    stdout=log, stderr=log, timeout=300).returncode
+        returncode = subprocess.run(
+            cmd,
+            cwd=REPO,
+            env={**os.environ, compat.SKIP_ENV: skip},
+            stdout=log,
+            stderr=log,
+            timeout=300,
+        ).returncode
     assert returncode != 0
     orphans = _orphans() - before
     try:
@@ -129,8 +159,12 @@ def test_killed_rank_leaves_no_orphaned_writer(skip: str, mode: str, tiny_overri
 
 def test_k_refusal_prevents_silent_corruption(tiny_overrides: list[str], tmp_path: Path) -> None:
     def vpp(root: Path) -> list[str]:
-        return [*_overrides(tiny_overrides, root, "fully_reshardable"), "parallel.tp=1",
-                "parallel.pp=2", "parallel.vpp=2"]
+        return [
+            *_overrides(tiny_overrides, root, "fully_reshardable"),
+            "parallel.tp=1",
+            "parallel.pp=2",
+            "parallel.vpp=2",
+        ]
 
     refused = run_pretrain(2, vpp(tmp_path / "refused"), check=False)
     assert refused.returncode != 0 and "saves a corrupt optimizer state" in refused.stderr
@@ -144,7 +178,8 @@ def test_k_refusal_prevents_silent_corruption(tiny_overrides: list[str], tmp_pat
     original, resumed = losses(orig / "run"), losses(copy / "run")
     assert resumed[:SAVE_EVERY] == original[:SAVE_EVERY]
     assert resumed[SAVE_EVERY:] != original[SAVE_EVERY:], (
-        "a VPP + tied-embedding fully_reshardable resume matched: is refusal K still needed?")
+        "a VPP + tied-embedding fully_reshardable resume matched: is refusal K still needed?"
+    )
 
 
 def test_fixes_are_version_gated() -> None:
@@ -163,6 +198,12 @@ def test_fixes_are_version_gated() -> None:
 
 def test_this_stack_applies_what_it_needs() -> None:
     code = "from pretrain import compat; print(','.join(compat.apply()))"
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                         timeout=120, check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.split()
     assert out == [",".join(compat.needed_fixes())]

@@ -18,15 +18,19 @@ from pretrain import compat, cpu_shim
 from tests.helpers import REPO, run_pretrain
 
 pytestmark = [pytest.mark.slow, pytest.mark.current_stack]
-NO_CUDA = ("Torch not compiled with CUDA enabled",  # torch +cpu
-           "Found no NVIDIA driver on your system")  # a CUDA build of torch on a CPU host
+NO_CUDA = (
+    "Torch not compiled with CUDA enabled",  # torch +cpu
+    "Found no NVIDIA driver on your system",
+)  # a CUDA build of torch on a CPU host
 
 # patch -> (recipe whose training path needs it, texts of the failure without it)
 PROBES = {
     "current_device": ("gpt_tiny", NO_CUDA),
     "rng": ("gpt_tiny", NO_CUDA),
-    "sync_and_streams": ("gpt_tiny_moe", ("torch.cuda.Stream requires CUDA support",
-                                          "CUDA driver version is insufficient")),
+    "sync_and_streams": (
+        "gpt_tiny_moe",
+        ("torch.cuda.Stream requires CUDA support", "CUDA driver version is insufficient"),
+    ),
     "device_kwargs": ("gpt_tiny", NO_CUDA),
     "tensor_type": ("gpt_tiny", ("Wrapped parameters must be one of torch.cuda.FloatTensor",)),
     "moe_te_names": ("gpt_tiny_moe", ("name 'te_general_gemm' is not defined",)),
@@ -41,16 +45,28 @@ def test_every_patch_has_a_probe_and_a_reason() -> None:
 
 def _train_without(patch: str, tiny_overrides: list[str], tmp_path: Path):
     recipe = PROBES[patch][0]
-    return run_pretrain(2, [*tiny_overrides, f"recipe={recipe}", f"output_dir={tmp_path}",
-                            "train.train_steps=2", "checkpoint.enabled=false"],
-                        env={cpu_shim.SKIP_ENV: patch}, check=False, timeout=180)
+    return run_pretrain(
+        2,
+        [
+            *tiny_overrides,
+            f"recipe={recipe}",
+            f"output_dir={tmp_path}",
+            "train.train_steps=2",
+            "checkpoint.enabled=false",
+        ],
+        env={cpu_shim.SKIP_ENV: patch},
+        check=False,
+        timeout=180,
+    )
 
 
 @pytest.mark.parametrize("patch", list(PROBES))
 def test_patch_is_still_needed(patch: str, tiny_overrides: list[str], tmp_path: Path) -> None:
     if patch not in cpu_shim.needed():
-        pytest.skip(f"not applied on megatron-core {compat.mcore_version()} "
-                    "(test_unneeded_patches_are_not_applied covers it)")
+        pytest.skip(
+            f"not applied on megatron-core {compat.mcore_version()} "
+            "(test_unneeded_patches_are_not_applied covers it)"
+        )
     proc = _train_without(patch, tiny_overrides, tmp_path)
     assert proc.returncode != 0, f"training passed without shim patch {patch!r}: remove it"
     assert any(text in proc.stderr for text in PROBES[patch][1]), proc.stderr[-3000:]
@@ -68,8 +84,18 @@ def test_unneeded_patches_are_not_applied(tiny_overrides: list[str], tmp_path: P
     if not unneeded:
         pytest.skip(f"every patch is needed on megatron-core {compat.mcore_version()}")
     code = "from pretrain import cpu_shim; print(','.join(cpu_shim.apply()))"
-    applied = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                             text=True, timeout=120, check=True).stdout.split()[-1].split(",")
+    applied = (
+        subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        .stdout.split()[-1]
+        .split(",")
+    )
     assert applied == cpu_shim.needed()
     for patch in unneeded:  # and the training path that needed it trains without it
         proc = _train_without(patch, tiny_overrides, tmp_path / patch)

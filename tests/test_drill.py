@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.compat import SKIP_ENV
-from pretrain import exit_codes
-from resiliency.storage.attempts import write_attempt_record
+from drill.checks import FAIL, PASS
 from drill.cli import main
 from drill.experiment import DrillConfig, DrillResult, prepare_out, run_drill
-from drill.checks import FAIL, PASS
 from drill.jobs import DrillError, LaunchResult, LaunchSpec
 from drill.runs import DrillPlan, Runner, Scenario
+from pretrain import exit_codes
+from pretrain.compat import SKIP_ENV
+from resiliency.storage.attempts import write_attempt_record
 from resiliency.storage.layout import RunLayout
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -52,8 +52,9 @@ def test_recovered_curve_overlaps_the_baseline(drill: DrillResult) -> None:
     assert [step for step, _ in plot.failures] == [5, 9]  # last step before each kill
     first_restore = plot.restores[0][1]
     baseline = dict(zip(plot.baseline.steps, plot.baseline.values))
-    after = [(s, v) for s, v in zip(plot.recovered.steps, plot.recovered.values)
-             if s > first_restore]
+    after = [
+        (s, v) for s, v in zip(plot.recovered.steps, plot.recovered.values) if s > first_restore
+    ]
     assert after and all(v == baseline[s] for s, v in after)
     # the resumed attempts' own curves (redone steps included) lie on the baseline too
     for curve in plot.attempts[1:]:
@@ -72,20 +73,31 @@ def test_recovered_curve_overlaps_the_baseline(drill: DrillResult) -> None:
 def test_drill_records_lost_steps_and_timings(drill: DrillResult) -> None:
     saved = json.loads((drill.report.parent / "drill.json").read_text())
     timings = saved["timings"]
-    assert [(t["last_step"], t["restored_step"], t["lost_steps"]) for t in timings] == \
-        [(5, 4, 1), (9, 8, 1)]
+    assert [(t["last_step"], t["restored_step"], t["lost_steps"]) for t in timings] == [
+        (5, 4, 1),
+        (9, 8, 1),
+    ]
     assert all(t["rto_s"] > 0 and t["load_s"] > 0 for t in timings)
     budget = drill.data.scenarios["budget"]
-    assert [d.exit_code for d in budget.decisions] == \
-        [0, 0, exit_codes.RETRY_BUDGET_EXHAUSTED]
+    assert [d.exit_code for d in budget.decisions] == [0, 0, exit_codes.RETRY_BUDGET_EXHAUSTED]
 
 
 @pytest.mark.slow
-def test_inexact_resume_fails_the_drill(tiny_overrides: list[str], tmp_path: Path,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_inexact_resume_fails_the_drill(
+    tiny_overrides: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Resumed launches without compat fix I drift from the baseline: the drill must say so."""
-    code = main(["--out", str(tmp_path / "drill"), "--scenarios", "recovery",
-                 "--resume-env", f"{SKIP_ENV}=I", *tiny_overrides])
+    code = main(
+        [
+            "--out",
+            str(tmp_path / "drill"),
+            "--scenarios",
+            "recovery",
+            "--resume-env",
+            f"{SKIP_ENV}=I",
+            *tiny_overrides,
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 1, out
     assert "drill FAILED: " in out and "exact_resume" in out.split("drill FAILED: ")[1], out
@@ -102,9 +114,13 @@ def test_inexact_resume_fails_the_drill(tiny_overrides: list[str], tmp_path: Pat
 
 # ---------------------------------------------------------------- fast: no training
 
+
 def test_slurm_launcher_without_sbatch_is_a_clear_error(
-        tiny_overrides: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    tiny_overrides: list[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
     out = tmp_path / "drill"
     assert main(["--launcher", "slurm", "--out", str(out), *tiny_overrides]) == 2
@@ -113,13 +129,16 @@ def test_slurm_launcher_without_sbatch_is_a_clear_error(
     assert not out.exists()
 
 
-@pytest.mark.parametrize("plan, message", [
-    (DrillPlan(kills=(3, 10)), "start after the first save"),
-    (DrillPlan(kills=(6, 7)), "put a save between consecutive kills"),
-    (DrillPlan(kills=(6, 20)), "end by step 16"),
-    (DrillPlan(kills=(6, 10), max_retries=1), "at least as many retries"),
-    (DrillPlan(steps=4, save_every=4), "save_every < steps"),
-])
+@pytest.mark.parametrize(
+    "plan, message",
+    [
+        (DrillPlan(kills=(3, 10)), "start after the first save"),
+        (DrillPlan(kills=(6, 7)), "put a save between consecutive kills"),
+        (DrillPlan(kills=(6, 20)), "end by step 16"),
+        (DrillPlan(kills=(6, 10), max_retries=1), "at least as many retries"),
+        (DrillPlan(steps=4, save_every=4), "save_every < steps"),
+    ],
+)
 def test_bad_plans_are_refused(plan: DrillPlan, message: str) -> None:
     with pytest.raises(DrillError, match=message):
         plan.validate()
@@ -152,17 +171,27 @@ class FailingLauncher:
     def launch(self, spec: LaunchSpec) -> LaunchResult:
         layout = RunLayout.from_run_dir(spec.run_dir)
         attempt = len(list(layout.attempts_dir.glob("attempt-*.json"))) + 1
-        write_attempt_record(layout, attempt, {"status": "failed", "exit_code": 1,
-                                               "failure_class": "infrastructure"})
+        write_attempt_record(
+            layout, attempt, {"status": "failed", "exit_code": 1, "failure_class": "infrastructure"}
+        )
         return LaunchResult(spec, 1, 0.0, 1.0, ())
 
 
 def test_relaunch_loop_stops_when_the_budget_is_spent(tmp_path: Path) -> None:
-    runner = Runner(FailingLauncher(), ["recipe=gpt_tiny"], tmp_path / "runs", tmp_path / "logs",
-                    "run", DrillPlan(max_retries=2))
+    runner = Runner(
+        FailingLauncher(),
+        ["recipe=gpt_tiny"],
+        tmp_path / "runs",
+        tmp_path / "logs",
+        "run",
+        DrillPlan(max_retries=2),
+    )
     scenario = runner.budget()
     assert isinstance(scenario, Scenario) and len(scenario.launches) == 3
-    assert [(d.action, d.exit_code) for d in scenario.decisions if d] == \
-        [("requeue", 0), ("requeue", 0), ("stop", exit_codes.RETRY_BUDGET_EXHAUSTED)]
+    assert [(d.action, d.exit_code) for d in scenario.decisions if d] == [
+        ("requeue", 0),
+        ("requeue", 0),
+        ("stop", exit_codes.RETRY_BUDGET_EXHAUSTED),
+    ]
     assert scenario.attempts == [1, 2, 3]
     assert all("train.fault=kill@2:1" in r.spec.overrides for r in scenario.launches)

@@ -12,16 +12,23 @@ from pathlib import Path
 import pytest
 
 from launch.retry_policy import REQUEUE, STOP, decide
-from pretrain.faults import InjectedFault
 from pretrain import exit_codes
 from pretrain.failures import NonFiniteError
+from pretrain.faults import InjectedFault
 from resiliency.checkpoint.topology import TopologyRefusedError
 from resiliency.monitor.evidence import write_failure_file
+from resiliency.monitor.metrics import METRICS_FILE
 from resiliency.monitor.postmortem import LauncherEvents, failure_path, finalize_attempts
 from resiliency.storage.layout import RunLayout, atomic_write_json
-from resiliency.monitor.metrics import METRICS_FILE
-from tests.ft_helpers import (attempts, base_overrides, clean_run, env, launch_cmd, launch_local,
-                              wait_for_step)
+from tests.ft_helpers import (
+    attempts,
+    base_overrides,
+    clean_run,
+    env,
+    launch_cmd,
+    launch_local,
+    wait_for_step,
+)
 from tests.helpers import REPO, losses
 from tests.test_metrics import parse, value
 
@@ -30,10 +37,16 @@ CASES = {  # exception raised by rank 1 -> (class, exit code, decision)
     "oom": (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), exit_codes.OOM, STOP),
     "data": (FileNotFoundError("corpus_text_document.bin"), exit_codes.DATA, STOP),
     "numeric": (NonFiniteError("step 3: loss nan"), exit_codes.NUMERIC, STOP),
-    "topology": (TopologyRefusedError("tp 2 -> 3 cannot be resharded"),
-                 exit_codes.TOPOLOGY_REFUSED, STOP),
-    "infrastructure": (RuntimeError("[gloo] Connection closed by peer [10.0.0.2]:5110"),
-                       exit_codes.INFRASTRUCTURE, REQUEUE),
+    "topology": (
+        TopologyRefusedError("tp 2 -> 3 cannot be resharded"),
+        exit_codes.TOPOLOGY_REFUSED,
+        STOP,
+    ),
+    "infrastructure": (
+        RuntimeError("[gloo] Connection closed by peer [10.0.0.2]:5110"),
+        exit_codes.INFRASTRUCTURE,
+        REQUEUE,
+    ),
 }
 
 
@@ -47,16 +60,32 @@ def _raise(exc: BaseException) -> BaseException:
 def _failed_attempt(layout: RunLayout, start: float) -> None:
     # What rank 0 leaves behind when it fails as a victim: its own (wrong) root cause.
     layout.attempts_dir.mkdir(parents=True)
-    atomic_write_json(layout.attempt_path(1), {
-        "attempt": 1, "status": "failed", "exit_code": exit_codes.INFRASTRUCTURE,
-        "failure_class": "infrastructure", "start_time": start, "world_size": 2,
-        "ranks": [{"rank": 0, "host": "h", "pid": 100}, {"rank": 1, "host": "h", "pid": 101}]})
+    atomic_write_json(
+        layout.attempt_path(1),
+        {
+            "attempt": 1,
+            "status": "failed",
+            "exit_code": exit_codes.INFRASTRUCTURE,
+            "failure_class": "infrastructure",
+            "start_time": start,
+            "world_size": 2,
+            "ranks": [{"rank": 0, "host": "h", "pid": 100}, {"rank": 1, "host": "h", "pid": 101}],
+        },
+    )
     # Rank 0 gave up waiting in a collective *before* rank 1's own report hit the disk.
     failure_path(layout, 1, 0).parent.mkdir()
-    atomic_write_json(failure_path(layout, 1, 0), {
-        "rank": 0, "time": start + 4.5, "failure_class": "infrastructure",
-        "exit_code": exit_codes.INFRASTRUCTURE, "cause": "lost peer", "in_collective": True,
-        "message": "DistBackendError: [gloo] Connection closed by peer"})
+    atomic_write_json(
+        failure_path(layout, 1, 0),
+        {
+            "rank": 0,
+            "time": start + 4.5,
+            "failure_class": "infrastructure",
+            "exit_code": exit_codes.INFRASTRUCTURE,
+            "cause": "lost peer",
+            "in_collective": True,
+            "message": "DistBackendError: [gloo] Connection closed by peer",
+        },
+    )
 
 
 @pytest.mark.parametrize("kind", list(CASES))
@@ -84,23 +113,28 @@ def test_killed_rank_is_first_although_its_peer_reported_earlier(tmp_path: Path)
     start = time.time() - 10
     _failed_attempt(layout, start)
     events = LauncherEvents()
-    events.feed("[ERROR] failed (exitcode: -9) local_rank: 1 (pid: 101) of binary: python",
-                start + 5.2)  # the launcher noticed after rank 0's collective already failed
+    events.feed(
+        "[ERROR] failed (exitcode: -9) local_rank: 1 (pid: 101) of binary: python", start + 5.2
+    )  # the launcher noticed after rank 0's collective already failed
     events.feed("[default] Worker group UNHEALTHY. 1/2 attempts left", start + 5.2)
     finalize_attempts(layout, [1], events, tokens_per_step=512)
     record = json.loads(layout.attempt_path(1).read_text())
     assert record["first_failing_rank"] == 1
     assert record["failure_cause"] == "killed by SIGKILL"
     assert record["exit_codes"] == {"0": exit_codes.INFRASTRUCTURE, "1": -9}
-    assert decide(layout.run_dir, restart_count=2, max_requeues=2).exit_code == \
-        exit_codes.RETRY_BUDGET_EXHAUSTED
+    assert (
+        decide(layout.run_dir, restart_count=2, max_requeues=2).exit_code
+        == exit_codes.RETRY_BUDGET_EXHAUSTED
+    )
 
 
 @pytest.mark.slow
-def test_three_infrastructure_failures_exhaust_a_budget_of_two(tiny_overrides: list[str],
-                                                               tmp_path: Path) -> None:
-    proc = launch_local([*base_overrides(tiny_overrides, tmp_path, "kills"),
-                         "train.fault=kill@1:1"], max_restarts=2)
+def test_three_infrastructure_failures_exhaust_a_budget_of_two(
+    tiny_overrides: list[str], tmp_path: Path
+) -> None:
+    proc = launch_local(
+        [*base_overrides(tiny_overrides, tmp_path, "kills"), "train.fault=kill@1:1"], max_restarts=2
+    )
     assert proc.returncode == exit_codes.RETRY_BUDGET_EXHAUSTED, proc.stderr[-6000:]
     records = attempts(tmp_path / "kills")
     assert len(records) == 3
@@ -113,8 +147,9 @@ def test_three_infrastructure_failures_exhaust_a_budget_of_two(tiny_overrides: l
 
 @pytest.mark.slow
 def test_user_code_failure_is_not_restarted(tiny_overrides: list[str], tmp_path: Path) -> None:
-    proc = launch_local([*base_overrides(tiny_overrides, tmp_path, "bug"),
-                         "train.fault=raise@3:1"], max_restarts=2)
+    proc = launch_local(
+        [*base_overrides(tiny_overrides, tmp_path, "bug"), "train.fault=raise@3:1"], max_restarts=2
+    )
     assert proc.returncode == exit_codes.USER_CODE, proc.stderr[-6000:]
     (record,) = attempts(tmp_path / "bug")  # ft_launcher was asked not to restart
     assert record["failure_class"] == "user_code" and record["first_failing_rank"] == 1
@@ -124,13 +159,19 @@ def test_user_code_failure_is_not_restarted(tiny_overrides: list[str], tmp_path:
 
 @pytest.mark.slow
 def test_sigterm_saves_requeues_and_resumes_exactly(
-        tiny_overrides: list[str], tmp_path: Path,
-        tmp_path_factory: pytest.TempPathFactory) -> None:
+    tiny_overrides: list[str], tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     clean = clean_run(tiny_overrides, tmp_path_factory.getbasetemp())
     overrides = base_overrides(tiny_overrides, tmp_path, "term")
     run_dir = tmp_path / "term"
-    proc = subprocess.Popen(launch_cmd(overrides), cwd=REPO, env=env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        launch_cmd(overrides),
+        cwd=REPO,
+        env=env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     wait_for_step(run_dir, 5, proc)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=180)
@@ -147,5 +188,12 @@ def test_sigterm_saves_requeues_and_resumes_exactly(
     assert losses(run_dir) == losses(clean)
     families = parse((run_dir / "metrics" / METRICS_FILE).read_text())
     assert value(families, "training_restarts", "training_restarts_total", run_id="term") == 1
-    assert value(families, "checkpoint_load_duration_seconds",
-                 "checkpoint_load_duration_seconds_count", run_id="term") == 1
+    assert (
+        value(
+            families,
+            "checkpoint_load_duration_seconds",
+            "checkpoint_load_duration_seconds_count",
+            run_id="term",
+        )
+        == 1
+    )

@@ -40,8 +40,12 @@ def test_items_from_child_processes_arrive_in_order(tmp_path: Path, method: str)
 
 
 def test_dead_owners_directories_are_removed(tmp_path: Path) -> None:
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     stale = tmp_path / f"{PREFIX}{dead.stdout.strip()}-abc"
     stale.mkdir()
     (stale / "left.pkl").write_bytes(b"x")

@@ -11,21 +11,29 @@ import pytest
 
 from launch.common import plan_launch
 from launch.local import launcher_command
+from pretrain.failures import classify
 from pretrain.hooks import StepResult
 from recipes.schema import WatchConfig
-from pretrain.failures import classify
 from resiliency.monitor.fault_tolerance import TIMEOUTS_FILE, launcher_config, load_timeouts
 from resiliency.monitor.stacks import StackWatchdog, read_stack_dump
 from resiliency.monitor.watch import RestoreDivergedError, jumps
-from tests.ft_helpers import (CHECK_S, FLOOR_S, SAVE_EVERY, attempts, base_overrides, clean_run,
-                              launch_local)
+from tests.ft_helpers import (
+    CHECK_S,
+    FLOOR_S,
+    SAVE_EVERY,
+    attempts,
+    base_overrides,
+    clean_run,
+    launch_local,
+)
 from tests.helpers import losses
 
 HANG_STEP = 7
 
 
-def test_launcher_config_uses_sections_not_heartbeats(tiny_overrides: list[str],
-                                                      tmp_path: Path) -> None:
+def test_launcher_config_uses_sections_not_heartbeats(
+    tiny_overrides: list[str], tmp_path: Path
+) -> None:
     run = plan_launch([*base_overrides(tiny_overrides, tmp_path, "cfg")]).run
     ft = launcher_config(run)["fault_tolerance"]
     assert ft["rank_section_timeouts"] == {"setup": 900.0, "step": 600.0, "checkpointing": 900.0}
@@ -47,11 +55,15 @@ def test_launcher_command_per_backend(tiny_overrides: list[str], tmp_path: Path)
 
 
 def test_persisted_timeouts_are_floored(tmp_path: Path) -> None:
-    section = {"section": {"setup": 900.0, "step": 1.2, "checkpointing": 900.0},
-               "out_of_section": 0.5, "calculated_sections": ["step"],
-               "is_out_of_section_calculated": True}
-    (tmp_path / TIMEOUTS_FILE).write_text(json.dumps(
-        {"client_state": {"current_timeouts": {"section": section}}}))
+    section = {
+        "section": {"setup": 900.0, "step": 1.2, "checkpointing": 900.0},
+        "out_of_section": 0.5,
+        "calculated_sections": ["step"],
+        "is_out_of_section_calculated": True,
+    }
+    (tmp_path / TIMEOUTS_FILE).write_text(
+        json.dumps({"client_state": {"current_timeouts": {"section": section}}})
+    )
     loaded = load_timeouts(tmp_path, floor_s=10.0)["current_timeouts"]["section"]
     assert loaded["section"] == {"setup": 900.0, "step": 10.0, "checkpointing": 900.0}
     assert loaded["out_of_section"] == 10.0
@@ -85,12 +97,13 @@ def test_post_restore_watch_flags_jumps_only() -> None:
 @pytest.mark.slow
 @pytest.mark.current_stack
 def test_hang_is_detected_restarted_and_resumes_exactly(
-        tiny_overrides: list[str], tmp_path: Path,
-        tmp_path_factory: pytest.TempPathFactory) -> None:
+    tiny_overrides: list[str], tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     clean = clean_run(tiny_overrides, tmp_path_factory.getbasetemp())
     # "/0": hang only in the first launcher round, so the restarted group runs clean.
-    proc = launch_local([*base_overrides(tiny_overrides, tmp_path, "hang"),
-                         f"train.fault=hang@{HANG_STEP}:1/0"])
+    proc = launch_local(
+        [*base_overrides(tiny_overrides, tmp_path, "hang"), f"train.fault=hang@{HANG_STEP}:1/0"]
+    )
     assert proc.returncode == 0, proc.stderr[-6000:]
     run_dir = tmp_path / "hang"
     first, second = attempts(run_dir)
@@ -106,8 +119,10 @@ def test_hang_is_detected_restarted_and_resumes_exactly(
     for t in timeouts:
         assert FLOOR_S <= t["timeout_s"] <= t["open_s"] <= t["timeout_s"] + 2 * CHECK_S + 1.5
     rto = first["rto"]
-    assert all(rto[k] is not None for k in ("detection_s", "teardown_s", "restart_s", "load_s",
-                                            "first_step_s", "total_s"))
+    assert all(
+        rto[k] is not None
+        for k in ("detection_s", "teardown_s", "restart_s", "load_s", "first_step_s", "total_s")
+    )
     assert rto["detection_s"] <= timeouts[0]["timeout_s"] + 4
 
     # Restarted from the newest verified checkpoint, lost only the steps after it.

@@ -51,8 +51,14 @@ def test_second_acquirer_refused_with_clear_message(layout: RunLayout) -> None:
     with pytest.raises(LeaseHeldError) as err:
         RunLease(layout, attempt=2, timeout_s=30).acquire()
     msg = str(err.value)
-    for part in ("attempt 1", socket.gethostname(), f"pid {os.getpid()}", "heartbeat",
-                 "stop it", "taken over"):
+    for part in (
+        "attempt 1",
+        socket.gethostname(),
+        f"pid {os.getpid()}",
+        "heartbeat",
+        "stop it",
+        "taken over",
+    ):
         assert part in msg, msg
     first.acquire()  # the same owner may re-acquire
     first.release()
@@ -70,8 +76,9 @@ def test_fresh_lease_on_other_host_refused(layout: RunLayout) -> None:
         RunLease(layout, attempt=2, timeout_s=10).acquire()
 
 
-def test_same_job_restart_on_other_host_takes_over(layout: RunLayout,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_same_job_restart_on_other_host_takes_over(
+    layout: RunLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A launcher restart may put rank 0 on another host: the same job id proves the old
     group was torn down, so its fresh-looking lease does not block the restart."""
     for name in ("MCORE_RECIPES_JOB_ID", "SLURM_JOB_ID"):
@@ -129,8 +136,13 @@ def test_heartbeat_and_loss_detection(layout: RunLayout) -> None:
     assert read_lease(layout).host == "usurper"
 
 
-def _race(root: str, attempt: int, start: mp.synchronize.Barrier, done: mp.synchronize.Barrier,
-          results: mp.Queue) -> None:
+def _race(
+    root: str,
+    attempt: int,
+    start: mp.synchronize.Barrier,
+    done: mp.synchronize.Barrier,
+    results: mp.Queue,
+) -> None:
     lease = RunLease(RunLayout(Path(root), RUN), attempt=attempt, timeout_s=60)
     start.wait()
     try:
@@ -145,8 +157,10 @@ def test_concurrent_acquirers_exactly_one_wins(layout: RunLayout) -> None:
     ctx = mp.get_context("fork")
     n = 6
     start, done, results = ctx.Barrier(n), ctx.Barrier(n), ctx.Queue()
-    procs = [ctx.Process(target=_race, args=(str(layout.root), a, start, done, results))
-             for a in range(1, n + 1)]
+    procs = [
+        ctx.Process(target=_race, args=(str(layout.root), a, start, done, results))
+        for a in range(1, n + 1)
+    ]
     for p in procs:
         p.start()
     outcomes = [results.get(timeout=30) for _ in procs]

@@ -17,7 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from resiliency.checkpoint.local_store import REJECTED_SUFFIX, VerifiedLocalManager, list_local_files
+from resiliency.checkpoint.local_store import (
+    REJECTED_SUFFIX,
+    VerifiedLocalManager,
+    list_local_files,
+)
 from tests.helpers import REPO, TORCHRUN, losses, read_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.current_stack]
@@ -46,17 +50,34 @@ def run_two_nodes(overrides: list[str], timeout: float = 300) -> list[subprocess
             out = open(Path(logs) / f"node{node}.out", "w+")
             err = open(Path(logs) / f"node{node}.err", "w+")
             streams.append((out, err))
-            procs.append(subprocess.Popen(
-                [TORCHRUN, "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1",
-                 "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "pretrain",
-                 *overrides], cwd=REPO, env=env, text=True, stdout=out, stderr=err))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        TORCHRUN,
+                        "--nnodes=2",
+                        f"--node-rank={node}",
+                        "--nproc-per-node=1",
+                        "--master-addr=127.0.0.1",
+                        f"--master-port={port}",
+                        "-m",
+                        "pretrain",
+                        *overrides,
+                    ],
+                    cwd=REPO,
+                    env=env,
+                    text=True,
+                    stdout=out,
+                    stderr=err,
+                )
+            )
         results = []
         for proc, (out, err) in zip(procs, streams):
             proc.wait(timeout=timeout)
             out.seek(0)
             err.seek(0)
-            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out.read(),
-                                                       err.read()))
+            results.append(
+                subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
+            )
             out.close()
             err.close()
     return results
@@ -69,9 +90,17 @@ def _ok(results: list[subprocess.CompletedProcess]) -> str:
 
 
 def _overrides(tiny: list[str], root: Path, run_id: str, *extra: str) -> list[str]:
-    return [*tiny, *LAYOUT, f"output_dir={root / 'runs'}", f"run_id={run_id}",
-            f"train.train_steps={STEPS}", "checkpoint.save_interval=5",
-            "checkpoint.local.interval=2", f"checkpoint.local.dir={root / 'local'}", *extra]
+    return [
+        *tiny,
+        *LAYOUT,
+        f"output_dir={root / 'runs'}",
+        f"run_id={run_id}",
+        f"train.train_steps={STEPS}",
+        "checkpoint.save_interval=5",
+        "checkpoint.local.interval=2",
+        f"checkpoint.local.dir={root / 'local'}",
+        *extra,
+    ]
 
 
 def _killed_run(tiny: list[str], root: Path, run_id: str, *extra: str) -> None:
@@ -82,8 +111,9 @@ def _killed_run(tiny: list[str], root: Path, run_id: str, *extra: str) -> None:
 
 
 def _attempt(root: Path, run_id: str, attempt: int) -> dict:
-    return json.loads((root / "runs" / run_id / "attempts" / f"attempt-{attempt:02d}.json")
-                      .read_text())
+    return json.loads(
+        (root / "runs" / run_id / "attempts" / f"attempt-{attempt:02d}.json").read_text()
+    )
 
 
 @pytest.fixture(scope="module")
@@ -95,20 +125,25 @@ def reference(tmp_path_factory: pytest.TempPathFactory, tiny_overrides: list[str
 
 def _assert_exact_from(root: Path, run_id: str, reference: Path, first: int) -> None:
     ref, resumed = losses(reference / "runs" / "ref"), read_steps(root / "runs" / run_id)
-    assert [resumed[s]["loss"] for s in range(first, STEPS + 1)] == ref[first - 1:]
+    assert [resumed[s]["loss"] for s in range(first, STEPS + 1)] == ref[first - 1 :]
 
 
 def test_planned_exit_is_persistent_even_after_a_local_save(reference: Path) -> None:
-    records = [json.loads(line) for line in
-               (reference / "runs" / "ref" / "metrics" / "checkpoints.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line)
+        for line in (reference / "runs" / "ref" / "metrics" / "checkpoints.jsonl")
+        .read_text()
+        .splitlines()
+    ]
     assert [(r["tier"], r["step"]) for r in records][-1] == ("local", STEPS)  # 12 % 2 == 0
     assert (reference / "runs" / "ref" / "steps" / f"step-{STEPS:09d}" / "COMMITTED").is_file()
     kept = {f.step for f in list_local_files(reference / "local" / "node-001" / "ref" / "1")}
     assert kept == {8, 12}  # keep_last=2 (10 was a persistent step)
 
 
-def test_exact_resume_from_the_local_tier(tmp_path: Path, tiny_overrides: list[str],
-                                          reference: Path) -> None:
+def test_exact_resume_from_the_local_tier(
+    tmp_path: Path, tiny_overrides: list[str], reference: Path
+) -> None:
     _killed_run(tiny_overrides, tmp_path, "own")
     log = _ok(run_two_nodes(_overrides(tiny_overrides, tmp_path, "own")))
     assert f"newer than persistent step {PERSISTENT_STEP}" in log
@@ -117,8 +152,9 @@ def test_exact_resume_from_the_local_tier(tmp_path: Path, tiny_overrides: list[s
     _assert_exact_from(tmp_path, "own", reference, LOCAL_STEP + 1)
 
 
-def test_node_loss_restores_from_the_peer_replica(tmp_path: Path, tiny_overrides: list[str],
-                                                  reference: Path) -> None:
+def test_node_loss_restores_from_the_peer_replica(
+    tmp_path: Path, tiny_overrides: list[str], reference: Path
+) -> None:
     _killed_run(tiny_overrides, tmp_path, "lost")
     import shutil
 
@@ -126,14 +162,25 @@ def test_node_loss_restores_from_the_peer_replica(tmp_path: Path, tiny_overrides
     _ok(run_two_nodes(_overrides(tiny_overrides, tmp_path, "lost")))
     assert _attempt(tmp_path, "lost", 2)["restored_step"] == LOCAL_STEP
     _assert_exact_from(tmp_path, "lost", reference, LOCAL_STEP + 1)
-    listing = subprocess.run([str(Path(TORCHRUN).with_name("python")), "-m", "resiliency", "ls",
-                              str(tmp_path / "runs" / "lost")], cwd=REPO, text=True,
-                             capture_output=True, check=True).stdout
+    listing = subprocess.run(
+        [
+            str(Path(TORCHRUN).with_name("python")),
+            "-m",
+            "resiliency",
+            "ls",
+            str(tmp_path / "runs" / "lost"),
+        ],
+        cwd=REPO,
+        text=True,
+        capture_output=True,
+        check=True,
+    ).stdout
     assert "local tier:" in listing and "node-000 rank 0 (replica)" in listing
 
 
 def test_corrupt_replica_and_lost_primary_fall_back_to_persistent(
-        tmp_path: Path, tiny_overrides: list[str], reference: Path) -> None:
+    tmp_path: Path, tiny_overrides: list[str], reference: Path
+) -> None:
     _killed_run(tiny_overrides, tmp_path, "bad")
     node0, node1 = (tmp_path / "local" / f"node-00{n}" / "bad" / str(n) for n in (0, 1))
     (node1 / f"iter_{LOCAL_STEP:07d}_1_local.pt").unlink()  # the primary copy
@@ -175,7 +222,9 @@ def test_store_rejects_a_flipped_byte_once_and_keeps_two_steps(tmp_path: Path) -
     assert [i[0] for i in fresh._my_ckpt_ids()] == [2]
     assert [i[0] for i in fresh._my_ckpt_ids()] == [2]  # rejected once, not re-examined
     assert sorted(p.name for p in fresh.rank_dir.glob("*" + REJECTED_SUFFIX)) == [
-        "iter_0000003_0_local.pt.meta.json.rejected", "iter_0000003_0_local.pt.rejected"]
+        "iter_0000003_0_local.pt.meta.json.rejected",
+        "iter_0000003_0_local.pt.rejected",
+    ]
     assert torch.equal(fresh._load((2, 0, "run"))["w"], torch.full((4,), 2.0))
 
 
@@ -188,7 +237,9 @@ def test_dirty_files_of_dead_attempts_are_removed(tmp_path: Path) -> None:
     assert [i[0] for i in manager._my_ckpt_ids()] == [4]
     manager.discard_after(4)
     assert sorted(p.name for p in manager.rank_dir.iterdir()) == [
-        "iter_0000004_0_local.pt", "iter_0000004_0_local.pt.meta.json"]
+        "iter_0000004_0_local.pt",
+        "iter_0000004_0_local.pt.meta.json",
+    ]
 
 
 def test_replicas_must_land_on_other_nodes() -> None:

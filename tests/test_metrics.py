@@ -15,7 +15,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from resiliency.monitor.metrics import METRICS_FILE, RunMetrics, _serve
 from tests.ft_helpers import SAVE_EVERY, STEPS, attempt, clean_run
 
-RULES = Path(__file__).resolve().parents[1] / "resiliency" / "monitor" / "alerts" / "checkpoint.rules.yaml"
+RULES = (
+    Path(__file__).resolve().parents[1]
+    / "resiliency"
+    / "monitor"
+    / "alerts"
+    / "checkpoint.rules.yaml"
+)
 
 
 def parse(text: str) -> dict[str, list]:
@@ -23,10 +29,14 @@ def parse(text: str) -> dict[str, list]:
     return {f.name: f.samples for f in text_string_to_metric_families(text)}
 
 
-def value(families: dict[str, list], family: str, sample: str | None = None,
-          **labels: str) -> float:
-    matches = [s.value for s in families[family] if s.name == (sample or family)
-               and all(s.labels.get(k) == v for k, v in labels.items())]
+def value(
+    families: dict[str, list], family: str, sample: str | None = None, **labels: str
+) -> float:
+    matches = [
+        s.value
+        for s in families[family]
+        if s.name == (sample or family) and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
     assert len(matches) == 1, (family, sample, labels, families.get(family))
     return matches[0]
 
@@ -36,7 +46,8 @@ def test_alert_rule_is_the_reference_expression() -> None:
     overdue = next(r for r in rules if r["alert"] == "CheckpointOverdue")
     assert " ".join(overdue["expr"].split()) == (
         "time() - max by (run_id) (checkpoint_last_success_timestamp_seconds) "
-        "> 2 * max by (run_id) (checkpoint_planned_interval_seconds)")
+        "> 2 * max by (run_id) (checkpoint_planned_interval_seconds)"
+    )
 
 
 def test_http_endpoint_serves_the_registry() -> None:
@@ -55,8 +66,9 @@ def test_http_endpoint_serves_the_registry() -> None:
 
 
 @pytest.mark.slow
-def test_metrics_file_of_a_clean_run(tiny_overrides: list[str],
-                                     tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_metrics_file_of_a_clean_run(
+    tiny_overrides: list[str], tmp_path_factory: pytest.TempPathFactory
+) -> None:
     run_dir = clean_run(tiny_overrides, tmp_path_factory.getbasetemp())
     families = parse((run_dir / "metrics" / METRICS_FILE).read_text())
     record = attempt(run_dir, 1)
@@ -66,10 +78,15 @@ def test_metrics_file_of_a_clean_run(tiny_overrides: list[str],
     assert record["start_time"] < last_success <= record["end_time"]
     step_time = value(families, "training_step_duration_seconds", **run)
     assert value(families, "checkpoint_planned_interval_seconds", **run) == pytest.approx(
-        SAVE_EVERY * step_time)
+        SAVE_EVERY * step_time
+    )
     assert value(families, "checkpoint_last_step", **run) == STEPS
-    saves = value(families, "checkpoint_save_duration_seconds",
-                  "checkpoint_save_duration_seconds_count", **run)
+    saves = value(
+        families,
+        "checkpoint_save_duration_seconds",
+        "checkpoint_save_duration_seconds_count",
+        **run,
+    )
     assert saves == STEPS // SAVE_EVERY
     assert value(families, "checkpoint_async_queue_depth", **run) == 0
     assert value(families, "training_restarts", "training_restarts_total", **run) == 0
@@ -82,4 +99,5 @@ def test_metrics_file_of_a_clean_run(tiny_overrides: list[str],
     assert labelled and all(s.labels.get("run_id") == "clean" for s in labelled)
     reports = (run_dir / "metrics" / "straggler.jsonl").read_text().splitlines()
     assert json.loads(reports[-1])["relative"] == {
-        r: value(families, "straggler_relative_score", rank=r, **run) for r in ("0", "1")}
+        r: value(families, "straggler_relative_score", rank=r, **run) for r in ("0", "1")
+    }

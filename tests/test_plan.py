@@ -7,7 +7,7 @@ import math
 import pytest
 
 from resiliency.cli import main
-from resiliency.cli.capacity import (Interval, Storage, checkpoint_size, parse_count, parse_duration)
+from resiliency.cli.capacity import Interval, Storage, checkpoint_size, parse_count, parse_duration
 
 # params -> (bytes per version at 14 B/param, x keep 3, +20 %, +30 %), worked out by hand
 HAND = {
@@ -29,10 +29,16 @@ def test_sizes_match_hand_figures(params: str) -> None:
     assert storage.with_headroom() == (pytest.approx(low), pytest.approx(high))
 
 
-@pytest.mark.parametrize("optimizer, dtype, per_param", [
-    ("adam", "bf16", 14), ("adam", "fp16", 14), ("adam", "fp32", 12), ("sgd", "bf16", 10),
-    ("sgd", "fp32", 8),
-])
+@pytest.mark.parametrize(
+    "optimizer, dtype, per_param",
+    [
+        ("adam", "bf16", 14),
+        ("adam", "fp16", 14),
+        ("adam", "fp32", 12),
+        ("sgd", "bf16", 10),
+        ("sgd", "fp32", 8),
+    ],
+)
 def test_bytes_per_param(optimizer: str, dtype: str, per_param: int) -> None:
     assert checkpoint_size(1e9, optimizer, dtype).bytes_per_param == per_param
 
@@ -44,18 +50,35 @@ def test_young_interval() -> None:
     assert interval.expected_loss_s == pytest.approx(804.984 / 2 + 30, abs=1e-3)
 
 
-@pytest.mark.parametrize("text, value", [
-    ("70e9", 70e9), ("7B", 7e9), ("405B", 405e9), ("405b", 405e9), ("1.5T", 1.5e12),
-    ("125M", 125e6), ("7000000000", 7e9), ("7_000_000_000", 7e9),
-])
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("70e9", 70e9),
+        ("7B", 7e9),
+        ("405B", 405e9),
+        ("405b", 405e9),
+        ("1.5T", 1.5e12),
+        ("125M", 125e6),
+        ("7000000000", 7e9),
+        ("7_000_000_000", 7e9),
+    ],
+)
 def test_parse_count(text: str, value: float) -> None:
     assert parse_count(text) == pytest.approx(value)
 
 
-@pytest.mark.parametrize("text, seconds", [
-    ("3h", 10800), ("90m", 5400), ("45s", 45), ("1d", 86400), ("1h30m", 5400), ("30", 30),
-    ("2.5h", 9000),
-])
+@pytest.mark.parametrize(
+    "text, seconds",
+    [
+        ("3h", 10800),
+        ("90m", 5400),
+        ("45s", 45),
+        ("1d", 86400),
+        ("1h30m", 5400),
+        ("30", 30),
+        ("2.5h", 9000),
+    ],
+)
 def test_parse_duration(text: str, seconds: float) -> None:
     assert parse_duration(text) == pytest.approx(seconds)
 
@@ -73,12 +96,37 @@ def test_bad_counts_are_refused(bad: str) -> None:
 
 
 def test_cli_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", "--params", "70e9", "--optimizer", "adam", "--dtype", "bf16",
-                 "--keep", "3", "--mtbf", "3h", "--save-seconds", "30"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--params",
+                "70e9",
+                "--optimizer",
+                "adam",
+                "--dtype",
+                "bf16",
+                "--keep",
+                "3",
+                "--mtbf",
+                "3h",
+                "--save-seconds",
+                "30",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    for needle in ("14 B/param  total = 980.00 GB per version", "keeping 3 version(s): 2.94 TB",
-                   "3.53 TB - 3.82 TB", "= 13.4 min", "interval/2 + save = 7.2 min",
-                   "gradients", "RNG", "indices"):
+    for needle in (
+        "14 B/param  total = 980.00 GB per version",
+        "keeping 3 version(s): 2.94 TB",
+        "3.53 TB - 3.82 TB",
+        "= 13.4 min",
+        "interval/2 + save = 7.2 min",
+        "gradients",
+        "RNG",
+        "indices",
+    ):
         assert needle in out, (needle, out)
 
 

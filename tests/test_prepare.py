@@ -9,7 +9,6 @@ import sys
 import sysconfig
 from pathlib import Path
 
-import numpy
 import pytest
 
 from pretrain.prepare import (
@@ -42,8 +41,9 @@ def expected(tokenizer, docs: list[str]) -> list[list[int]]:
 
 
 def output_files(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.iterdir()
-                  if p.suffix in (".bin", ".idx") or ".tmp" in p.name)
+    return sorted(
+        p.name for p in directory.iterdir() if p.suffix in (".bin", ".idx") or ".tmp" in p.name
+    )
 
 
 @pytest.fixture
@@ -81,16 +81,20 @@ def test_build_tokenizer_errors(tmp_path: Path) -> None:
 
 def test_prepare_jsonl(tmp_path: Path) -> None:
     path = tmp_path / "in.jsonl"
-    path.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(DOCS)),
-                    encoding="utf-8")
+    path.write_text(
+        "".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(DOCS)),
+        encoding="utf-8",
+    )
     prefix = str(tmp_path / "out" / "nested" / "corpus")  # parents do not exist yet
     tok = ByteTokenizer()
     docs, tokens = prepare_corpus(file_documents([str(path)]), prefix, tok)
     want = expected(tok, DOCS)
     assert (docs, tokens) == (len(DOCS), sum(map(len, want)))
     assert read_back(prefix) == want
-    assert output_files(tmp_path / "out" / "nested") == ["corpus_text_document.bin",
-                                                         "corpus_text_document.idx"]
+    assert output_files(tmp_path / "out" / "nested") == [
+        "corpus_text_document.bin",
+        "corpus_text_document.idx",
+    ]
 
 
 def test_prepare_plain_text_uint16(tmp_path: Path) -> None:
@@ -113,8 +117,12 @@ def test_stdlib_corpus_is_deterministic_and_fills_the_cap(tmp_path: Path) -> Non
         docs, tokens = prepare_corpus(stdlib_documents(cap), str(tmp_path / run), ByteTokenizer())
         text_bytes = tokens - docs  # each document adds one eod
         assert 0.95 * cap < text_bytes <= cap
-        blobs.append(tuple(Path(dataset_prefix(str(tmp_path / run)) + ext).read_bytes()
-                           for ext in (".bin", ".idx")))
+        blobs.append(
+            tuple(
+                Path(dataset_prefix(str(tmp_path / run)) + ext).read_bytes()
+                for ext in (".bin", ".idx")
+            )
+        )
     assert blobs[0] == blobs[1]
 
 
@@ -144,7 +152,8 @@ def test_hf_tokenizer_without_eod_token_is_a_clear_error(tmp_path: Path) -> None
     directory = tmp_path / "noeos"
     directory.mkdir()
     Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")).save(
-        str(directory / "tokenizer.json"))
+        str(directory / "tokenizer.json")
+    )
     with pytest.raises(TokenizerError, match="no end-of-document token"):
         HFTokenizer(str(directory))
     assert HFTokenizer(str(directory), eod_token="a").eod == 0
@@ -160,11 +169,19 @@ def test_tokenizers_plug_into_megatron_gpt_dataset(tmp_path: Path, hf_dir: Path)
         prefix = str(tmp_path / name)
         prepare_corpus(["the cat sat on the mat"] * 40, prefix, tok)
         config = GPTDatasetConfig(
-            random_seed=1, sequence_length=8, blend=([dataset_prefix(prefix)], None),
-            split="1,0,0", tokenizer=tok, reset_position_ids=False, reset_attention_mask=False,
-            eod_mask_loss=False, path_to_cache=str(tmp_path / f"cache-{name}"))
-        train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [4, None, None], lambda: True,
-                                                    config).build()
+            random_seed=1,
+            sequence_length=8,
+            blend=([dataset_prefix(prefix)], None),
+            split="1,0,0",
+            tokenizer=tok,
+            reset_position_ids=False,
+            reset_attention_mask=False,
+            eod_mask_loss=False,
+            path_to_cache=str(tmp_path / f"cache-{name}"),
+        )
+        train, _, _ = BlendedMegatronDatasetBuilder(
+            GPTDataset, [4, None, None], lambda: True, config
+        ).build()
         sample = train[0]
         assert sample["tokens"].shape == (8,) and int(sample["tokens"].max()) < tok.vocab_size
 
@@ -172,7 +189,7 @@ def test_tokenizers_plug_into_megatron_gpt_dataset(tmp_path: Path, hf_dir: Path)
 def test_missing_json_key_names_file_and_line(tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text('{"text": "ok"}\n\n{"content": "no text key"}\n', encoding="utf-8")
-    with pytest.raises(PrepareError, match=rf"bad\.jsonl:3: no 'text' key"):
+    with pytest.raises(PrepareError, match=r"bad\.jsonl:3: no 'text' key"):
         list(file_documents([str(path)]))
     with pytest.raises(SystemExit) as exc:
         main(["--input", str(path), "--output-prefix", str(tmp_path / "out")])
@@ -197,8 +214,17 @@ def test_cli_errors(tmp_path: Path) -> None:
         main(["--input", str(tmp_path / "nothing-*.jsonl"), "--output-prefix", out])
     assert "matched no files" in str(exc.value.code)
     with pytest.raises(SystemExit) as exc:
-        main(["--stdlib", "--output-prefix", out, "--tokenizer", "huggingface",
-              "--tokenizer-path", str(tmp_path / "no-such-dir")])
+        main(
+            [
+                "--stdlib",
+                "--output-prefix",
+                out,
+                "--tokenizer",
+                "huggingface",
+                "--tokenizer-path",
+                str(tmp_path / "no-such-dir"),
+            ]
+        )
     assert "no-such-dir" in str(exc.value.code) and "does not exist" in str(exc.value.code)
     assert output_files(tmp_path) == []
 
@@ -208,8 +234,20 @@ def test_cli_entrypoint_subprocess(tmp_path: Path) -> None:
         (tmp_path / f"d{i}.txt").write_text(doc, encoding="utf-8")
     prefix = str(tmp_path / "cli" / "docs")
     result = subprocess.run(
-        [sys.executable, "-m", "pretrain.prepare", "--input", str(tmp_path / "d*.txt"),
-         "--output-prefix", prefix], cwd=REPO, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "pretrain.prepare",
+            "--input",
+            str(tmp_path / "d*.txt"),
+            "--output-prefix",
+            prefix,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert f"{len(DOCS)} documents" in result.stderr
     assert read_back(prefix) == expected(ByteTokenizer(), DOCS)

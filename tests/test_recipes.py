@@ -37,19 +37,29 @@ def test_size_variant_is_a_delta() -> None:
 
 
 def test_overrides_use_hydra_grammar() -> None:
-    run = load_config(["recipe=gpt_tiny", "parallel.tp=1", "train.global_batch_size=32",
-                       "data.paths=[a,b]", "data.weights=[0.3,0.7]"])
+    run = load_config(
+        [
+            "recipe=gpt_tiny",
+            "parallel.tp=1",
+            "train.global_batch_size=32",
+            "data.paths=[a,b]",
+            "data.weights=[0.3,0.7]",
+        ]
+    )
     assert (run.parallel.tp, run.train.global_batch_size) == (1, 32)
     assert run.data.paths == ["a", "b"] and run.data.weights == [0.3, 0.7]
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("train.global_batch_sizee=16", "Did you mean: train.global_batch_size"),
-    ("trian.seed=1", "Did you mean: train.seed"),
-    ("+parallel.tensor_parallel=2", "unknown config key 'parallel.tensor_parallel'"),
-    ("recipe=gpt_tinyy", "unknown recipe 'gpt_tinyy'"),
-    ("train.seed=abc", "train.seed"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("train.global_batch_sizee=16", "Did you mean: train.global_batch_size"),
+        ("trian.seed=1", "Did you mean: train.seed"),
+        ("+parallel.tensor_parallel=2", "unknown config key 'parallel.tensor_parallel'"),
+        ("recipe=gpt_tinyy", "unknown recipe 'gpt_tinyy'"),
+        ("train.seed=abc", "train.seed"),
+    ],
+)
 def test_bad_override_names_the_problem(override: str, expected: str) -> None:
     overrides = [override] if override.startswith("recipe=") else ["recipe=gpt_tiny", override]
     with pytest.raises(ConfigError, match=expected.replace("+", r"\+").replace(".", r"\.")):
@@ -61,16 +71,19 @@ def test_missing_recipe_lists_choices() -> None:
         load_config([])
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    (["parallel.tp=3"], "num_attention_heads=4 is not divisible by parallel.tp=3"),
-    (["parallel.tp=1", "parallel.pp=3"], "num_layers=4 is not divisible by pp\\*vpp"),
-    (["parallel.tp=1", "parallel.pp=2", "parallel.vpp=4"], "num_layers=4 is not divisible"),
-    (["parallel.tp=1", "parallel.ep=2"], "needs an MoE model"),
-    (["parallel.sequence_parallel=true", "parallel.tp=1"], "sequence_parallel=true needs"),
-    (["parallel.vpp=2", "parallel.tp=1"], "vpp=2 needs parallel.pp > 1"),
-    (["checkpoint.keep_last=1"], "keep_last=1"),
-    (["train.global_batch_size=7"], "multiple of train.micro_batch_size"),
-])
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["parallel.tp=3"], "num_attention_heads=4 is not divisible by parallel.tp=3"),
+        (["parallel.tp=1", "parallel.pp=3"], "num_layers=4 is not divisible by pp\\*vpp"),
+        (["parallel.tp=1", "parallel.pp=2", "parallel.vpp=4"], "num_layers=4 is not divisible"),
+        (["parallel.tp=1", "parallel.ep=2"], "needs an MoE model"),
+        (["parallel.sequence_parallel=true", "parallel.tp=1"], "sequence_parallel=true needs"),
+        (["parallel.vpp=2", "parallel.tp=1"], "vpp=2 needs parallel.pp > 1"),
+        (["checkpoint.keep_last=1"], "keep_last=1"),
+        (["train.global_batch_size=7"], "multiple of train.micro_batch_size"),
+    ],
+)
 def test_impossible_config_is_refused(overrides: list[str], expected: str) -> None:
     with pytest.raises(ConfigError, match=expected):
         load_config(["recipe=gpt_tiny", *overrides])
@@ -81,11 +94,14 @@ def test_moe_expert_count_must_split_over_ep() -> None:
         load_config(["recipe=gpt_tiny_moe", "parallel.ep=3"])
 
 
-@pytest.mark.parametrize("world, overrides, expected", [
-    (3, [], "world size 3 is not divisible by tp\\*pp\\*cp"),
-    (4, ["parallel.dp=1"], "parallel.dp=1 but tp\\*pp\\*cp\\*dp must equal the world size 4"),
-    (4, ["train.global_batch_size=4", "train.micro_batch_size=4"], "multiple of .*= 8"),
-])
+@pytest.mark.parametrize(
+    "world, overrides, expected",
+    [
+        (3, [], "world size 3 is not divisible by tp\\*pp\\*cp"),
+        (4, ["parallel.dp=1"], "parallel.dp=1 but tp\\*pp\\*cp\\*dp must equal the world size 4"),
+        (4, ["train.global_batch_size=4", "train.micro_batch_size=4"], "multiple of .*= 8"),
+    ],
+)
 def test_world_size_mismatch_is_refused(world: int, overrides: list[str], expected: str) -> None:
     run = load_config(["recipe=gpt_tiny", *overrides])
     with pytest.raises(ConfigError, match=expected):
@@ -100,15 +116,25 @@ def test_context_parallel_is_refused_on_cpu_with_reason() -> None:
 
 
 def test_cli_rejects_bad_key_before_any_process_group() -> None:
-    proc = subprocess.run([sys.executable, "-m", "pretrain", "recipe=gpt_tiny", "train.stepz=3"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pretrain", "recipe=gpt_tiny", "train.stepz=3"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "unknown config key 'train.stepz'" in proc.stderr
     assert "init_process_group" not in proc.stderr
 
 
 def test_cli_show_config_prints_resolved_yaml() -> None:
-    proc = subprocess.run([sys.executable, "-m", "pretrain", "recipe=llama3_70b", "--show-config"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pretrain", "recipe=llama3_70b", "--show-config"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "num_layers: 80" in proc.stdout and "vpp: 5" in proc.stdout

@@ -27,29 +27,55 @@ LAYOUTS = {
     "tp2": (2, ["parallel.tp=2"]),
     "pp2": (2, ["parallel.tp=1", "parallel.pp=2"]),
     # fully_reshardable saves are refused here (compat K); loading them is fine.
-    "pp2vpp2": (2, ["parallel.tp=1", "parallel.pp=2", "parallel.vpp=2",
-                    "checkpoint.optim_format=dp_reshardable"]),
+    "pp2vpp2": (
+        2,
+        [
+            "parallel.tp=1",
+            "parallel.pp=2",
+            "parallel.vpp=2",
+            "checkpoint.optim_format=dp_reshardable",
+        ],
+    ),
     "dp2": (2, ["parallel.tp=1"]),
     "world1": (1, ["parallel.tp=1"]),
 }
-RESHARDS = [("tp2", "dp2"), ("tp2", "pp2"), ("tp2", "pp2vpp2"), ("tp2", "world1"),
-            ("pp2", "tp2"), ("dp2", "tp2")]
+RESHARDS = [
+    ("tp2", "dp2"),
+    ("tp2", "pp2"),
+    ("tp2", "pp2vpp2"),
+    ("tp2", "world1"),
+    ("pp2", "tp2"),
+    ("dp2", "tp2"),
+]
 TOLERANCE = 2e-5
 
 
 def _run(tiny: list[str], root: Path, layout: str, extra: list[str], check: bool = True):
     nproc, overrides = LAYOUTS[layout]
-    return run_pretrain(nproc, [*tiny, f"output_dir={root}", "run_id=run",
-                                f"train.train_steps={STEPS}",
-                                f"checkpoint.save_interval={SAVE_STEP}", *overrides, *extra],
-                        check=check)
+    return run_pretrain(
+        nproc,
+        [
+            *tiny,
+            f"output_dir={root}",
+            "run_id=run",
+            f"train.train_steps={STEPS}",
+            f"checkpoint.save_interval={SAVE_STEP}",
+            *overrides,
+            *extra,
+        ],
+        check=check,
+    )
 
 
 @pytest.fixture(scope="module")
 def originals(tmp_path_factory: pytest.TempPathFactory, tiny_overrides: list[str]) -> dict:
     roots = {}
-    for name, layout, extra in [("tp2", "tp2", []), ("pp2", "pp2", []), ("dp2", "dp2", []),
-                                ("dp2-dp_resh", "dp2", ["checkpoint.optim_format=dp_reshardable"])]:
+    for name, layout, extra in [
+        ("tp2", "tp2", []),
+        ("pp2", "pp2", []),
+        ("dp2", "dp2", []),
+        ("dp2-dp_resh", "dp2", ["checkpoint.optim_format=dp_reshardable"]),
+    ]:
         root = tmp_path_factory.mktemp(name)
         _run(tiny_overrides, root, layout, extra)
         roots[name] = root
@@ -82,20 +108,38 @@ def _assert_states_close(a: dict, b: dict) -> None:
 
 
 def _validate_cli(run_dir: Path, nproc: int, overrides: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "resiliency", "validate", str(run_dir),
-                           *overrides, f"--world-size={nproc}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resiliency",
+            "validate",
+            str(run_dir),
+            *overrides,
+            f"--world-size={nproc}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 CURRENT_STACK = {("tp2", "pp2"), ("tp2", "pp2vpp2"), ("pp2", "tp2")}  # also on megatron-core 0.19
 
 
-@pytest.mark.parametrize("source, target", [
-    pytest.param(s, t, id=f"{s}-to-{t}",
-                 marks=[pytest.mark.current_stack] * ((s, t) in CURRENT_STACK))
-    for s, t in RESHARDS])
-def test_fully_reshardable_restores_exactly(originals: dict, tiny_overrides: list[str],
-                                            tmp_path: Path, source: str, target: str) -> None:
+@pytest.mark.parametrize(
+    "source, target",
+    [
+        pytest.param(
+            s, t, id=f"{s}-to-{t}", marks=[pytest.mark.current_stack] * ((s, t) in CURRENT_STACK)
+        )
+        for s, t in RESHARDS
+    ],
+)
+def test_fully_reshardable_restores_exactly(
+    originals: dict, tiny_overrides: list[str], tmp_path: Path, source: str, target: str
+) -> None:
     root = _resume_copy(originals[source], tmp_path)
     nproc, overrides = LAYOUTS[target]
     report = _validate_cli(root / "run", nproc, [*tiny_overrides, *overrides])
@@ -104,24 +148,29 @@ def test_fully_reshardable_restores_exactly(originals: dict, tiny_overrides: lis
     proc = _run(tiny_overrides, root, target, [])
     assert f"resumed from step-{SAVE_STEP:09d}" in proc.stderr
     assert "RNG reseeded" in proc.stderr
-    assert losses(root / "run")[-1] == pytest.approx(losses(originals[source] / "run")[-1],
-                                                     abs=TOLERANCE)
-    _assert_states_close(_full_state(root, STEPS, tmp_path),
-                         _full_state(originals[source], STEPS, tmp_path))
+    assert losses(root / "run")[-1] == pytest.approx(
+        losses(originals[source] / "run")[-1], abs=TOLERANCE
+    )
+    _assert_states_close(
+        _full_state(root, STEPS, tmp_path), _full_state(originals[source], STEPS, tmp_path)
+    )
 
 
 @pytest.mark.current_stack
-def test_dp_reshardable_restores_across_dp(originals: dict, tiny_overrides: list[str],
-                                           tmp_path: Path) -> None:
+def test_dp_reshardable_restores_across_dp(
+    originals: dict, tiny_overrides: list[str], tmp_path: Path
+) -> None:
     root = _resume_copy(originals["dp2-dp_resh"], tmp_path)
     _run(tiny_overrides, root, "world1", ["checkpoint.optim_format=dp_reshardable"])
     assert losses(root / "run")[-1] == pytest.approx(
-        losses(originals["dp2-dp_resh"] / "run")[-1], abs=TOLERANCE)
+        losses(originals["dp2-dp_resh"] / "run")[-1], abs=TOLERANCE
+    )
 
 
 @pytest.mark.parametrize("target", ["tp2", "pp2"])
-def test_dp_reshardable_refuses_model_parallel_change(originals: dict, tiny_overrides: list[str],
-                                                      tmp_path: Path, target: str) -> None:
+def test_dp_reshardable_refuses_model_parallel_change(
+    originals: dict, tiny_overrides: list[str], tmp_path: Path, target: str
+) -> None:
     root = _resume_copy(originals["dp2-dp_resh"], tmp_path)
     nproc, overrides = LAYOUTS[target]
     report = _validate_cli(root / "run", nproc, [*tiny_overrides, *overrides])
@@ -135,8 +184,9 @@ def test_dp_reshardable_refuses_model_parallel_change(originals: dict, tiny_over
     assert "CheckpointingException" not in proc.stderr and "Global shape" not in proc.stderr
 
 
-def test_weights_only_restore_is_allowed_and_warned(originals: dict, tiny_overrides: list[str],
-                                                    tmp_path: Path) -> None:
+def test_weights_only_restore_is_allowed_and_warned(
+    originals: dict, tiny_overrides: list[str], tmp_path: Path
+) -> None:
     root = _resume_copy(originals["dp2-dp_resh"], tmp_path)
     proc = _run(tiny_overrides, root, "tp2", ["checkpoint.load_optimizer=false"])
     assert "FRESH optimizer state" in proc.stderr
@@ -144,15 +194,35 @@ def test_weights_only_restore_is_allowed_and_warned(originals: dict, tiny_overri
     # Step 5's loss is the forward pass of the restored step-4 weights (built uninitialised,
     # perform_initialization=false): only the optimizer is fresh.
     assert losses(root / "run")[-1] == pytest.approx(
-        losses(originals["dp2-dp_resh"] / "run")[-1], abs=TOLERANCE)
+        losses(originals["dp2-dp_resh"] / "run")[-1], abs=TOLERANCE
+    )
 
 
 def test_moe_expert_parallel_change_is_refused(tiny_overrides: list[str], tmp_path: Path) -> None:
     moe = ["recipe=gpt_tiny_moe"]
-    run_pretrain(2, [*tiny_overrides, *moe, f"output_dir={tmp_path}", "run_id=run",
-                     "train.train_steps=2", "parallel.ep=2"])
-    proc = run_pretrain(2, [*tiny_overrides, *moe, f"output_dir={tmp_path}", "run_id=run",
-                            "train.train_steps=3", "parallel.ep=1"], check=False)
+    run_pretrain(
+        2,
+        [
+            *tiny_overrides,
+            *moe,
+            f"output_dir={tmp_path}",
+            "run_id=run",
+            "train.train_steps=2",
+            "parallel.ep=2",
+        ],
+    )
+    proc = run_pretrain(
+        2,
+        [
+            *tiny_overrides,
+            *moe,
+            f"output_dir={tmp_path}",
+            "run_id=run",
+            "train.train_steps=3",
+            "parallel.ep=1",
+        ],
+        check=False,
+    )
     assert f"(topology, exit {exit_codes.TOPOLOGY_REFUSED}" in proc.stderr
     assert "cannot reshard MoE optimizer state across EP" in proc.stderr
 
@@ -160,15 +230,22 @@ def test_moe_expert_parallel_change_is_refused(tiny_overrides: list[str], tmp_pa
 def test_model_shape_change_is_refused(originals: dict) -> None:
     report = _validate_cli(originals["tp2"] / "run", 2, ["model.num_layers=8"])
     assert report.returncode == exit_codes.TOPOLOGY_REFUSED
-    assert "model shape changed" in report.stdout and "a new model needs a new run_id" in report.stdout
+    assert (
+        "model shape changed" in report.stdout and "a new model needs a new run_id" in report.stdout
+    )
 
 
-def test_batch_size_change_needs_an_lr_rule(originals: dict, tiny_overrides: list[str],
-                                            tmp_path: Path) -> None:
+def test_batch_size_change_needs_an_lr_rule(
+    originals: dict, tiny_overrides: list[str], tmp_path: Path
+) -> None:
     report = _validate_cli(originals["tp2"] / "run", 2, ["train.global_batch_size=16"])
     assert report.returncode == exit_codes.TOPOLOGY_REFUSED
     assert "batch_change_lr_scaling" in report.stdout
     root = _resume_copy(originals["tp2"], tmp_path)
-    proc = _run(tiny_overrides, root, "tp2", ["train.global_batch_size=16",
-                                              "checkpoint.batch_change_lr_scaling=linear"])
+    proc = _run(
+        tiny_overrides,
+        root,
+        "tp2",
+        ["train.global_batch_size=16", "checkpoint.batch_change_lr_scaling=linear"],
+    )
     assert "global batch 8 -> 16: lr scaled by rule 'linear'" in proc.stderr

@@ -19,8 +19,13 @@ SHARD = "model/__0_0.distcp"
 
 
 def cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "resiliency", *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "resiliency", *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 @pytest.fixture
@@ -53,8 +58,13 @@ def test_ls(layout: RunLayout) -> None:
     lines = out.stdout.splitlines()
     assert any("latest.json: step 300" in ln for ln in lines)
     row = {ln.split()[1]: ln for ln in lines if ln.strip().split()[0].isdigit()}
-    assert set(row) == {"step-000000100", "step-000000200", "step-000000300",
-                        "step-000000400", "step-000000500.tmp-attempt-02"}
+    assert set(row) == {
+        "step-000000100",
+        "step-000000200",
+        "step-000000300",
+        "step-000000400",
+        "step-000000500.tmp-attempt-02",
+    }
     assert "yes" in row["step-000000300"] and row["step-000000300"].endswith("latest")
     assert " no " in row["step-000000400"] and "no COMMITTED" in row["step-000000400"]
     assert "tmp of attempt 02" in row["step-000000500.tmp-attempt-02"]

@@ -31,8 +31,13 @@ CURRENT_STACK = {("tp2", "fully_reshardable", "async"), ("dp2", "dp_reshardable"
 
 
 def _base(tiny: list[str], root: Path, run_id: str, layout: str) -> list[str]:
-    return [*tiny, f"output_dir={root}", f"run_id={run_id}", f"train.train_steps={STEPS}",
-            *LAYOUTS[layout]]
+    return [
+        *tiny,
+        f"output_dir={root}",
+        f"run_id={run_id}",
+        f"train.train_steps={STEPS}",
+        *LAYOUTS[layout],
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +48,14 @@ def baselines(tmp_path_factory: pytest.TempPathFactory, tiny_overrides: list[str
     return {layout: losses(root / layout) for layout in LAYOUTS}
 
 
-def kill_and_resume(tiny: list[str], root: Path, layout: str, extra: list[str],
-                    fault: str, env: dict[str, str] | None = None) -> Path:
+def kill_and_resume(
+    tiny: list[str],
+    root: Path,
+    layout: str,
+    extra: list[str],
+    fault: str,
+    env: dict[str, str] | None = None,
+) -> Path:
     """Run until ``fault`` kills a rank, relaunch without it; returns the run dir."""
     base = [*_base(tiny, root, "run", layout), f"checkpoint.save_interval={SAVE_EVERY}", *extra]
     killed = run_pretrain(2, [*base, f"train.fault={fault}"], env=env, check=False)
@@ -53,15 +64,24 @@ def kill_and_resume(tiny: list[str], root: Path, layout: str, extra: list[str],
     return root / "run"
 
 
-@pytest.mark.parametrize("layout, fmt, mode", [
-    pytest.param(*c, id="-".join(c), marks=[pytest.mark.current_stack] * (c in CURRENT_STACK))
-    for c in CASES])
-def test_sigkill_resumes_bit_exact(baselines: dict, tiny_overrides: list[str], tmp_path: Path,
-                                   layout: str, fmt: str, mode: str) -> None:
+@pytest.mark.parametrize(
+    "layout, fmt, mode",
+    [
+        pytest.param(*c, id="-".join(c), marks=[pytest.mark.current_stack] * (c in CURRENT_STACK))
+        for c in CASES
+    ],
+)
+def test_sigkill_resumes_bit_exact(
+    baselines: dict, tiny_overrides: list[str], tmp_path: Path, layout: str, fmt: str, mode: str
+) -> None:
     kill_step = 4 + CASES.index((layout, fmt, mode)) % 2  # between saves at 3 and 6
-    run_dir = kill_and_resume(tiny_overrides, tmp_path, layout,
-                              [f"checkpoint.optim_format={fmt}", MODES[mode]],
-                              f"kill@{kill_step}:1")
+    run_dir = kill_and_resume(
+        tiny_overrides,
+        tmp_path,
+        layout,
+        [f"checkpoint.optim_format={fmt}", MODES[mode]],
+        f"kill@{kill_step}:1",
+    )
     assert losses(run_dir) == baselines[layout]
     steps = read_steps(run_dir)
     assert sorted(steps) == list(range(1, STEPS + 1))
@@ -69,8 +89,9 @@ def test_sigkill_resumes_bit_exact(baselines: dict, tiny_overrides: list[str], t
 
 
 @pytest.mark.current_stack
-def test_resume_restores_step_lr_and_cursor(baselines: dict, tiny_overrides: list[str],
-                                            tmp_path: Path) -> None:
+def test_resume_restores_step_lr_and_cursor(
+    baselines: dict, tiny_overrides: list[str], tmp_path: Path
+) -> None:
     run_dir = kill_and_resume(tiny_overrides, tmp_path, "tp2", [], "kill@5:0")
     steps = read_steps(run_dir)
     baseline_lr = [steps[s]["lr"] for s in sorted(steps)]
@@ -81,18 +102,23 @@ def test_resume_restores_step_lr_and_cursor(baselines: dict, tiny_overrides: lis
 
     second = json.loads(attempts[1].read_text())
     assert second["restored_step"] == SAVE_EVERY and second["status"] == "finished"
-    train_state = json.loads((RunLayout(tmp_path, "run").step_dir(STEPS) / "train_state.json")
-                             .read_text())
+    train_state = json.loads(
+        (RunLayout(tmp_path, "run").step_dir(STEPS) / "train_state.json").read_text()
+    )
     assert train_state["consumed_samples"] == STEPS * 8
     assert train_state["data_cursor"]["consumed_samples"] == STEPS * 8
 
 
 @pytest.mark.parametrize("phase", ["save", "publish"])
-def test_kill_during_save_falls_back(baselines: dict, tiny_overrides: list[str], tmp_path: Path,
-                                     phase: str) -> None:
+def test_kill_during_save_falls_back(
+    baselines: dict, tiny_overrides: list[str], tmp_path: Path, phase: str
+) -> None:
     """A kill inside a save leaves no published step; the restart resumes from the one before."""
     rank = 1 if phase == "save" else 0
-    base = [*_base(tiny_overrides, tmp_path, "run", "tp2"), f"checkpoint.save_interval={SAVE_EVERY}"]
+    base = [
+        *_base(tiny_overrides, tmp_path, "run", "tp2"),
+        f"checkpoint.save_interval={SAVE_EVERY}",
+    ]
     killed = run_pretrain(2, [*base, f"train.fault=kill_{phase}@6:{rank}"], check=False)
     assert killed.returncode != 0
     layout = RunLayout(tmp_path, "run")
@@ -113,8 +139,13 @@ def test_second_writer_is_refused(tiny_overrides: list[str], tmp_path: Path) -> 
     from tests.helpers import REPO, pretrain_cmd
 
     base = [*_base(tiny_overrides, tmp_path, "run", "tp2"), "train.train_steps=400"]
-    first = subprocess.Popen(pretrain_cmd(2, base), cwd=REPO, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)
+    first = subprocess.Popen(
+        pretrain_cmd(2, base),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         lease = RunLayout(tmp_path, "run").lease_path
         deadline = time.time() + 120
@@ -134,8 +165,9 @@ def test_second_writer_is_refused(tiny_overrides: list[str], tmp_path: Path) -> 
         first.wait()
 
 
-def test_uninitialised_weights_without_a_checkpoint_are_refused(tiny_overrides: list[str],
-                                                                tmp_path: Path) -> None:
+def test_uninitialised_weights_without_a_checkpoint_are_refused(
+    tiny_overrides: list[str], tmp_path: Path
+) -> None:
     base = [*_base(tiny_overrides, tmp_path, "run", "tp2"), "model.perform_initialization=false"]
     proc = run_pretrain(2, base, check=False, timeout=120)
     assert proc.returncode != 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -16,18 +15,19 @@ WORKER = str(REPO / "tests" / "workers" / "shard_writes.py")
 
 
 def _forking_megatron() -> bool:
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
-        FileSystemWriterAsync)
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     return hasattr(FileSystemWriterAsync, "write_preloaded_data_multiproc") and not hasattr(
-        FileSystemWriterAsync, "write_preloaded_data_multithread")
+        FileSystemWriterAsync, "write_preloaded_data_multithread"
+    )
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("shard-writes") / "report.json"
-    proc = subprocess.run([sys.executable, WORKER, str(out)], cwd=REPO, text=True,
-                          capture_output=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, WORKER, str(out)], cwd=REPO, text=True, capture_output=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 

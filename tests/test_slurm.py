@@ -13,8 +13,8 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -27,15 +27,26 @@ from tests.helpers import REPO, read_steps
 
 SLURM_DIR = REPO / "tests" / "slurm"
 BIN = Path(sys.executable).parent
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-            "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+TERMINAL = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+}
 LAYOUT_2x1 = ["launch.nodes=2", "launch.nproc_per_node=1"]
 
 
 # ------------------------------------------------------------------ retry policy
 
-def _record(run_dir: Path, attempt: int, status: str, exit_code: int | None = None,
-            **extra: object) -> None:
+
+def _record(
+    run_dir: Path, attempt: int, status: str, exit_code: int | None = None, **extra: object
+) -> None:
     body: dict[str, object] = {"attempt": attempt, "status": status, **extra}
     if exit_code is not None:
         body["exit_code"] = exit_code
@@ -43,21 +54,25 @@ def _record(run_dir: Path, attempt: int, status: str, exit_code: int | None = No
     atomic_write_json(run_dir / "attempts" / f"attempt-{attempt:02d}.json", body)
 
 
-@pytest.mark.parametrize("status, code, restarts, action, exit_code", [
-    ("finished", 0, 0, STOP, 0),
-    ("finished", 0, 3, STOP, 0),
-    ("preempted", 75, 0, REQUEUE, 0),
-    ("preempted", 75, 2, REQUEUE, 0),
-    ("preempted", 75, 3, STOP, exit_codes.RETRY_BUDGET_EXHAUSTED),
-    ("failed", exit_codes.INFRASTRUCTURE, 0, REQUEUE, 0),
-    ("failed", exit_codes.INFRASTRUCTURE, 3, STOP, exit_codes.RETRY_BUDGET_EXHAUSTED),
-    ("running", None, 0, REQUEUE, 0),  # killed mid-run (node loss, OOM killer, time limit)
-    ("starting", None, 1, REQUEUE, 0),
-    ("running", None, 3, STOP, exit_codes.RETRY_BUDGET_EXHAUSTED),
-    ("failed", 42, 0, STOP, 42),  # unknown code: never retried blindly
-])
-def test_decision_table(tmp_path: Path, status: str, code: int | None, restarts: int,
-                        action: str, exit_code: int) -> None:
+@pytest.mark.parametrize(
+    "status, code, restarts, action, exit_code",
+    [
+        ("finished", 0, 0, STOP, 0),
+        ("finished", 0, 3, STOP, 0),
+        ("preempted", 75, 0, REQUEUE, 0),
+        ("preempted", 75, 2, REQUEUE, 0),
+        ("preempted", 75, 3, STOP, exit_codes.RETRY_BUDGET_EXHAUSTED),
+        ("failed", exit_codes.INFRASTRUCTURE, 0, REQUEUE, 0),
+        ("failed", exit_codes.INFRASTRUCTURE, 3, STOP, exit_codes.RETRY_BUDGET_EXHAUSTED),
+        ("running", None, 0, REQUEUE, 0),  # killed mid-run (node loss, OOM killer, time limit)
+        ("starting", None, 1, REQUEUE, 0),
+        ("running", None, 3, STOP, exit_codes.RETRY_BUDGET_EXHAUSTED),
+        ("failed", 42, 0, STOP, 42),  # unknown code: never retried blindly
+    ],
+)
+def test_decision_table(
+    tmp_path: Path, status: str, code: int | None, restarts: int, action: str, exit_code: int
+) -> None:
     _record(tmp_path, 1, status, code)
     decision = decide(tmp_path, restart_count=restarts, max_requeues=3)
     assert (decision.action, decision.exit_code) == (action, exit_code), decision
@@ -100,8 +115,13 @@ def test_unreadable_record_is_infrastructure(tmp_path: Path) -> None:
 
 
 def _policy_cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "launch.retry_policy", *map(str, args)],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "launch.retry_policy", *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_cli_prints_action_and_exits_with_the_code(tmp_path: Path) -> None:
@@ -120,9 +140,9 @@ def test_cli_prints_action_and_exits_with_the_code(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------ rendering and refusals
 
+
 def _base(corpus: str, root: Path, run_id: str) -> list[str]:
-    return ["recipe=gpt_tiny", f"data.paths=[{corpus}]", f"output_dir={root}",
-            f"run_id={run_id}"]
+    return ["recipe=gpt_tiny", f"data.paths=[{corpus}]", f"output_dir={root}", f"run_id={run_id}"]
 
 
 def _dry_run(overrides: list[str]) -> int:
@@ -138,93 +158,148 @@ def _sbatch_directives(script: str) -> list[str]:
 
 
 def test_dry_run_renders_a_valid_script(stdlib_corpus: str, tmp_path: Path) -> None:
-    overrides = [*_base(stdlib_corpus, tmp_path, "render"), *LAYOUT_2x1,
-                 "launch.slurm.partition=batch", "launch.slurm.account=proj",
-                 "launch.slurm.signal_grace_s=90", "launch.slurm.time_limit=02:00:00",
-                 "launch.slurm.max_requeues=5",
-                 "launch.slurm.extra_sbatch=['--exclusive','--qos=high']",
-                 "launch.slurm.env_passthrough=[HF_TOKEN,WANDB_API_KEY]"]
+    overrides = [
+        *_base(stdlib_corpus, tmp_path, "render"),
+        *LAYOUT_2x1,
+        "launch.slurm.partition=batch",
+        "launch.slurm.account=proj",
+        "launch.slurm.signal_grace_s=90",
+        "launch.slurm.time_limit=02:00:00",
+        "launch.slurm.max_requeues=5",
+        "launch.slurm.extra_sbatch=['--exclusive','--qos=high']",
+        "launch.slurm.env_passthrough=[HF_TOKEN,WANDB_API_KEY]",
+    ]
     assert _dry_run(overrides) == 0
     run_dir = tmp_path / "render"
     assert (run_dir / "launch-config.yaml").is_file()
     assert not (run_dir / "submission-slurm.json").exists()
     script = _script(tmp_path, "render")
     assert _sbatch_directives(script) == [
-        "--job-name=render", "--nodes=2", "--ntasks-per-node=1", "--time=02:00:00",
-        "--partition=batch", "--account=proj", "--signal=B:USR1@90", "--requeue",
-        "--open-mode=append", f"--output={run_dir}/slurm/%x-%j.out", f"--chdir={os.getcwd()}",
-        "--export=ALL", "--exclusive", "--qos=high"]
-    launcher = (f"{BIN}/torchrun --nnodes=\"$SLURM_NNODES\" --nproc-per-node=1 "
-                "--rdzv-backend=c10d --rdzv-endpoint=\"$MASTER_ADDR:$MASTER_PORT\" "
-                "--rdzv-id=\"$SLURM_JOB_ID\" -m pretrain --config \"$CONFIG\"")
+        "--job-name=render",
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        "--time=02:00:00",
+        "--partition=batch",
+        "--account=proj",
+        "--signal=B:USR1@90",
+        "--requeue",
+        "--open-mode=append",
+        f"--output={run_dir}/slurm/%x-%j.out",
+        f"--chdir={os.getcwd()}",
+        "--export=ALL",
+        "--exclusive",
+        "--qos=high",
+    ]
+    launcher = (
+        f'{BIN}/torchrun --nnodes="$SLURM_NNODES" --nproc-per-node=1 '
+        '--rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" '
+        '--rdzv-id="$SLURM_JOB_ID" -m pretrain --config "$CONFIG"'
+    )
     assert launcher in " ".join(script.replace("\\\n", " ").split())
-    for needle in (f"CONFIG={run_dir}/launch-config.yaml", f"PYTHON={BIN}/python",
-                   "MAX_REQUEUES=5", "scontrol show hostnames", "NodeAddr=",
-                   "scancel --signal=TERM \"$SLURM_JOB_ID\"", "trap 'on_signal USR1' USR1",
-                   "scontrol requeue \"$SLURM_JOB_ID\"", "-m launch.retry_policy",
-                   "export MCORE_RECIPES_CODE_COMMIT=", "export MCORE_RECIPES_IMAGE_DIGEST=",
-                   "export OMP_NUM_THREADS=1", "export PYTHONUNBUFFERED=1",
-                   "export HF_TOKEN;", "export WANDB_API_KEY;", "restart-${RESTART}.log"):
+    for needle in (
+        f"CONFIG={run_dir}/launch-config.yaml",
+        f"PYTHON={BIN}/python",
+        "MAX_REQUEUES=5",
+        "scontrol show hostnames",
+        "NodeAddr=",
+        'scancel --signal=TERM "$SLURM_JOB_ID"',
+        "trap 'on_signal USR1' USR1",
+        'scontrol requeue "$SLURM_JOB_ID"',
+        "-m launch.retry_policy",
+        "export MCORE_RECIPES_CODE_COMMIT=",
+        "export MCORE_RECIPES_IMAGE_DIGEST=",
+        "export OMP_NUM_THREADS=1",
+        "export PYTHONUNBUFFERED=1",
+        "export HF_TOKEN;",
+        "export WANDB_API_KEY;",
+        "restart-${RESTART}.log",
+    ):
         assert needle in script, needle
     assert "--gpus-per-node" not in script and "--container-image" not in script
-    syntax = subprocess.run(["bash", "-n", str(run_dir / "slurm" / "render.sbatch")],
-                            capture_output=True, text=True)
+    syntax = subprocess.run(
+        ["bash", "-n", str(run_dir / "slurm" / "render.sbatch")], capture_output=True, text=True
+    )
     assert syntax.returncode == 0, syntax.stderr
 
 
 def test_render_gpus_container_and_ft_launcher(stdlib_corpus: str, tmp_path: Path) -> None:
-    overrides = [*_base(stdlib_corpus, tmp_path, "gpu"), "launch.nodes=1",
-                 "launch.nproc_per_node=2", "launch.gpus_per_node=2", "launch.backend=ft_launcher",
-                 "launch.slurm.container_image=nvcr.io/nvidia/pytorch:25.01-py3",
-                 "launch.slurm.container_mounts=[/data:/data,/ckpt:/ckpt]"]
+    overrides = [
+        *_base(stdlib_corpus, tmp_path, "gpu"),
+        "launch.nodes=1",
+        "launch.nproc_per_node=2",
+        "launch.gpus_per_node=2",
+        "launch.backend=ft_launcher",
+        "launch.slurm.container_image=nvcr.io/nvidia/pytorch:25.01-py3",
+        "launch.slurm.container_mounts=[/data:/data,/ckpt:/ckpt]",
+    ]
     assert _dry_run(overrides) == 0
     script = _script(tmp_path, "gpu")
     assert "--gpus-per-node=2" in _sbatch_directives(script)
-    assert ("--container-image=nvcr.io/nvidia/pytorch:25.01-py3 "
-            "--container-mounts=/data:/data,/ckpt:/ckpt") in script
+    assert (
+        "--container-image=nvcr.io/nvidia/pytorch:25.01-py3 "
+        "--container-mounts=/data:/data,/ckpt:/ckpt"
+    ) in script
     # inside the container the image's launcher runs, not the submitting venv's
-    assert re.search(r"^\s+ft_launcher --ft-cfg-path=\S+/ft_launcher.yaml "
-                     r"--nnodes=\"\$SLURM_NNODES\" --nproc-per-node=2 "
-                     r"\\\n\s+--rdzv-backend=c10d --rdzv-endpoint=", script, re.M), script
+    assert re.search(
+        r"^\s+ft_launcher --ft-cfg-path=\S+/ft_launcher.yaml "
+        r"--nnodes=\"\$SLURM_NNODES\" --nproc-per-node=2 "
+        r"\\\n\s+--rdzv-backend=c10d --rdzv-endpoint=",
+        script,
+        re.M,
+    ), script
     assert (tmp_path / "gpu" / "ft_launcher.yaml").is_file(), "the launcher config is written"
     assert "torchrun --nnodes" not in script
 
 
-def test_render_pins_an_absolute_output_dir(stdlib_corpus: str, tmp_path: Path,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_render_pins_an_absolute_output_dir(
+    stdlib_corpus: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     assert _dry_run([*_base(stdlib_corpus, Path("rel"), "abs"), *LAYOUT_2x1]) == 0
     pinned = (tmp_path / "rel" / "abs" / "launch-config.yaml").read_text()
     assert f"output_dir: {tmp_path}/rel" in pinned
 
 
-@pytest.mark.parametrize("bad, message", [
-    (["train.no_such_key=1"], "no_such_key"),
-    (["launch.nodes=3", "launch.nproc_per_node=1"], "launch.nodes=3"),  # 3 ranks, tp=2
-    (["launch.slurm.env_passthrough=[NOT-A-NAME]"], "NOT-A-NAME"),
-    (["output_dir='/tmp/with space'"], "contains whitespace"),
-])
-def test_bad_input_is_refused(stdlib_corpus: str, tmp_path: Path, bad: list[str], message: str,
-                              capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (["train.no_such_key=1"], "no_such_key"),
+        (["launch.nodes=3", "launch.nproc_per_node=1"], "launch.nodes=3"),  # 3 ranks, tp=2
+        (["launch.slurm.env_passthrough=[NOT-A-NAME]"], "NOT-A-NAME"),
+        (["output_dir='/tmp/with space'"], "contains whitespace"),
+    ],
+)
+def test_bad_input_is_refused(
+    stdlib_corpus: str,
+    tmp_path: Path,
+    bad: list[str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     code = launch_main(["slurm", *_base(stdlib_corpus, tmp_path, "bad"), *bad])
     assert code == exit_codes.CONFIG_ERROR
     assert message in capsys.readouterr().err
     assert not (tmp_path / "bad" / "slurm").exists()
 
 
-def test_run_owned_by_a_live_job_is_refused(stdlib_corpus: str, tmp_path: Path,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_run_owned_by_a_live_job_is_refused(
+    stdlib_corpus: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with RunLease(RunLayout(tmp_path, "owned"), attempt=1, timeout_s=60):
-        code = launch_main(["slurm", "--dry-run", *_base(stdlib_corpus, tmp_path, "owned"),
-                            *LAYOUT_2x1])
+        code = launch_main(
+            ["slurm", "--dry-run", *_base(stdlib_corpus, tmp_path, "owned"), *LAYOUT_2x1]
+        )
     assert code == exit_codes.CONFIG_ERROR
     assert "owned by a live job" in capsys.readouterr().err
     assert not (tmp_path / "owned" / "launch-config.yaml").exists()
 
 
-def test_missing_sbatch_is_a_clear_error(stdlib_corpus: str, tmp_path: Path,
-                                         monkeypatch: pytest.MonkeyPatch,
-                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_missing_sbatch_is_a_clear_error(
+    stdlib_corpus: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
     code = launch_main(["slurm", *_base(stdlib_corpus, tmp_path, "nosbatch"), *LAYOUT_2x1])
     assert code == exit_codes.CONFIG_ERROR
@@ -235,28 +310,39 @@ def test_missing_sbatch_is_a_clear_error(stdlib_corpus: str, tmp_path: Path,
 
 # ------------------------------------------------------------------ the real cluster
 
+
 @pytest.fixture(scope="session")
 def slurm_env() -> Iterator[dict[str, str]]:
     """Start the local test cluster (or reuse a healthy one); stop it if this session started it."""
     if os.geteuid() != 0 or (shutil.which("sbatch") is None and shutil.which("apt-get") is None):
-        pytest.skip("!!! SLURM CLUSTER TESTS SKIPPED: tests/slurm/cluster_up.sh needs root and "
-                    "apt-get (Debian 12) to install and start a local Slurm cluster; these tests "
-                    "must run in CI !!!")
-    up = subprocess.run(["bash", str(SLURM_DIR / "cluster_up.sh")], capture_output=True,
-                        text=True, timeout=900)
+        pytest.skip(
+            "!!! SLURM CLUSTER TESTS SKIPPED: tests/slurm/cluster_up.sh needs root and "
+            "apt-get (Debian 12) to install and start a local Slurm cluster; these tests "
+            "must run in CI !!!"
+        )
+    up = subprocess.run(
+        ["bash", str(SLURM_DIR / "cluster_up.sh")], capture_output=True, text=True, timeout=900
+    )
     if up.returncode != 0:
         pytest.fail(f"cluster_up.sh failed ({up.returncode}):\n{up.stdout}\n{up.stderr}")
     started = "already up" not in up.stdout
     root = os.environ.get("MCORE_RECIPES_SLURM_ROOT", "/tmp/mcore-recipes-slurm")
     yield {**os.environ, "SLURM_CONF": f"{root}/etc/slurm.conf"}
     if started:
-        subprocess.run(["bash", str(SLURM_DIR / "cluster_down.sh")], capture_output=True,
-                       timeout=120)
+        subprocess.run(
+            ["bash", str(SLURM_DIR / "cluster_down.sh")], capture_output=True, timeout=120
+        )
 
 
 def _submit(overrides: list[str], env: dict[str, str]) -> str:
-    proc = subprocess.run([sys.executable, "-m", "launch", "slurm", *overrides], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch", "slurm", *overrides],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, f"submit failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     job_id = proc.stdout.strip().splitlines()[-1]
     assert job_id.isdigit(), proc.stdout
@@ -264,8 +350,13 @@ def _submit(overrides: list[str], env: dict[str, str]) -> str:
 
 
 def _job(job_id: str, env: dict[str, str]) -> dict[str, str]:
-    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=env,
-                         capture_output=True, text=True, timeout=60).stdout
+    out = subprocess.run(
+        ["scontrol", "show", "job", "-o", job_id],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
     return dict(re.findall(r"(\w+)=(\S*)", out))
 
 
@@ -274,8 +365,9 @@ def _log_tail(run_dir: Path, lines: int = 60) -> str:
     text = []
     for path in sorted((run_dir / "slurm").glob("*.out")):
         kept = [ln for ln in path.read_text(errors="replace").splitlines() if not noise.search(ln)]
-        text.append(f"--- {path.name} (last {lines} lines, noise filtered)\n" +
-                    "\n".join(kept[-lines:]))
+        text.append(
+            f"--- {path.name} (last {lines} lines, noise filtered)\n" + "\n".join(kept[-lines:])
+        )
     return "\n".join(text) or f"(no job output in {run_dir}/slurm)"
 
 
@@ -287,12 +379,14 @@ def _wait_done(job_id: str, run_dir: Path, env: dict[str, str], timeout: float =
             return info
         time.sleep(1)
     subprocess.run(["scancel", job_id], env=env, timeout=60)
-    raise AssertionError(f"job {job_id} not done after {timeout:.0f}s: {_job(job_id, env)}\n"
-                         f"{_log_tail(run_dir)}")
+    raise AssertionError(
+        f"job {job_id} not done after {timeout:.0f}s: {_job(job_id, env)}\n{_log_tail(run_dir)}"
+    )
 
 
-def _wait_steps(run_dir: Path, n: int, job_id: str, env: dict[str, str],
-                timeout: float = 300) -> None:
+def _wait_steps(
+    run_dir: Path, n: int, job_id: str, env: dict[str, str], timeout: float = 300
+) -> None:
     deadline = time.monotonic() + timeout
     path = run_dir / "metrics" / "steps.jsonl"
     while time.monotonic() < deadline:
@@ -309,14 +403,22 @@ def _attempts(run_dir: Path) -> list[dict]:
 
 
 def _cluster_overrides(base: list[str], root: Path, run_id: str) -> list[str]:
-    return [*base, f"output_dir={root}", f"run_id={run_id}", *LAYOUT_2x1,
-            "train.train_steps=40", "checkpoint.save_interval=10",
-            "launch.slurm.time_limit=00:15:00", "launch.slurm.max_requeues=2"]
+    return [
+        *base,
+        f"output_dir={root}",
+        f"run_id={run_id}",
+        *LAYOUT_2x1,
+        "train.train_steps=40",
+        "checkpoint.save_interval=10",
+        "launch.slurm.time_limit=00:15:00",
+        "launch.slurm.max_requeues=2",
+    ]
 
 
 @pytest.fixture(scope="module")
-def background_jobs(slurm_env: dict[str, str], tiny_overrides: list[str],
-                    tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, Path]]:
+def background_jobs(
+    slurm_env: dict[str, str], tiny_overrides: list[str], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[str, Path]]:
     """Jobs no test interacts with, submitted together so they share the cluster's waits.
 
     clean: one uninterrupted 2-node run (also the reference for the preemption test);
@@ -324,13 +426,19 @@ def background_jobs(slurm_env: dict[str, str], tiny_overrides: list[str],
     """
     root = tmp_path_factory.mktemp("slurm")
     extra = {"clean": [], "raises": ["train.fault=raise@3"]}
-    return {name: (_submit([*_cluster_overrides(tiny_overrides, root, name), *more], slurm_env),
-                   root / name) for name, more in extra.items()}
+    return {
+        name: (
+            _submit([*_cluster_overrides(tiny_overrides, root, name), *more], slurm_env),
+            root / name,
+        )
+        for name, more in extra.items()
+    }
 
 
 @pytest.fixture(scope="module")
-def clean_run(slurm_env: dict[str, str],
-              background_jobs: dict[str, tuple[str, Path]]) -> tuple[Path, dict]:
+def clean_run(
+    slurm_env: dict[str, str], background_jobs: dict[str, tuple[str, Path]]
+) -> tuple[Path, dict]:
     job_id, run_dir = background_jobs["clean"]
     return run_dir, _wait_done(job_id, run_dir, slurm_env)
 
@@ -339,14 +447,21 @@ def clean_run(slurm_env: dict[str, str],
 def test_job_runs_to_completion(clean_run: tuple[Path, dict]) -> None:
     run_dir, info = clean_run
     context = f"{info}\n{_log_tail(run_dir)}"
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), \
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), (
         context
+    )
     [attempt] = _attempts(run_dir)
-    assert (attempt["status"], attempt["exit_code"], attempt["step"]) == ("finished", 0, 40), \
+    assert (attempt["status"], attempt["exit_code"], attempt["step"]) == ("finished", 0, 40), (
         context
+    )
     assert json.loads((run_dir / "latest.json").read_text())["step"] == 40
-    ls = subprocess.run([sys.executable, "-m", "resiliency", "ls", str(run_dir)], cwd=REPO,
-                        capture_output=True, text=True, timeout=120)
+    ls = subprocess.run(
+        [sys.executable, "-m", "resiliency", "ls", str(run_dir)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert re.search(r"^\s+40\s+step-000000040\s+yes\s+yes", ls.stdout, re.M), ls.stdout
     steps = read_steps(run_dir)
     assert sorted(steps) == list(range(1, 41))
@@ -356,45 +471,63 @@ def test_job_runs_to_completion(clean_run: tuple[Path, dict]) -> None:
 
 @pytest.mark.slow
 def test_usr1_saves_requeues_and_resumes_bit_for_bit(
-        slurm_env: dict[str, str], tiny_overrides: list[str], clean_run: tuple[Path, dict],
-        tmp_path: Path) -> None:
+    slurm_env: dict[str, str],
+    tiny_overrides: list[str],
+    clean_run: tuple[Path, dict],
+    tmp_path: Path,
+) -> None:
     run_dir = tmp_path / "preempted"
     job_id = _submit(_cluster_overrides(tiny_overrides, tmp_path, "preempted"), slurm_env)
     _wait_steps(run_dir, 3, job_id, slurm_env)
     # What Slurm does at the time limit (--signal=B:USR1@grace), on demand: USR1 to the batch
     # shell only.
-    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm_env, check=True,
-                   timeout=60)
+    subprocess.run(
+        ["scancel", "--signal=USR1", "--batch", job_id], env=slurm_env, check=True, timeout=60
+    )
     info = _wait_done(job_id, run_dir, slurm_env)
     context = f"{info}\n{_log_tail(run_dir)}"
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), \
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), (
         context
+    )
     first, second = _attempts(run_dir)
     assert (first["status"], first["exit_code"]) == ("preempted", exit_codes.REQUEUE), context
     saved = first["step"]
     assert 3 <= saved < 40, context
-    assert (second["status"], second["restored_step"], second["step"]) == \
-        ("finished", saved, 40), context
+    assert (second["status"], second["restored_step"], second["step"]) == ("finished", saved, 40), (
+        context
+    )
     restart_log = (run_dir / "slurm" / f"{job_id}-restart-1.log").read_text()
     assert f"resumed from step-{saved:09d} at step {saved}" in restart_log, context
     assert "retry policy: requeue" in (run_dir / "slurm" / f"{job_id}-restart-0.log").read_text()
     reference, resumed = read_steps(clean_run[0]), read_steps(run_dir)
     assert sorted(resumed) == sorted(reference) == list(range(1, 41))
-    mismatches = [(s, reference[s]["loss"], resumed[s]["loss"]) for s in reference
-                  if reference[s]["loss"] != resumed[s]["loss"]]
+    mismatches = [
+        (s, reference[s]["loss"], resumed[s]["loss"])
+        for s in reference
+        if reference[s]["loss"] != resumed[s]["loss"]
+    ]
     assert not mismatches, f"losses differ from the uninterrupted run: {mismatches[:5]}"
 
 
 @pytest.mark.slow
 def test_user_code_failure_is_not_requeued(
-        slurm_env: dict[str, str], background_jobs: dict[str, tuple[str, Path]]) -> None:
+    slurm_env: dict[str, str], background_jobs: dict[str, tuple[str, Path]]
+) -> None:
     job_id, run_dir = background_jobs["raises"]
     info = _wait_done(job_id, run_dir, slurm_env)
     context = f"{info}\n{_log_tail(run_dir)}"
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == \
-        ("FAILED", f"{exit_codes.USER_CODE}:0", "0"), context
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == (
+        "FAILED",
+        f"{exit_codes.USER_CODE}:0",
+        "0",
+    ), context
     [attempt] = _attempts(run_dir)
-    assert (attempt["status"], attempt["exit_code"], attempt["failure_class"]) == \
-        ("failed", exit_codes.USER_CODE, "user_code"), context
-    assert "retry policy: stop 4 deterministic failure" in \
-        (run_dir / "slurm" / f"{job_id}-restart-0.log").read_text(), context
+    assert (attempt["status"], attempt["exit_code"], attempt["failure_class"]) == (
+        "failed",
+        exit_codes.USER_CODE,
+        "user_code",
+    ), context
+    assert (
+        "retry policy: stop 4 deterministic failure"
+        in (run_dir / "slurm" / f"{job_id}-restart-0.log").read_text()
+    ), context

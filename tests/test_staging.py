@@ -18,21 +18,38 @@ WORKER = str(REPO / "tests" / "workers" / "staged_state.py")
 def _compare(overrides: list[str], tmp_path: Path) -> list[dict]:
     out = tmp_path / "report.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", WORKER,
-                           f"--out={out}", *overrides, f"output_dir={tmp_path}"],
-                          cwd=REPO, env=env, text=True, capture_output=True, timeout=300)
+    proc = subprocess.run(
+        [
+            TORCHRUN,
+            "--standalone",
+            "--nproc-per-node=2",
+            WORKER,
+            f"--out={out}",
+            *overrides,
+            f"output_dir={tmp_path}",
+        ],
+        cwd=REPO,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("layout,in_place", [
-    (["parallel.tp=2"], True),                       # DP=1: one copy per param
-    (["parallel.tp=1"], False),                      # DP=2: gathered over the gloo DP group
-    (["recipe=gpt_tiny_moe", "parallel.ep=2"], True),  # chained optimizers (dense + expert)
-], ids=["tp2", "dp2", "moe-ep2"])
-def test_staged_optimizer_state_equals_megatrons(layout: list[str], in_place: bool,
-                                                 tiny_overrides: list[str],
-                                                 tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "layout,in_place",
+    [
+        (["parallel.tp=2"], True),  # DP=1: one copy per param
+        (["parallel.tp=1"], False),  # DP=2: gathered over the gloo DP group
+        (["recipe=gpt_tiny_moe", "parallel.ep=2"], True),  # chained optimizers (dense + expert)
+    ],
+    ids=["tp2", "dp2", "moe-ep2"],
+)
+def test_staged_optimizer_state_equals_megatrons(
+    layout: list[str], in_place: bool, tiny_overrides: list[str], tmp_path: Path
+) -> None:
     reports = _compare([*tiny_overrides, *layout], tmp_path)
     for rank, report in enumerate(reports):
         assert report["mismatches"] == [], (rank, report["mismatches"][:5])

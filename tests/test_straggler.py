@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from recipes.schema import StragglerConfig
 from pretrain import exit_codes
-from resiliency.storage.layout import RunLayout
 from pretrain.cpu_shim import nvrx_straggler_on_cpu
+from recipes.schema import StragglerConfig
 from resiliency.monitor.straggler import REPORTS_FILE, summarize
+from resiliency.storage.layout import RunLayout
 from tests.ft_helpers import STRAGGLER, attempts, base_overrides, clean_run, launch_local
 
 SLOW_STEP, INTERVAL = 5, 4
@@ -28,9 +28,11 @@ def reports(run_dir: Path) -> list[dict]:
 
 def test_summary_names_only_ranks_slower_than_their_peers() -> None:
     nan = float("nan")
-    report = SimpleNamespace(section_relative_perf_scores={"step": {0: 1.0, 1: 0.4, 2: 0.95}},
-                             section_individual_perf_scores={"step": {0: 0.5, 1: 0.35, 2: 1.0}},
-                             gpu_relative_perf_scores={0: nan, 1: nan, 2: nan})
+    report = SimpleNamespace(
+        section_relative_perf_scores={"step": {0: 1.0, 1: 0.4, 2: 0.95}},
+        section_individual_perf_scores={"step": {0: 0.5, 1: 0.35, 2: 1.0}},
+        gpu_relative_perf_scores={0: nan, 1: nan, 2: nan},
+    )
     summary = summarize(report, 8, StragglerConfig())
     assert summary.stragglers == [1]
     assert summary.relative[1] == 0.4 and summary.individual[1] == 0.35
@@ -66,11 +68,14 @@ def test_cpu_sections_time_work_not_waiting(monkeypatch: pytest.MonkeyPatch) -> 
 
 @pytest.mark.slow
 @pytest.mark.current_stack
-def test_slow_rank_is_named_within_two_intervals(tiny_overrides: list[str],
-                                                 tmp_path: Path) -> None:
+def test_slow_rank_is_named_within_two_intervals(tiny_overrides: list[str], tmp_path: Path) -> None:
     # The torchrun backend: straggler detection does not need ft_launcher.
-    overrides = [*base_overrides(tiny_overrides, tmp_path, "slow"), "launch.backend=torchrun",
-                 f"train.fault=slow@{SLOW_STEP}:1:3", "resiliency.straggler.stop_if_detected=true"]
+    overrides = [
+        *base_overrides(tiny_overrides, tmp_path, "slow"),
+        "launch.backend=torchrun",
+        f"train.fault=slow@{SLOW_STEP}:1:3",
+        "resiliency.straggler.stop_if_detected=true",
+    ]
     assert f"resiliency.straggler.report_interval={INTERVAL}" in STRAGGLER
     proc = launch_local(overrides)
     assert proc.returncode == exit_codes.STRAGGLER, proc.stderr[-6000:]
@@ -90,8 +95,9 @@ def test_slow_rank_is_named_within_two_intervals(tiny_overrides: list[str],
 
 
 @pytest.mark.slow
-def test_clean_run_names_no_straggler(tiny_overrides: list[str],
-                                      tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_clean_run_names_no_straggler(
+    tiny_overrides: list[str], tmp_path_factory: pytest.TempPathFactory
+) -> None:
     found = reports(clean_run(tiny_overrides, tmp_path_factory.getbasetemp()))
     assert [r["step"] for r in found] == [4, 8, 12]
     assert all(r["stragglers"] == [] for r in found), found

@@ -51,18 +51,32 @@ def test_layout_matches_single_rank(trained: dict, layout: str) -> None:
     assert curve == pytest.approx(reference, abs=TOLERANCE), (layout, curve, reference)
 
 
-def test_equivalence_check_can_fail(trained: dict, tiny_overrides: list[str],
-                                    tmp_path: Path) -> None:
+def test_equivalence_check_can_fail(
+    trained: dict, tiny_overrides: list[str], tmp_path: Path
+) -> None:
     """A different init seed must break equality: the tolerance is tight enough to matter."""
-    run_pretrain(1, [*tiny_overrides, f"output_dir={tmp_path}", "run_id=seed",
-                     "parallel.tp=1", "train.seed=7", "checkpoint.enabled=false"])
+    run_pretrain(
+        1,
+        [
+            *tiny_overrides,
+            f"output_dir={tmp_path}",
+            "run_id=seed",
+            "parallel.tp=1",
+            "train.seed=7",
+            "checkpoint.enabled=false",
+        ],
+    )
     curve = losses(tmp_path / "seed")[:EQUIVALENT_STEPS]
     assert max(abs(a - b) for a, b in zip(curve, trained["tp1"])) > 100 * TOLERANCE
 
 
 def test_moe_expert_parallel(tiny_overrides: list[str], tmp_path: Path) -> None:
-    base = [*tiny_overrides, "recipe=gpt_tiny_moe", f"output_dir={tmp_path}",
-            "checkpoint.enabled=false"]
+    base = [
+        *tiny_overrides,
+        "recipe=gpt_tiny_moe",
+        f"output_dir={tmp_path}",
+        "checkpoint.enabled=false",
+    ]
     run_pretrain(2, [*base, "run_id=ep2", "parallel.ep=2"])
     run_pretrain(1, [*base, "run_id=ep1", "parallel.ep=1"])
     ep2, ep1 = losses(tmp_path / "ep2"), losses(tmp_path / "ep1")
@@ -75,8 +89,13 @@ def test_context_parallel_on_gpu(tiny_overrides: list[str], tmp_path: Path) -> N
     torch = pytest.importorskip("torch")
     if torch.cuda.device_count() < 2:
         pytest.skip("context parallelism needs 2 CUDA devices (Transformer Engine attention)")
-    base = [*tiny_overrides, f"output_dir={tmp_path}", "checkpoint.enabled=false",
-            "parallel.tp=1", "train.precision=fp32"]
+    base = [
+        *tiny_overrides,
+        f"output_dir={tmp_path}",
+        "checkpoint.enabled=false",
+        "parallel.tp=1",
+        "train.precision=fp32",
+    ]
     run_pretrain(2, [*base, "run_id=cp2", "parallel.cp=2"])
     run_pretrain(1, [*base, "run_id=cp1"])
     cp2, cp1 = losses(tmp_path / "cp2"), losses(tmp_path / "cp1")

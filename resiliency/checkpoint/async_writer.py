@@ -18,9 +18,11 @@ import os
 import queue
 from typing import Any
 
-from megatron.core.dist_checkpointing.strategies.async_utils import (AsyncCaller,
-                                                                     AsyncCallsQueue,
-                                                                     AsyncRequest)
+from megatron.core.dist_checkpointing.strategies.async_utils import (
+    AsyncCaller,
+    AsyncCallsQueue,
+    AsyncRequest,
+)
 
 from pretrain.compat import die_with_parent
 from resiliency.checkpoint.shard_writer import install_writer_checksums
@@ -67,8 +69,10 @@ class SpawnedWriter(AsyncCaller):
         if self.process is None:
             # Not a daemon: megatron's write function forks its writer processes from here.
             self.process = self._ctx.Process(
-                target=_writer_main, name="checkpoint-writer",
-                args=(self._requests, self._done, self._checksum_queue))
+                target=_writer_main,
+                name="checkpoint-writer",
+                args=(self._requests, self._done, self._checksum_queue),
+            )
             self.process.start()
             # A rank leaving on an error must not wait for (or keep) its writer; normal exits
             # close the queue first, which waits for the last save.
@@ -78,20 +82,24 @@ class SpawnedWriter(AsyncCaller):
             # The write buckets (argument 1, as megatron's own callers do); every tensor in
             # them is a host staging buffer already, so this copies nothing.
             args[1] = async_req.preload_fn()
-        self._requests.put((async_req.call_idx, async_req.async_fn, args,
-                            dict(async_req.async_fn_kwargs or {})))
+        self._requests.put(
+            (async_req.call_idx, async_req.async_fn, args, dict(async_req.async_fn_kwargs or {}))
+        )
         self._in_flight = async_req.call_idx
 
     def _local_done(self, blocking: bool) -> bool:
         while self._in_flight is not None:
             try:
-                call_idx, error = self._done.get(timeout=POLL_S) if blocking \
-                    else self._done.get_nowait()
+                call_idx, error = (
+                    self._done.get(timeout=POLL_S) if blocking else self._done.get_nowait()
+                )
             except queue.Empty:
                 if not self.process.is_alive():
-                    raise WriterDied(f"checkpoint writer process exited with code "
-                                     f"{self.process.exitcode} during save call "
-                                     f"{self._in_flight}") from None
+                    raise WriterDied(
+                        f"checkpoint writer process exited with code "
+                        f"{self.process.exitcode} during save call "
+                        f"{self._in_flight}"
+                    ) from None
                 if not blocking:
                     return False
                 continue

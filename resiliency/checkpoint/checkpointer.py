@@ -9,38 +9,44 @@ rank loads it, and the loaded state is checked against the manifest before train
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
+import shutil
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from resiliency.checkpoint import rank_state as state_io
-from resiliency.storage.checksum import (describe_files, describe_written,
-                                 file_checksum, share_of)
-from resiliency.storage.layout import RunLayout, payload_files
-from resiliency.storage.manifest import (Manifest, code_commit, image_digest, merge_file_entries,
-                                 read_manifest, runtime_versions)
-from resiliency.checkpoint.optim_gather import staged_fully_reshardable
-from resiliency.storage.publish import begin_step, publish, set_aside, write_manifest_and_commit
-from resiliency.storage.retention import apply_gc, plan_gc
-from resiliency.checkpoint.async_writer import SpawnedWriterQueue
-from resiliency.checkpoint.shard_writer import in_process_writes, writer_checksums
-from resiliency.checkpoint.staging import StagingBuffers, stage_sharded_state, staging_for
-from resiliency.storage.verify import verify_step_dir
-
 from pretrain import exit_codes
 from pretrain.compat import fix_orphaned_writer_manager
+from pretrain.data import dataset_fingerprint
+from pretrain.distributed import broadcast_object
 from pretrain.failures import ClassifiedError
 from pretrain.faults import FaultInjector
 from pretrain.loop import TrainState
+from resiliency.checkpoint import rank_state as state_io
+from resiliency.checkpoint.async_writer import SpawnedWriterQueue
+from resiliency.checkpoint.shard_writer import in_process_writes, writer_checksums
+from resiliency.checkpoint.staging import StagingBuffers, stage_sharded_state, staging_for
+from resiliency.checkpoint.state_dict import chunks_by_key, sharded_training_state
+from resiliency.checkpoint.topology import scale_lr
+from resiliency.storage.checksum import describe_files, describe_written, file_checksum, share_of
+from resiliency.storage.layout import RunLayout, payload_files
+from resiliency.storage.manifest import (
+    Manifest,
+    code_commit,
+    image_digest,
+    merge_file_entries,
+    runtime_versions,
+)
+from resiliency.storage.publish import begin_step, publish, set_aside, write_manifest_and_commit
+from resiliency.storage.retention import apply_gc, plan_gc
+from resiliency.storage.verify import verify_step_dir
 
 if TYPE_CHECKING:
     from pretrain.loop import Trainer
@@ -78,44 +84,10 @@ class SaveStats:
     last_step: int | None = None
 
 
-def broadcast_object(value: Any, src: int = 0) -> Any:
-    box = [value]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
-def chunks_by_key(chunks: list[Any]) -> dict[str, Any]:
-    """Megatron-LM's top-level checkpoint keys: "model", or "model<i>" per virtual stage."""
-    if len(chunks) == 1:
-        return {"model": chunks[0]}
-    return {f"model{i}": chunk for i, chunk in enumerate(chunks)}
-
-
-def model_state_dict(chunks: list[Any]) -> dict[str, Any]:
-    return {key: chunk.sharded_state_dict() for key, chunk in chunks_by_key(chunks).items()}
-
-
-def sharded_training_state(parts: Any, optim_format: str, is_loading: bool = False,
-                           with_optimizer: bool = True, staging: StagingBuffers | None = None,
-                           snapshot: bool = True) -> dict[str, Any]:
-    """Model chunks and (optionally) optimizer as one megatron sharded state dict; with
-    ``staging``, a fully-reshardable optimizer state is built into its buffers (or, without
-    ``snapshot``, left in place where it can be written as it is)."""
-    sharded = model_state_dict(parts.chunks)
-    if with_optimizer:
-        fast = staging is not None and not is_loading and optim_format == "fully_reshardable"
-        with (staged_fully_reshardable(parts.optimizer, staging, snapshot) if fast
-              else contextlib.nullcontext()):
-            sharded["optimizer"] = parts.optimizer.sharded_state_dict(
-                sharded, is_loading=is_loading,
-                metadata={"distrib_optim_sharding_type": optim_format,
-                          "chained_optim_avoid_prefix": True})
-    return sharded
-
-
 class Checkpointer:
-    def __init__(self, trainer: "Trainer", layout: RunLayout, attempt: int,
-                 faults: FaultInjector) -> None:
+    def __init__(
+        self, trainer: "Trainer", layout: RunLayout, attempt: int, faults: FaultInjector
+    ) -> None:
         self.trainer, self.layout, self.attempt = trainer, layout, attempt
         self.faults = faults  # train.fault's points inside the save protocol (tests, drill)
         self.cfg = trainer.run.checkpoint
@@ -195,25 +167,37 @@ class Checkpointer:
             verdict = verify_step_dir(final, self.trainer.run.run_id, full=self.cfg.full_verify)
             if not verdict.ok:
                 moved = set_aside(self.layout, step, verdict.reason)
-                log.warning("checkpoint step %d: invalid published dir moved to %s (%s)", step,
-                            moved.name, verdict.reason)
+                log.warning(
+                    "checkpoint step %d: invalid published dir moved to %s (%s)",
+                    step,
+                    moved.name,
+                    verdict.reason,
+                )
 
     def _write_shards(self, tmp: Path) -> Any:
+        # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
         from megatron.core import dist_checkpointing
 
         start = time.perf_counter()
-        sharded = sharded_training_state(self.trainer.parts, self.cfg.optim_format,
-                                         staging=self.staging, snapshot=self.cfg.async_save)
+        sharded = sharded_training_state(
+            self.trainer.parts,
+            self.cfg.optim_format,
+            staging=self.staging,
+            snapshot=self.cfg.async_save,
+        )
         self.phase_times["state_dict"] = time.perf_counter() - start
         if self.staging is not None:
             start = time.perf_counter()
             stage_sharded_state(sharded, self.staging, snapshot=self.cfg.async_save)
             self.phase_times["stage"] = time.perf_counter() - start
         first = self._strategy is None
-        request = dist_checkpointing.save(sharded, str(tmp / MODEL_DIR),
-                                          sharded_strategy=self._save_strategy(),
-                                          async_sharded_save=True,
-                                          validate_access_integrity=first)
+        request = dist_checkpointing.save(
+            sharded,
+            str(tmp / MODEL_DIR),
+            sharded_strategy=self._save_strategy(),
+            async_sharded_save=True,
+            validate_access_integrity=first,
+        )
         if not self.cfg.async_save:
             start = time.perf_counter()
             in_process_writes(request).execute_sync()
@@ -228,21 +212,27 @@ class Checkpointer:
         a run, so megatron caches the save plan in it (and the replica distribution over DP
         ranks) after the first save, which alone validates the sharding (Megatron-LM's
         --ckpt-assume-constant-structure)."""
+        # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
         from megatron.core import parallel_state as ps
         from megatron.core.dist_checkpointing.strategies.fully_parallel import (
-            FullyParallelSaveStrategyWrapper)
-        from megatron.core.dist_checkpointing.strategies.torch import (
-            TorchDistSaveShardedStrategy)
+            FullyParallelSaveStrategyWrapper,
+        )
+
+        # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
+        from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
         if self._strategy is None:
             # megatron's default (torch_dist, version 1), with our number of writers per rank.
-            strategy = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True,
-                                                    thread_count=self.cfg.writer_threads)
+            strategy = TorchDistSaveShardedStrategy(
+                "torch_dist", 1, cached_metadata=True, thread_count=self.cfg.writer_threads
+            )
             if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
                 # Replicas are split across DP ranks: each byte is written once, by one rank.
                 strategy = FullyParallelSaveStrategyWrapper(
-                    strategy, ps.get_data_parallel_group(with_context_parallel=True),
-                    do_cache_distribution=True)
+                    strategy,
+                    ps.get_data_parallel_group(with_context_parallel=True),
+                    do_cache_distribution=True,
+                )
             self._strategy = strategy
         return self._strategy
 
@@ -253,6 +243,7 @@ class Checkpointer:
         return staging_for(self.cfg.async_save, param_bytes, ranks_on_node)
 
     def _async_queue(self) -> Any:
+        # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
         if self.queue is None:
@@ -276,8 +267,10 @@ class Checkpointer:
             "lr": trainer.lr,
             "scheduler": trainer.parts.scheduler.state_dict(),
             "grad_scaler": None,  # bf16/fp32 train without loss scaling
-            "data_cursor": {"consumed_samples": trainer.state.consumed_samples,
-                            "shuffle_seed": trainer.run.data.seed},
+            "data_cursor": {
+                "consumed_samples": trainer.state.consumed_samples,
+                "shuffle_seed": trainer.run.data.seed,
+            },
         }
 
     def _commit(self) -> None:
@@ -338,17 +331,28 @@ class Checkpointer:
         write_manifest_and_commit(pending.tmp_dir, self._manifest(pending.step, files))
         self.faults.at_checkpoint("publish", pending.step)
         final = publish(self.layout, pending.tmp_dir, pending.step)
-        log.info("checkpoint step %d published: %s (%.2f s)", pending.step, final,
-                 time.perf_counter() - pending.started)
+        log.info(
+            "checkpoint step %d published: %s (%.2f s)",
+            pending.step,
+            final,
+            time.perf_counter() - pending.started,
+        )
         self._join_gc()
-        plan = plan_gc(self.layout, self.trainer.run.run_id, self.cfg.keep_last,
-                       self.cfg.milestone_interval, protected=set(), live_attempt=self.attempt)
+        plan = plan_gc(
+            self.layout,
+            self.trainer.run.run_id,
+            self.cfg.keep_last,
+            self.cfg.milestone_interval,
+            protected=set(),
+            live_attempt=self.attempt,
+        )
         if plan.deletions:
             # Unlinking a GiB-sized old step took 0.25 s of a 0.33 s async commit: do it off
             # the training thread. A dir is renamed to .trash- before it is emptied, so a crash
             # midway leaves trash the next collection removes, never a half-deleted step.
-            self._gc_thread = threading.Thread(target=self._apply_gc, args=(plan,),
-                                               name="checkpoint-gc", daemon=True)
+            self._gc_thread = threading.Thread(
+                target=self._apply_gc, args=(plan,), name="checkpoint-gc", daemon=True
+            )
             self._gc_thread.start()
 
     @staticmethod
@@ -366,6 +370,7 @@ class Checkpointer:
 
     @staticmethod
     def _check_loadable(model_dir: Path) -> None:
+        # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
         from megatron.core.dist_checkpointing.core import check_is_distributed_checkpoint
         from torch.distributed.checkpoint import FileSystemReader
 
@@ -374,32 +379,42 @@ class Checkpointer:
         FileSystemReader(str(model_dir)).read_metadata()
 
     def _manifest(self, step: int, files: list[Any]) -> Manifest:
-        from dataclasses import asdict
 
         run, parts = self.trainer.run, self.trainer.parts
         return Manifest(
-            run_id=run.run_id, attempt=self.attempt, step=step, world_size=self.world,
+            run_id=run.run_id,
+            attempt=self.attempt,
+            step=step,
+            world_size=self.world,
             parallelism=run.parallel.layout(parts.plan.dp_size),
-            optim_format=self.cfg.optim_format, versions=runtime_versions(),
-            code_commit=code_commit(), image_digest=image_digest(),
-            dataset=self._dataset(), config=asdict(run), files=files,
-            tokenizer={"kind": run.data.tokenizer, "path": run.data.tokenizer_path,
-                       "vocab_size": parts.tokenizer.vocab_size,
-                       "padded_vocab_size": parts.padded_vocab})
+            optim_format=self.cfg.optim_format,
+            versions=runtime_versions(),
+            code_commit=code_commit(),
+            image_digest=image_digest(),
+            dataset=self._dataset(),
+            config=asdict(run),
+            files=files,
+            tokenizer={
+                "kind": run.data.tokenizer,
+                "path": run.data.tokenizer_path,
+                "vocab_size": parts.tokenizer.vocab_size,
+                "padded_vocab_size": parts.padded_vocab,
+            },
+        )
 
     def _dataset(self) -> dict[str, Any]:
-        from pretrain.data import dataset_fingerprint
 
         if self._dataset_snapshot is None:
             snapshot = dataset_fingerprint(self.trainer.run.data)
-            snapshot["index_files"] = {p + ".idx": file_checksum(Path(p + ".idx"))
-                                       for p in self.trainer.run.data.paths
-                                       if Path(p + ".idx").is_file()}
+            snapshot["index_files"] = {
+                p + ".idx": file_checksum(Path(p + ".idx"))
+                for p in self.trainer.run.data.paths
+                if Path(p + ".idx").is_file()
+            }
             self._dataset_snapshot = snapshot
         return self._dataset_snapshot
 
     def _abort(self, tmp: Path, exc: BaseException) -> None:
-        import shutil
 
         self.pending = None
         space = self._space_report()  # before cleanup frees the partial write
@@ -408,16 +423,18 @@ class Checkpointer:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointSaveError(
             f"checkpoint save into {tmp} failed: {exc}. {space} The tmp dir was "
-            f"removed; earlier published steps in {self.layout.steps_dir} are untouched.") from exc
+            f"removed; earlier published steps in {self.layout.steps_dir} are untouched."
+        ) from exc
 
     def _space_report(self) -> str:
         """Write errors from torch DCP often hide ENOSPC; say how full the disk is."""
-        import shutil
 
         usage = shutil.disk_usage(self.layout.steps_dir)
         mib = 1 << 20
-        report = (f"Filesystem of {self.layout.steps_dir}: {usage.free // mib} MiB free of "
-                  f"{usage.total // mib} MiB.")
+        report = (
+            f"Filesystem of {self.layout.steps_dir}: {usage.free // mib} MiB free of "
+            f"{usage.total // mib} MiB."
+        )
         if usage.free < 0.05 * usage.total:
             report += " The disk is (nearly) full: free space or lower checkpoint.keep_last."
         return report
@@ -427,13 +444,23 @@ class Checkpointer:
         """Load a step chosen, topology-validated and re-hashed by restore_plan.py."""
         loaded = self._load_shards(step_dir / MODEL_DIR, manifest)
         rank_state = state_io.load_rank_state(step_dir, self.rank) if same_layout else None
-        self.apply_loaded(loaded, state_io.read_train_state(step_dir), rank_state, step_dir.name,
-                          restored=(manifest.step, "persistent"))
+        self.apply_loaded(
+            loaded,
+            state_io.read_train_state(step_dir),
+            rank_state,
+            step_dir.name,
+            restored=(manifest.step, "persistent"),
+        )
         return manifest.step
 
-    def apply_loaded(self, loaded: dict[str, Any], train_state: dict[str, Any],
-                     rank_state: dict[str, Any] | None, source: str,
-                     restored: tuple[int, str]) -> None:
+    def apply_loaded(
+        self,
+        loaded: dict[str, Any],
+        train_state: dict[str, Any],
+        rank_state: dict[str, Any] | None,
+        source: str,
+        restored: tuple[int, str],
+    ) -> None:
         """Put loaded shards, loop state and RNG (None: topology changed, reseed) in place;
         ``restored``: the (step, tier) this run now continues from."""
         trainer = self.trainer
@@ -444,21 +471,31 @@ class Checkpointer:
         else:
             # Main (fp32) params were copied from the weights at build time; refresh them.
             trainer.parts.optimizer.reload_model_params()
-            log.warning("restore: checkpoint.load_optimizer=false: weights only, FRESH optimizer "
-                        "state; the loss trajectory will differ from the original run")
+            log.warning(
+                "restore: checkpoint.load_optimizer=false: weights only, FRESH optimizer "
+                "state; the loss trajectory will differ from the original run"
+            )
         self._scale_lr_for_batch_change(train_state)
         trainer.parts.scheduler.load_state_dict(train_state["scheduler"])
-        trainer.resume_from(TrainState(train_state["step"], train_state["consumed_samples"],
-                                       train_state["consumed_tokens"]))
+        trainer.resume_from(
+            TrainState(
+                train_state["step"], train_state["consumed_samples"], train_state["consumed_tokens"]
+            )
+        )
         if rank_state is not None:
             state_io.restore_rng(rank_state, trainer.env.device)
         else:
             seed = state_io.reseed_rng(trainer.run.train.seed, train_state["step"], self.rank)
-            log.warning("restore: topology changed; RNG reseeded from (seed, step, rank) = %d",
-                        seed)
+            log.warning(
+                "restore: topology changed; RNG reseeded from (seed, step, rank) = %d", seed
+            )
         self._check_restored(train_state)
-        log.info("restore: resumed from %s at step %d (%d samples consumed)", source,
-                 train_state["step"], trainer.state.consumed_samples)
+        log.info(
+            "restore: resumed from %s at step %d (%d samples consumed)",
+            source,
+            train_state["step"],
+            trainer.state.consumed_samples,
+        )
         self.restored_step, self.restored_tier = restored
 
     def _scale_lr_for_batch_change(self, train_state: dict[str, Any]) -> None:
@@ -466,7 +503,6 @@ class Checkpointer:
         rule = self.cfg.batch_change_lr_scaling
         if saved == target:
             return
-        from resiliency.checkpoint.topology import scale_lr
 
         sched = train_state["scheduler"]
         # mcore's scheduler reads per-group max_lr/min_lr (restored with the optimizer) first.
@@ -477,14 +513,24 @@ class Checkpointer:
                     values[key] = scale_lr(values[key], saved, target, rule)
         train_state["lr"] = scale_lr(train_state["lr"], saved, target, rule)
         self.lr_scaling = {"rule": rule, "saved_global_batch": saved, "global_batch": target}
-        log.warning("restore: global batch %d -> %d: lr scaled by rule %r (max_lr %.3e)",
-                    saved, target, rule, sched["max_lr"])
+        log.warning(
+            "restore: global batch %d -> %d: lr scaled by rule %r (max_lr %.3e)",
+            saved,
+            target,
+            rule,
+            sched["max_lr"],
+        )
 
     def _load_shards(self, model_dir: Path, manifest: Manifest) -> dict[str, Any]:
+        # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
         from megatron.core import dist_checkpointing
 
-        sharded = sharded_training_state(self.trainer.parts, manifest.optim_format,
-                                         is_loading=True, with_optimizer=self.cfg.load_optimizer)
+        sharded = sharded_training_state(
+            self.trainer.parts,
+            manifest.optim_format,
+            is_loading=True,
+            with_optimizer=self.cfg.load_optimizer,
+        )
         return dist_checkpointing.load(sharded, str(model_dir))
 
     def _check_restored(self, train_state: dict[str, Any]) -> None:
@@ -498,8 +544,9 @@ class Checkpointer:
         if self.cfg.load_optimizer and not self._optimizer_has_state():
             problems.append("optimizer state is empty after load")
         if problems:
-            raise RestoreError(f"restored state does not match step {train_state['step']}: "
-                               + "; ".join(problems))
+            raise RestoreError(
+                f"restored state does not match step {train_state['step']}: " + "; ".join(problems)
+            )
 
     def _optimizer_has_state(self) -> bool:
         optimizer = self.trainer.parts.optimizer
@@ -511,4 +558,3 @@ class Checkpointer:
         if self.queue is not None:
             self.queue.close()
             self.queue = None
-

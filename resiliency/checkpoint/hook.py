@@ -9,13 +9,20 @@ import json
 import logging
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 from pretrain import exit_codes
+from pretrain.compat import vpp_tied_embedding_save_problem
+from pretrain.distributed import broadcast_object
 from pretrain.failures import classify
 from pretrain.hooks import StepResult, TrainHook
-from resiliency.checkpoint.checkpointer import Checkpointer, broadcast_object
+from pretrain.tokenizer import build_tokenizer
+from recipes import ConfigError
+from resiliency.checkpoint.checkpointer import Checkpointer
+from resiliency.checkpoint.local_tier import LocalTier
+from resiliency.checkpoint.restore_plan import plan_restore
 from resiliency.storage.attempts import claim_attempt, ensure_run_record, write_attempt_record
 from resiliency.storage.layout import RunLayout
 from resiliency.storage.lease import LeaseHeldError, RunLease
@@ -43,8 +50,12 @@ class RunOwnership:
         error, attempt = None, -1
         if rank == 0:
             try:
-                self.info = {"status": "starting", "host": socket.gethostname(),
-                             "world_size": world_size, "start_time": time.time()}
+                self.info = {
+                    "status": "starting",
+                    "host": socket.gethostname(),
+                    "world_size": world_size,
+                    "start_time": time.time(),
+                }
                 attempt = claim_attempt(self.layout, self.info)
                 self.lease = RunLease(self.layout, attempt, self.timeout_s)
                 self.lease.acquire()
@@ -87,14 +98,13 @@ class CheckpointHook(TrainHook):
 
     def configure(self, run: "RunConfig", dp: int) -> "RunConfig":
         """Take the run's lease, then pick and validate the step to restore (nothing loaded)."""
-        from pretrain.compat import vpp_tied_embedding_save_problem
-        from pretrain.tokenizer import build_tokenizer
-        from recipes import ConfigError
-        from resiliency.checkpoint.restore_plan import plan_restore
 
         problem = vpp_tied_embedding_save_problem(
-            run.parallel.vpp, run.model.share_embeddings_and_output_weights,
-            run.optimizer.use_distributed_optimizer, self.cfg.optim_format)
+            run.parallel.vpp,
+            run.model.share_embeddings_and_output_weights,
+            run.optimizer.use_distributed_optimizer,
+            self.cfg.optim_format,
+        )
         if problem:
             raise ConfigError(problem)
         self.ownership.acquire(self.env.rank, self.env.world_size)
@@ -105,33 +115,40 @@ class CheckpointHook(TrainHook):
         return self._model_init_for_plan(run)
 
     def _model_init_for_plan(self, run: "RunConfig") -> "RunConfig":
-        from recipes import ConfigError
 
         if self.plan is None:
             if not self.initialise:
-                raise ConfigError("model.perform_initialization=false leaves the weights "
-                                  "uninitialised, and there is no checkpoint to restore them "
-                                  f"from in {self.layout.steps_dir}; drop the override")
+                raise ConfigError(
+                    "model.perform_initialization=false leaves the weights "
+                    "uninitialised, and there is no checkpoint to restore them "
+                    f"from in {self.layout.steps_dir}; drop the override"
+                )
             # Back on for a rebuild whose first plan had turned it off.
-            return dataclasses.replace(run, model=dataclasses.replace(
-                run.model, perform_initialization=True))
+            return dataclasses.replace(
+                run, model=dataclasses.replace(run.model, perform_initialization=True)
+            )
         # Every parameter is about to be overwritten by the checkpoint: skip drawing them.
-        return dataclasses.replace(run, model=dataclasses.replace(run.model,
-                                                                  perform_initialization=False))
+        return dataclasses.replace(
+            run, model=dataclasses.replace(run.model, perform_initialization=False)
+        )
 
     def _confirm_plan(self, trainer: "Trainer") -> None:
         """The chosen step was re-hashed while the model was built; when a file is bad, plan
         the next step and rebuild the model for it (uninitialised only if it has a step)."""
-        from resiliency.checkpoint.restore_plan import plan_restore
 
         rejected: dict[int, str] = {}
         while self.plan is not None and (problem := self.plan.confirm()) is not None:
             rejected[self.plan.manifest.step] = problem
-            log.warning("restore: step %d failed its re-hash (%s); planning the next step and "
-                        "rebuilding the model", self.plan.manifest.step, problem)
+            log.warning(
+                "restore: step %d failed its re-hash (%s); planning the next step and "
+                "rebuilding the model",
+                self.plan.manifest.step,
+                problem,
+            )
             vocab = trainer.parts.tokenizer.vocab_size
-            run, self.plan = plan_restore(trainer.run, self.layout, self.env.world_size,
-                                          trainer.dp, vocab, rejected)
+            run, self.plan = plan_restore(
+                trainer.run, self.layout, self.env.world_size, trainer.dp, vocab, rejected
+            )
             trainer.rebuild(self._model_init_for_plan(run))
 
     def on_start(self, trainer: "Trainer") -> None:
@@ -139,16 +156,18 @@ class CheckpointHook(TrainHook):
         checkpointer = Checkpointer(trainer, self.layout, self.ownership.attempt, trainer.faults)
         self.checkpointer = checkpointer
         if self.cfg.local.enabled:
-            from resiliency.checkpoint.local_tier import LocalTier
-
             self.local = LocalTier(self.cfg.local, trainer, checkpointer)
         restored, tier = self._restore(checkpointer)
         if self.local is not None:
             self.local.discard_after(restored or 0)
-        self.ownership.record("running", restored_step=restored, restored_tier=tier,
-                              topology_changed=bool(self.plan and not self.plan.report.same_layout),
-                              lr_scaling=checkpointer.lr_scaling,
-                              local_dir=self.cfg.local.dir if self.local else None)
+        self.ownership.record(
+            "running",
+            restored_step=restored,
+            restored_tier=tier,
+            topology_changed=bool(self.plan and not self.plan.report.same_layout),
+            lr_scaling=checkpointer.lr_scaling,
+            local_dir=self.cfg.local.dir if self.local else None,
+        )
 
     def _restore(self, checkpointer: Checkpointer) -> tuple[int | None, str | None]:
         """The local tier when it holds a newer verified step, else the persistent tier."""
@@ -160,8 +179,9 @@ class CheckpointHook(TrainHook):
                 return step, "local"
         if self.plan is None:
             return None, None
-        return checkpointer.restore(self.plan.step_dir, self.plan.manifest,
-                                    self.plan.report.same_layout), "persistent"
+        return checkpointer.restore(
+            self.plan.step_dir, self.plan.manifest, self.plan.report.same_layout
+        ), "persistent"
 
     def before_step(self, trainer: "Trainer") -> None:
         assert self.checkpointer is not None
@@ -216,8 +236,13 @@ class CheckpointHook(TrainHook):
     def on_exception(self, trainer: "Trainer | None", exc: BaseException) -> None:
         failure = classify(exc)
         step = trainer.state.step if trainer is not None else None
-        self.ownership.record("failed", step=step, exit_code=failure.exit_code,
-                              failure_class=failure.kind, error=failure.message[:2000])
+        self.ownership.record(
+            "failed",
+            step=step,
+            exit_code=failure.exit_code,
+            failure_class=failure.kind,
+            error=failure.message[:2000],
+        )
 
     def close(self) -> None:
         if self.checkpointer is not None:
@@ -236,7 +261,11 @@ def _blocked_time(trainer: "Trainer", tier: str, step: int) -> Iterator[None]:
     yield
     if trainer.env.rank == 0:
         path = trainer.metrics_path.with_name("checkpoints.jsonl")
-        record = {"tier": tier, "step": step, "blocked_s": time.perf_counter() - started,
-                  "time": time.time()}
+        record = {
+            "tier": tier,
+            "step": step,
+            "blocked_s": time.perf_counter() - started,
+            "time": time.time(),
+        }
         with open(path, "a") as stream:
             stream.write(json.dumps(record) + "\n")

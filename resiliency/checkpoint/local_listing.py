@@ -14,21 +14,27 @@ class LocalStep:
     step: int
     world_size: int | None = None
     bytes: int = 0
-    copies: dict[int, list[tuple[str, str | None]]] = field(default_factory=dict)  # owner -> (where, problem)
+    copies: dict[int, list[tuple[str, str | None]]] = field(
+        default_factory=dict
+    )  # owner -> (where, problem)
 
     @property
     def complete(self) -> bool:
         """Every rank's shard has at least one verified copy somewhere."""
         if not self.world_size:
             return False
-        return all(any(problem is None for _, problem in self.copies.get(rank, []))
-                   for rank in range(self.world_size))
+        return all(
+            any(problem is None for _, problem in self.copies.get(rank, []))
+            for rank in range(self.world_size)
+        )
 
 
 def scan_local_tier(local_dir: Path, run_id: str) -> list[LocalStep]:
     """Every step found under ``<local_dir>/node-*/<run_id>/<rank>/``, newest first."""
     steps: dict[int, LocalStep] = {}
-    copies: dict[int, dict[int, list[tuple[str, str | None]]]] = defaultdict(lambda: defaultdict(list))
+    copies: dict[int, dict[int, list[tuple[str, str | None]]]] = defaultdict(
+        lambda: defaultdict(list)
+    )
     for rank_dir in sorted(local_dir.glob(f"node-*/{run_id}/*")):
         for entry in list_local_files(rank_dir):
             if entry.dirty:
@@ -37,7 +43,8 @@ def scan_local_tier(local_dir: Path, run_id: str) -> list[LocalStep]:
             problem = content_problem(entry, meta) if meta else "no checksum sidecar"
             record = steps.setdefault(entry.step, LocalStep(entry.step))
             record.world_size = record.world_size or (meta or {}).get("signature", {}).get(
-                "world_size")
+                "world_size"
+            )
             record.bytes += entry.path.stat().st_size
             kind = "own" if str(entry.owner) == rank_dir.name else "replica"
             where = f"{rank_dir.parent.parent.name} rank {rank_dir.name} ({kind})"
@@ -50,7 +57,9 @@ def scan_local_tier(local_dir: Path, run_id: str) -> list[LocalStep]:
 def describe_copies(record: LocalStep) -> str:
     parts = []
     for owner in sorted(record.copies):
-        held = ", ".join(where + ("" if problem is None else f" BAD({problem})")
-                         for where, problem in record.copies[owner])
+        held = ", ".join(
+            where + ("" if problem is None else f" BAD({problem})")
+            for where, problem in record.copies[owner]
+        )
         parts.append(f"r{owner}: {held}")
     return "; ".join(parts)

@@ -23,9 +23,11 @@ from typing import Any
 
 import torch
 from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.base_manager import (
-    SameMachineReplicationException)
+    SameMachineReplicationException,
+)
 from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import (
-    LocalCheckpointManager)
+    LocalCheckpointManager,
+)
 
 from resiliency.storage.checksum import ChecksummingStream, file_checksum
 from resiliency.storage.layout import atomic_write_json
@@ -86,8 +88,14 @@ def content_problem(entry: LocalFile, meta: dict[str, Any]) -> str | None:
 class VerifiedLocalManager(LocalCheckpointManager):
     """LocalCheckpointManager whose files carry checksums and whose cleanup keeps N steps."""
 
-    def __init__(self, node_dir: Path, run_id: str, signature: dict[str, Any],
-                 keep_last: int, repl_strategy: Any = None) -> None:
+    def __init__(
+        self,
+        node_dir: Path,
+        run_id: str,
+        signature: dict[str, Any],
+        keep_last: int,
+        repl_strategy: Any = None,
+    ) -> None:
         super().__init__(node_dir, session_id=run_id, repl_strategy=repl_strategy)
         self.signature, self.keep_last = signature, keep_last
         self._trusted: dict[str, tuple[int, int]] = {}  # name -> (size, mtime_ns) verified
@@ -108,8 +116,14 @@ class VerifiedLocalManager(LocalCheckpointManager):
         except FileExistsError as exc:
             raise SameMachineReplicationException(ckpt_id) from exc
         checksum = writer.checksum if writer.valid else file_checksum(dirty)
-        meta = {"step": ckpt_id[0], "owner_rank": ckpt_id[1], "holder_rank": self.rank,
-                "bytes": dirty.stat().st_size, "crc32c": checksum, "signature": self.signature}
+        meta = {
+            "step": ckpt_id[0],
+            "owner_rank": ckpt_id[1],
+            "holder_rank": self.rank,
+            "bytes": dirty.stat().st_size,
+            "crc32c": checksum,
+            "signature": self.signature,
+        }
         atomic_write_json(final.with_name(final.name + META_SUFFIX), meta)
         dirty.rename(final)
         self._trust(final)
@@ -127,9 +141,15 @@ class VerifiedLocalManager(LocalCheckpointManager):
 
     def _cleanup(self, iteration: int) -> None:
         """Keep the newest ``keep_last`` complete steps up to ``iteration``; drop the rest."""
-        steps = sorted({f.step for f in list_local_files(self.rank_dir)
-                        if not f.dirty and f.step <= iteration}, reverse=True)
-        keep = set(steps[:self.keep_last])
+        steps = sorted(
+            {
+                f.step
+                for f in list_local_files(self.rank_dir)
+                if not f.dirty and f.step <= iteration
+            },
+            reverse=True,
+        )
+        keep = set(steps[: self.keep_last])
         self._remove(lambda f: f.dirty or (f.step <= iteration and f.step not in keep))
 
     def _cleanup_failed_save(self, iteration: int) -> None:
@@ -185,8 +205,12 @@ class VerifiedLocalManager(LocalCheckpointManager):
         return True
 
     def _reject(self, entry: LocalFile, reason: str) -> None:
-        log.warning("local checkpoint %s rejected: %s; renamed *%s, it will not be tried again",
-                    entry.path, reason, REJECTED_SUFFIX)
+        log.warning(
+            "local checkpoint %s rejected: %s; renamed *%s, it will not be tried again",
+            entry.path,
+            reason,
+            REJECTED_SUFFIX,
+        )
         for path in (entry.path, entry.meta_path):
             if path.exists():
                 path.rename(path.with_name(path.name + REJECTED_SUFFIX))
@@ -207,13 +231,16 @@ class VerifiedLocalManager(LocalCheckpointManager):
                     path.unlink(missing_ok=True)
                 self._trusted.pop(entry.path.name, None)
         for meta in self.rank_dir.glob("*" + META_SUFFIX):  # sidecars of removed files
-            if not meta.with_name(meta.name[:-len(META_SUFFIX)]).exists():
+            if not meta.with_name(meta.name[: -len(META_SUFFIX)]).exists():
                 meta.unlink(missing_ok=True)
 
 
 def describe_signature_change(saved: dict[str, Any], current: dict[str, Any]) -> str:
-    diffs = [f"{key}: {saved.get(key)!r} -> {current.get(key)!r}"
-             for key in sorted(set(saved) | set(current)) if saved.get(key) != current.get(key)]
+    diffs = [
+        f"{key}: {saved.get(key)!r} -> {current.get(key)!r}"
+        for key in sorted(set(saved) | set(current))
+        if saved.get(key) != current.get(key)
+    ]
     return "saved with a different run/topology (" + "; ".join(diffs) + ")"
 
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from recipes import ConfigError
 from resiliency.checkpoint import rank_state as state_io
 from resiliency.checkpoint.local_store import VerifiedLocalManager, node_rank, ranks_per_node
+from resiliency.checkpoint.state_dict import sharded_training_state
 
 if TYPE_CHECKING:
     from pretrain.loop import Trainer
@@ -40,8 +41,10 @@ def replication_strategy(cfg: "LocalCheckpointConfig", world_size: int) -> Any:
     """Clique replication across nodes (collective: every rank builds the same groups)."""
     if cfg.replication_factor == 1:
         return None
+    # nvrx: loaded only where the feature runs
     from nvidia_resiliency_ext.checkpointing.local.replication.strategies import (
-        CliqueReplicationStrategy)
+        CliqueReplicationStrategy,
+    )
 
     jump = cfg.replication_jump or ranks_per_node(world_size)
     factor = cfg.replication_factor
@@ -50,9 +53,11 @@ def replication_strategy(cfg: "LocalCheckpointConfig", world_size: int) -> Any:
             f"checkpoint.local.replication_factor={factor} with replication_jump={jump} (ranks "
             f"per node) needs a world size divisible by {jump * factor}, got {world_size}: each "
             "copy must land on a different node. Use more nodes, or replication_factor=1 "
-            "(node-local only, lost with the node).")
+            "(node-local only, lost with the node)."
+        )
     return CliqueReplicationStrategy.from_replication_params(
-        replication_jump=jump, replication_factor=factor)
+        replication_jump=jump, replication_factor=factor
+    )
 
 
 def gather(value: Any) -> list[Any]:
@@ -64,6 +69,7 @@ def gather(value: Any) -> list[Any]:
 def rank_state_object(data: Any) -> Any:
     """This rank's RNG streams as a per-rank sharded object: they differ between ranks, so
     they must not sit in the common state, which megatron checks for equality across ranks."""
+    # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -71,54 +77,79 @@ def rank_state_object(data: Any) -> Any:
 
 
 class LocalTier:
-    def __init__(self, cfg: "LocalCheckpointConfig", trainer: "Trainer",
-                 checkpointer: "Checkpointer") -> None:
+    def __init__(
+        self, cfg: "LocalCheckpointConfig", trainer: "Trainer", checkpointer: "Checkpointer"
+    ) -> None:
         self.cfg, self.trainer, self.checkpointer = cfg, trainer, checkpointer
         run, world = trainer.run, dist.get_world_size()
-        signature = {"run_id": run.run_id, "world_size": world,
-                     "parallelism": run.parallel.layout(trainer.parts.plan.dp_size),
-                     "optim_format": LOCAL_OPTIM_FORMAT}
-        self.manager = VerifiedLocalManager(node_dir(cfg), run.run_id, signature, cfg.keep_last,
-                                            replication_strategy(cfg, world))
+        signature = {
+            "run_id": run.run_id,
+            "world_size": world,
+            "parallelism": run.parallel.layout(trainer.parts.plan.dp_size),
+            "optim_format": LOCAL_OPTIM_FORMAT,
+        }
+        self.manager = VerifiedLocalManager(
+            node_dir(cfg), run.run_id, signature, cfg.keep_last, replication_strategy(cfg, world)
+        )
 
     # ------------------------------------------------------------ restore
     def choose(self, persistent_step: int | None) -> int | None:
         """Collective: the local step to restore, or None to use the persistent tier."""
         problems = [p for p in gather(self.manager.signature_problem()) if p]
         if problems:
-            self._info("local tier skipped: %s; the local tier restores the same topology only",
-                       problems[0])
+            self._info(
+                "local tier skipped: %s; the local tier restores the same topology only",
+                problems[0],
+            )
             return None
         for step in sorted({s for s in gather(self.manager.failed_restore()) if s is not None}):
-            self._info("local step %d: a restore from it did not finish in an earlier attempt; "
-                       "not trying it again", step)
+            self._info(
+                "local step %d: a restore from it did not finish in an earlier attempt; "
+                "not trying it again",
+                step,
+            )
             self.manager.reject_step(step, "its restore did not finish in an earlier attempt")
         latest = self.manager.find_latest()
         if latest < 0:
             self._info("local tier: no step that every rank can assemble from verified copies")
             return None
         if persistent_step is not None and latest <= persistent_step:
-            self._info("local tier: newest complete step %d is not newer than persistent step "
-                       "%d; restoring the persistent one", latest, persistent_step)
+            self._info(
+                "local tier: newest complete step %d is not newer than persistent step "
+                "%d; restoring the persistent one",
+                latest,
+                persistent_step,
+            )
             return None
-        self._info("local tier: step %d (every shard verified) is newer than persistent step %s; "
-                   "restoring it", latest, persistent_step)
+        self._info(
+            "local tier: step %d (every shard verified) is newer than persistent step %s; "
+            "restoring it",
+            latest,
+            persistent_step,
+        )
         return latest
 
     def restore(self, step: int) -> None:
         """Collective: load ``step`` (own files, missing shards from peers' replicas)."""
-        from resiliency.checkpoint.checkpointer import sharded_training_state
 
         self.manager.mark_restoring(step, self.checkpointer.attempt)
         started = time.perf_counter()
         tasd, _ = self.manager.load()
-        sharded = sharded_training_state(self.trainer.parts, LOCAL_OPTIM_FORMAT, is_loading=True,
-                                         with_optimizer=self.checkpointer.cfg.load_optimizer)
+        sharded = sharded_training_state(
+            self.trainer.parts,
+            LOCAL_OPTIM_FORMAT,
+            is_loading=True,
+            with_optimizer=self.checkpointer.cfg.load_optimizer,
+        )
         sharded["rank_state"] = rank_state_object(None)
         loaded = tasd.to_state_dict(sharded, algo=ALGO)
-        self.checkpointer.apply_loaded(loaded, loaded["train_state"], loaded["rank_state"],
-                                       f"local step {step} ({self.manager.rank_dir.parent})",
-                                       restored=(step, "local"))
+        self.checkpointer.apply_loaded(
+            loaded,
+            loaded["train_state"],
+            loaded["rank_state"],
+            f"local step {step} ({self.manager.rank_dir.parent})",
+            restored=(step, "local"),
+        )
         self.manager.clear_restoring()
         self._info("local tier: restored step %d in %.2f s", step, time.perf_counter() - started)
 
@@ -130,10 +161,10 @@ class LocalTier:
     # --------------------------------------------------------------- save
     def save(self) -> None:
         """Collective, synchronous: write this rank's shard and the replicas it holds."""
+        # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
         from megatron.core.dist_checkpointing.tensor_aware_state_dict import (
-            MCoreTensorAwareStateDict)
-
-        from resiliency.checkpoint.checkpointer import sharded_training_state
+            MCoreTensorAwareStateDict,
+        )
 
         step = self.trainer.state.step
         sharded = sharded_training_state(self.trainer.parts, LOCAL_OPTIM_FORMAT)

@@ -15,8 +15,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,18 +50,23 @@ def unsupported_reason(opt: Any) -> str | None:
     return None
 
 
-def _fill_local_shards(opt: Any, gbuf_range_map: dict[str, Any],
-                       shards: dict[str, torch.Tensor]) -> None:
+def _fill_local_shards(
+    opt: Any, gbuf_range_map: dict[str, Any], shards: dict[str, torch.Tensor]
+) -> None:
     for model_param, param_range_map in gbuf_range_map["param_map"].items():
         tensors = opt._get_main_param_and_optimizer_states(model_param)
         local = param_range_map["gbuf_local"]
         for key, shard in shards.items():
-            shard[local.start:local.end].copy_(tensors[key].detach().view(-1))
+            shard[local.start : local.end].copy_(tensors[key].detach().view(-1))
 
 
-def _gathered_buckets(opt: Any, gbuf_idx: int, bucket_maps: list[dict[str, Any]],
-                      keys: tuple[str, ...],
-                      staging: StagingBuffers) -> list[dict[str, torch.Tensor]]:
+def _gathered_buckets(
+    opt: Any,
+    gbuf_idx: int,
+    bucket_maps: list[dict[str, Any]],
+    keys: tuple[str, ...],
+    staging: StagingBuffers,
+) -> list[dict[str, torch.Tensor]]:
     """Per bucket: key -> the whole bucket's state (all DP shards) in a staging buffer."""
     group = opt.data_parallel_group_gloo
     dp, out = group.size(), []
@@ -68,13 +74,16 @@ def _gathered_buckets(opt: Any, gbuf_idx: int, bucket_maps: list[dict[str, Any]]
         world_numel = opt.buffers[gbuf_idx].buckets[bucket_idx].grad_data.numel()
         local_numel = world_numel // dp
         name = f"_gather.{gbuf_idx}.{bucket_idx}"
-        shards = {k: staging.get(f"{name}.{k}.local", torch.Size([local_numel]), torch.float32)
-                  for k in keys}
+        shards = {
+            k: staging.get(f"{name}.{k}.local", torch.Size([local_numel]), torch.float32)
+            for k in keys
+        }
         _fill_local_shards(opt, gbuf_range_map, shards)
         world = {}
         for key, shard in shards.items():
-            world[key] = staging.get(f"{name}.{key}.world", torch.Size([world_numel]),
-                                     torch.float32)
+            world[key] = staging.get(
+                f"{name}.{key}.world", torch.Size([world_numel]), torch.float32
+            )
             dist.all_gather(list(world[key].chunk(dp)), shard, group=group)
         out.append(world)
     return out
@@ -84,17 +93,27 @@ def _in_place(live: torch.Tensor, shape: torch.Size) -> torch.Tensor | None:
     """``live`` reshaped to ``shape`` if the writer can save it as it is: a whole fp32 tensor
     (a view would make torch.save write its entire storage, so megatron clones those)."""
     whole = live.untyped_storage().nbytes() == live.numel() * live.element_size()
-    if whole and live.is_contiguous() and live.dtype == torch.float32 \
-            and live.numel() == shape.numel() and not live.is_cuda:
+    if (
+        whole
+        and live.is_contiguous()
+        and live.dtype == torch.float32
+        and live.numel() == shape.numel()
+        and not live.is_cuda
+    ):
         return live.view(shape)
     return None
 
 
-def build(opt: Any, model_sharded_state_dict: dict[str, Any], staging: StagingBuffers,
-          snapshot: bool = True) -> dict:
+def build(
+    opt: Any,
+    model_sharded_state_dict: dict[str, Any],
+    staging: StagingBuffers,
+    snapshot: bool = True,
+) -> dict:
     """What ``opt.sharded_param_state_fully_reshardable(sd, is_loading=False)`` returns, with
     every tensor a staging buffer. ``snapshot=False`` (a sync save: training waits for the
     write) leaves whole host tensors of a DP=1 optimizer in place instead of copying them."""
+    # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
     from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
@@ -107,8 +126,7 @@ def build(opt: Any, model_sharded_state_dict: dict[str, Any], staging: StagingBu
     for gbuf_idx, gbuf_range_maps in enumerate(opt.gbuf_ranges):
         buffer = opt.buffers[gbuf_idx]
         (bucket_maps,) = gbuf_range_maps.values()
-        gathered = (_gathered_buckets(opt, gbuf_idx, bucket_maps, keys, staging)
-                    if dp > 1 else None)
+        gathered = _gathered_buckets(opt, gbuf_idx, bucket_maps, keys, staging) if dp > 1 else None
         for model_param, (start, end, bucket_id) in buffer.param_index_map.items():
             sharded = metadata_of[model_param]
             if gathered is None:
@@ -116,22 +134,32 @@ def build(opt: Any, model_sharded_state_dict: dict[str, Any], staging: StagingBu
                 sources = {k: live[k].detach().view(-1) for k in keys}
             else:
                 bucket_start = buffer.buckets[bucket_id].offset
-                sources = {k: gathered[bucket_id][k][start - bucket_start:end - bucket_start]
-                           for k in keys}
+                sources = {
+                    k: gathered[bucket_id][k][start - bucket_start : end - bucket_start]
+                    for k in keys
+                }
             outputs = {}
             for key, source in sources.items():
                 # Gathered state lives in staging buffers reused per bucket: always copy it.
-                out = None if snapshot or gathered is not None else _in_place(
-                    source, sharded.data.shape)
+                out = (
+                    None
+                    if snapshot or gathered is not None
+                    else _in_place(source, sharded.data.shape)
+                )
                 if out is None:
-                    out = staging.get(f"{PREFIX}.{key}.{staging_key(sharded)}",
-                                      sharded.data.shape, torch.float32)
+                    out = staging.get(
+                        f"{PREFIX}.{key}.{staging_key(sharded)}", sharded.data.shape, torch.float32
+                    )
                     out.view(-1).copy_(source)
                 outputs[key] = out
             tensors = {}
             for key, data in outputs.items():
-                kwargs = dict(key=f"{PREFIX}.{key}.{sharded.key}", data=data, dtype=data.dtype,
-                              replica_id=sharded.replica_id)
+                kwargs = dict(
+                    key=f"{PREFIX}.{key}.{sharded.key}",
+                    data=data,
+                    dtype=data.dtype,
+                    replica_id=sharded.replica_id,
+                )
                 if isinstance(sharded, ShardedTensorFactory):
                     kwargs.pop("dtype")
                 tensors[key] = replace(sharded, **kwargs)
@@ -142,6 +170,7 @@ def build(opt: Any, model_sharded_state_dict: dict[str, Any], staging: StagingBu
 
 
 def _distributed_optimizers(optimizer: Any) -> list[Any]:
+    # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     chained = getattr(optimizer, "chained_optimizers", [optimizer])
@@ -149,8 +178,9 @@ def _distributed_optimizers(optimizer: Any) -> list[Any]:
 
 
 @contextlib.contextmanager
-def staged_fully_reshardable(optimizer: Any, staging: StagingBuffers,
-                             snapshot: bool = True) -> Iterator[None]:
+def staged_fully_reshardable(
+    optimizer: Any, staging: StagingBuffers, snapshot: bool = True
+) -> Iterator[None]:
     """While active, save-side fully-reshardable state of every DistributedOptimizer in
     ``optimizer`` is built by :func:`build`; loading and unsupported layouts use megatron's."""
     with contextlib.ExitStack() as stack:
@@ -159,11 +189,15 @@ def staged_fully_reshardable(optimizer: Any, staging: StagingBuffers,
             if reason:
                 log.debug("fully_reshardable save: megatron's own path (%s)", reason)
                 continue
-            stack.enter_context(fully_reshardable_state_from(
-                opt, functools.partial(_build_for, opt, staging, snapshot)))
+            stack.enter_context(
+                fully_reshardable_state_from(
+                    opt, functools.partial(_build_for, opt, staging, snapshot)
+                )
+            )
         yield
 
 
-def _build_for(opt: Any, staging: StagingBuffers, snapshot: bool, model_sd: Any,
-               metadata: dict | None) -> Any:
+def _build_for(
+    opt: Any, staging: StagingBuffers, snapshot: bool, model_sd: Any, metadata: dict | None
+) -> Any:
     return build(opt, model_sd, staging, snapshot)

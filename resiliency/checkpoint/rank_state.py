@@ -23,14 +23,20 @@ def rank_state_path(step_dir: Path, rank: int) -> Path:
 
 
 def capture_rng(device: str) -> dict[str, Any]:
+    # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
     state: dict[str, Any] = {
         "python": [version, list(internal), gauss],
-        "numpy": [name, torch.from_numpy(np.asarray(keys, dtype=np.int64)), int(pos),
-                  int(has_gauss), float(cached)],
+        "numpy": [
+            name,
+            torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        ],
         "torch": torch.get_rng_state(),
         "tracker": {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()},
     }
@@ -40,6 +46,7 @@ def capture_rng(device: str) -> dict[str, Any]:
 
 
 def restore_rng(state: dict[str, Any], device: str) -> None:
+    # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     version, internal, gauss = state["python"]
@@ -54,6 +61,7 @@ def restore_rng(state: dict[str, Any], device: str) -> None:
 
 def reseed_rng(seed: int, step: int, rank: int) -> int:
     """Deterministic fresh streams after a topology change (old per-rank states don't map)."""
+    # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
     from megatron.core import tensor_parallel
 
     derived = (seed * 1_000_003 + step * 1_009 + rank) % (2**31 - 1)

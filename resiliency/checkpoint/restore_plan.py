@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
 
 import torch.distributed as dist
 
+from pretrain.distributed import broadcast_object
 from recipes.schema import RunConfig
-from resiliency.checkpoint.checkpointer import broadcast_object
+from resiliency.checkpoint.topology import Target, TopologyRefusedError, TopologyReport, validate
 from resiliency.storage.layout import RunLayout
 from resiliency.storage.manifest import Manifest, read_manifest
 from resiliency.storage.select import select_restore_step
-from resiliency.checkpoint.topology import Target, TopologyRefusedError, TopologyReport, validate
 from resiliency.storage.verify import balanced_share, checksum_problem
 
 log = logging.getLogger(__name__)
@@ -72,15 +72,20 @@ def start_rehash(step_dir: Path, manifest: Manifest) -> Future[str | None]:
     return future
 
 
-def target_for(run: RunConfig, world_size: int, dp: int, vocab_size: int,
-               tier: str = "persistent") -> Target:
+def target_for(
+    run: RunConfig, world_size: int, dp: int, vocab_size: int, tier: str = "persistent"
+) -> Target:
     return Target(
         parallelism=run.parallel.layout(dp),
-        world_size=world_size, model=dataclasses.asdict(run.model), vocab_size=vocab_size,
+        world_size=world_size,
+        model=dataclasses.asdict(run.model),
+        vocab_size=vocab_size,
         padded_vocab_size=run.model.padded_vocab_size,
         global_batch_size=run.train.global_batch_size,
         load_optimizer=run.checkpoint.load_optimizer,
-        batch_change_lr_scaling=run.checkpoint.batch_change_lr_scaling, tier=tier)
+        batch_change_lr_scaling=run.checkpoint.batch_change_lr_scaling,
+        tier=tier,
+    )
 
 
 def check_topology(manifest: Manifest, target: Target) -> TopologyReport:
@@ -89,15 +94,21 @@ def check_topology(manifest: Manifest, target: Target) -> TopologyReport:
     if report.refused:
         raise TopologyRefusedError(
             f"checkpoint step {manifest.step} cannot be restored into this layout:\n"
-            f"{report.table()}")
+            f"{report.table()}"
+        )
     if not report.same_layout and dist.get_rank() == 0:
         log.warning("restore: topology changes from the checkpoint's:\n%s", report.table())
     return report
 
 
-def plan_restore(run: RunConfig, layout: RunLayout, world_size: int, dp: int, vocab_size: int,
-                 rejected: Mapping[int, str] | None = None
-                 ) -> tuple[RunConfig, RestorePlan | None]:
+def plan_restore(
+    run: RunConfig,
+    layout: RunLayout,
+    world_size: int,
+    dp: int,
+    vocab_size: int,
+    rejected: Mapping[int, str] | None = None,
+) -> tuple[RunConfig, RestorePlan | None]:
     """Returns the run config to build (checkpoint's padded vocab pinned) and what to load.
 
     With ``checkpoint.full_verify`` the plan's files are still being re-hashed: call

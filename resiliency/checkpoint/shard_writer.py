@@ -20,7 +20,8 @@ import functools
 import logging
 import queue
 import threading
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from pretrain.compat import route_shard_writer_open
 from resiliency.storage.checksum import WriterChecksums
@@ -43,13 +44,18 @@ def _without_zip_crc() -> Iterator[None]:
         torch.serialization.set_crc32_options(before)
 
 
-def write_buckets_on_threads(transform_list: list[Any], use_msc: bool, rank: int,
-                             write_buckets: list[Any], results_queue: Any) -> None:
+def write_buckets_on_threads(
+    transform_list: list[Any],
+    use_msc: bool,
+    rank: int,
+    write_buckets: list[Any],
+    results_queue: Any,
+) -> None:
     """Drop-in for megatron 0.16's ``FileSystemWriterAsync.write_preloaded_data_multiproc``:
     same arguments, same result on ``results_queue`` ({bucket index: write results} or the
     first exception)."""
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
-        FileSystemWriterAsync)
+    # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     local: queue.Queue = queue.Queue()
     # megatron's per-bucket writer takes one item off this queue and marks it done when it
@@ -59,10 +65,22 @@ def write_buckets_on_threads(transform_list: list[Any], use_msc: bool, rank: int
     threads = []
     for idx, bucket in enumerate(write_buckets):
         pending.put(idx)
-        threads.append(threading.Thread(
-            target=_write_without_zip_crc, name=f"shard-writer-{idx}",
-            args=(FileSystemWriterAsync.write_preloaded_data, transform_list, idx, bucket, local,
-                  pending, True), kwargs=kwargs))
+        threads.append(
+            threading.Thread(
+                target=_write_without_zip_crc,
+                name=f"shard-writer-{idx}",
+                args=(
+                    FileSystemWriterAsync.write_preloaded_data,
+                    transform_list,
+                    idx,
+                    bucket,
+                    local,
+                    pending,
+                    True,
+                ),
+                kwargs=kwargs,
+            )
+        )
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -76,8 +94,9 @@ def write_buckets_on_threads(transform_list: list[Any], use_msc: bool, rank: int
             return
         results[idx] = outcome
     if len(results) != len(write_buckets):
-        results_queue.put(RuntimeError(f"shard writers reported {len(results)} of "
-                                       f"{len(write_buckets)} buckets"))
+        results_queue.put(
+            RuntimeError(f"shard writers reported {len(results)} of {len(write_buckets)} buckets")
+        )
         return
     results_queue.put(results)
 
@@ -91,8 +110,8 @@ def _write_without_zip_crc(write_fn: Callable, *args: Any, **kwargs: Any) -> Non
 
 def _in_process_writer(fn: Any) -> Callable | None:
     """The in-process equivalent of a megatron write function, or None if it is unknown."""
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
-        FileSystemWriterAsync)
+    # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     if not isinstance(fn, functools.partial):
         return None
@@ -112,12 +131,12 @@ def in_process_writes(request: Any) -> Any:
         return request
     writer = _in_process_writer(request.async_fn)
     if writer is None:
-        log.debug("shard writes: %r is not a known megatron writer; left as is",
-                  request.async_fn)
+        log.debug("shard writes: %r is not a known megatron writer; left as is", request.async_fn)
         return request
     fn = request.async_fn
-    return request._replace(async_fn=functools.partial(_write_without_zip_crc, writer, *fn.args,
-                                                       **fn.keywords))
+    return request._replace(
+        async_fn=functools.partial(_write_without_zip_crc, writer, *fn.args, **fn.keywords)
+    )
 
 
 _WRITER_CHECKSUMS: WriterChecksums | None = None

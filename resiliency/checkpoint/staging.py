@@ -44,8 +44,12 @@ class StagingBuffers:
         if buf is None or buf.shape != shape or buf.dtype != dtype:
             if buf is not None:
                 self._ids.discard(id(buf))
-            buf = torch.empty(shape, dtype=dtype, device="cpu",
-                              pin_memory=torch.cuda.is_available() and not self.shared)
+            buf = torch.empty(
+                shape,
+                dtype=dtype,
+                device="cpu",
+                pin_memory=torch.cuda.is_available() and not self.shared,
+            )
             if self.shared:
                 buf.share_memory_()
             self._buffers[key] = buf
@@ -70,11 +74,13 @@ def _is_view(tensor: torch.Tensor) -> bool:
     return tensor.untyped_storage().size() != tensor.numel() * tensor.element_size()
 
 
-def stage_sharded_state(sharded_state: dict[str, Any], staging: StagingBuffers,
-                        snapshot: bool = True) -> None:
+def stage_sharded_state(
+    sharded_state: dict[str, Any], staging: StagingBuffers, snapshot: bool = True
+) -> None:
     """Point sharded tensors (and factories) at staged copies of their data. Tensors that
     already are staging buffers are left as they are. ``snapshot=False`` (sync saves) stages
     only the views megatron would clone: the rest is written in place."""
+    # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
@@ -106,10 +112,16 @@ def staging_for(async_save: bool, param_bytes: int, ranks_on_node: int) -> Stagi
     needed = param_bytes * STATE_BYTES_PER_PARAM_BYTE * ranks_on_node
     free = shm_free_bytes()
     if free < needed * 1.1:
-        log.warning("async checkpoints fork the training process (steps slow down while they "
-                    "write): %s has %.2f GiB free, staging needs about %.2f GiB for %d ranks on "
-                    "this node. Give %s more room (Kubernetes: an emptyDir with medium Memory; "
-                    "Docker: --shm-size) to save from a spawned writer instead.", SHM_DIR,
-                    free / 2**30, needed / 2**30, ranks_on_node, SHM_DIR)
+        log.warning(
+            "async checkpoints fork the training process (steps slow down while they "
+            "write): %s has %.2f GiB free, staging needs about %.2f GiB for %d ranks on "
+            "this node. Give %s more room (Kubernetes: an emptyDir with medium Memory; "
+            "Docker: --shm-size) to save from a spawned writer instead.",
+            SHM_DIR,
+            free / 2**30,
+            needed / 2**30,
+            ranks_on_node,
+            SHM_DIR,
+        )
         return StagingBuffers(shared=False)
     return StagingBuffers(shared=True)

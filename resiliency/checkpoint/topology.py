@@ -23,17 +23,29 @@ from pretrain.failures import ClassifiedError
 from resiliency.storage.manifest import Manifest
 
 Verdict = Literal["same", "reshardable", "refused"]
-MODEL_SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                    "ffn_hidden_size", "num_experts", "moe_ffn_hidden_size", "activation",
-                    "normalization", "add_bias_linear", "share_embeddings_and_output_weights",
-                    "position_embedding_type")
+MODEL_SHAPE_KEYS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "ffn_hidden_size",
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "activation",
+    "normalization",
+    "add_bias_linear",
+    "share_embeddings_and_output_weights",
+    "position_embedding_type",
+)
 LAYOUT_DIMS = ("tp", "pp", "vpp", "cp", "ep", "dp")
 MCORE = "megatron-core"
 # (saved release series, restoring series) -> None: restores (measured); str: why it is refused.
 CROSS_VERSION: dict[tuple[str, str], str | None] = {
     ("0.16", "0.19"): None,
-    ("0.19", "0.16"): ("megatron-core 0.19 writes the common state inside the torch_dist shards "
-                       "(no model/common.pt), which megatron-core 0.16 cannot read"),
+    ("0.19", "0.16"): (
+        "megatron-core 0.19 writes the common state inside the torch_dist shards "
+        "(no model/common.pt), which megatron-core 0.16 cannot read"
+    ),
 }
 
 
@@ -46,6 +58,7 @@ class TopologyRefusedError(ClassifiedError):
 @dataclass(frozen=True)
 class Target:
     """What the restoring job will be: its layout, model shape and restore options."""
+
     parallelism: dict[str, int]
     world_size: int
     model: dict[str, Any]
@@ -86,8 +99,10 @@ class TopologyReport:
         lines = [header, "-" * len(header)]
         for row in self.rows:
             note = f"  ({row.reason})" if row.reason else ""
-            lines.append(f"{row.name:<{width}} {_fmt(row.saved):>17} {_fmt(row.target):>17}  "
-                         f"{row.verdict}{note}")
+            lines.append(
+                f"{row.name:<{width}} {_fmt(row.saved):>17} {_fmt(row.target):>17}  "
+                f"{row.verdict}{note}"
+            )
         verdict = "REFUSED" if self.refused else "OK"
         lines.append(f"verdict: {verdict}")
         lines += [f"  option: {o}" for o in self.options] if self.refused else []
@@ -118,28 +133,50 @@ def _check_version(manifest: Manifest, target: Target, report: TopologyReport) -
     saved = manifest.versions.get(MCORE)
     wanted = target.mcore_version or metadata.version(MCORE)
     if saved is None:
-        row = DimensionVerdict(MCORE, saved, wanted, "reshardable",
-                               "not recorded in the manifest: assumed to be this release")
+        row = DimensionVerdict(
+            MCORE,
+            saved,
+            wanted,
+            "reshardable",
+            "not recorded in the manifest: assumed to be this release",
+        )
     elif _series(saved) == _series(wanted):
         row = DimensionVerdict(MCORE, saved, wanted, "same")
     else:
         pair = (_series(saved), _series(wanted))
         if pair not in CROSS_VERSION:
-            row = DimensionVerdict(MCORE, saved, wanted, "refused",
-                                   f"restoring a megatron-core {pair[0]} checkpoint with "
-                                   f"{pair[1]} is not measured")
+            row = DimensionVerdict(
+                MCORE,
+                saved,
+                wanted,
+                "refused",
+                f"restoring a megatron-core {pair[0]} checkpoint with {pair[1]} is not measured",
+            )
         elif CROSS_VERSION[pair] is not None:
             row = DimensionVerdict(MCORE, saved, wanted, "refused", str(CROSS_VERSION[pair]))
-        elif manifest.optim_format == "dp_reshardable" and target.load_optimizer and any(
-                manifest.parallelism.get(d, 1) != target.parallelism.get(d, 1)
-                for d in LAYOUT_DIMS):
-            row = DimensionVerdict(MCORE, saved, wanted, "refused",
-                                   "dp_reshardable optimizer state across megatron-core releases "
-                                   "is measured on the same layout only")
+        elif (
+            manifest.optim_format == "dp_reshardable"
+            and target.load_optimizer
+            and any(
+                manifest.parallelism.get(d, 1) != target.parallelism.get(d, 1) for d in LAYOUT_DIMS
+            )
+        ):
+            row = DimensionVerdict(
+                MCORE,
+                saved,
+                wanted,
+                "refused",
+                "dp_reshardable optimizer state across megatron-core releases "
+                "is measured on the same layout only",
+            )
         else:
-            row = DimensionVerdict(MCORE, saved, wanted, "reshardable",
-                                   f"{pair[0]} -> {pair[1]} measured: weights and Adam moments "
-                                   "restore exactly")
+            row = DimensionVerdict(
+                MCORE,
+                saved,
+                wanted,
+                "reshardable",
+                f"{pair[0]} -> {pair[1]} measured: weights and Adam moments restore exactly",
+            )
     report.rows.append(row)
 
 
@@ -148,25 +185,48 @@ def _check_model(manifest: Manifest, target: Target, report: TopologyReport) -> 
     for key in MODEL_SHAPE_KEYS:
         saved, wanted = saved_model.get(key), target.model.get(key)
         verdict: Verdict = "same" if saved == wanted else "refused"
-        report.rows.append(DimensionVerdict(f"model.{key}", saved, wanted, verdict,
-                                            "" if verdict == "same" else "model shape changed"))
+        report.rows.append(
+            DimensionVerdict(
+                f"model.{key}",
+                saved,
+                wanted,
+                verdict,
+                "" if verdict == "same" else "model shape changed",
+            )
+        )
     saved_vocab = manifest.tokenizer.get("vocab_size")
-    report.rows.append(DimensionVerdict(
-        "vocab_size", saved_vocab, target.vocab_size,
-        "same" if saved_vocab == target.vocab_size else "refused",
-        "" if saved_vocab == target.vocab_size else "tokenizer changed"))
+    report.rows.append(
+        DimensionVerdict(
+            "vocab_size",
+            saved_vocab,
+            target.vocab_size,
+            "same" if saved_vocab == target.vocab_size else "refused",
+            "" if saved_vocab == target.vocab_size else "tokenizer changed",
+        )
+    )
     saved_padded = manifest.tokenizer.get("padded_vocab_size")
     tp = target.parallelism["tp"]
     wanted_padded = target.padded_vocab_size or saved_padded
     if wanted_padded != saved_padded:
-        row = DimensionVerdict("padded_vocab_size", saved_padded, wanted_padded, "refused",
-                               "set model.padded_vocab_size to the checkpoint's value")
+        row = DimensionVerdict(
+            "padded_vocab_size",
+            saved_padded,
+            wanted_padded,
+            "refused",
+            "set model.padded_vocab_size to the checkpoint's value",
+        )
     elif saved_padded and saved_padded % tp:
-        row = DimensionVerdict("padded_vocab_size", saved_padded, wanted_padded, "refused",
-                               f"not divisible by the target tp={tp}")
+        row = DimensionVerdict(
+            "padded_vocab_size",
+            saved_padded,
+            wanted_padded,
+            "refused",
+            f"not divisible by the target tp={tp}",
+        )
     else:
-        row = DimensionVerdict("padded_vocab_size", saved_padded, wanted_padded, "same",
-                               "kept from the checkpoint")
+        row = DimensionVerdict(
+            "padded_vocab_size", saved_padded, wanted_padded, "same", "kept from the checkpoint"
+        )
     report.rows.append(row)
 
 
@@ -178,9 +238,14 @@ def _check_layout(manifest: Manifest, target: Target, report: TopologyReport) ->
             report.rows.append(DimensionVerdict(dim, saved, wanted, "same"))
             continue
         report.rows.append(DimensionVerdict(dim, saved, wanted, *_layout_change(dim, fmt, target)))
-    report.rows.append(DimensionVerdict("world_size", manifest.world_size, target.world_size,
-                                        "same" if manifest.world_size == target.world_size
-                                        else "reshardable"))
+    report.rows.append(
+        DimensionVerdict(
+            "world_size",
+            manifest.world_size,
+            target.world_size,
+            "same" if manifest.world_size == target.world_size else "reshardable",
+        )
+    )
     report.rows.append(DimensionVerdict("optimizer format", fmt, fmt, "same"))
 
 
@@ -188,8 +253,10 @@ def _layout_change(dim: str, fmt: str, target: Target) -> tuple[Verdict, str]:
     if target.tier != "persistent":
         return "refused", f"the {target.tier} tier restores the same layout only"
     if dim == "ep" and target.model.get("num_experts"):
-        return "refused", ("megatron-core 0.16.1 cannot reshard MoE optimizer state across EP "
-                           "(the number of chained optimizers changes)")
+        return "refused", (
+            "megatron-core 0.16.1 cannot reshard MoE optimizer state across EP "
+            "(the number of chained optimizers changes)"
+        )
     if not target.load_optimizer:
         return "reshardable", "weights only: the optimizer starts fresh"
     if dim == "dp" or fmt == "fully_reshardable":
@@ -201,31 +268,56 @@ def _check_batch(manifest: Manifest, target: Target, report: TopologyReport) -> 
     saved = manifest.config.get("train", {}).get("global_batch_size")
     wanted = target.global_batch_size
     if saved == wanted:
-        report.rows.append(DimensionVerdict("global_batch_size", saved, wanted, "same",
-                                            "micro-batches recomputed for the new dp"))
+        report.rows.append(
+            DimensionVerdict(
+                "global_batch_size",
+                saved,
+                wanted,
+                "same",
+                "micro-batches recomputed for the new dp",
+            )
+        )
     elif target.batch_change_lr_scaling == "refuse":
-        report.rows.append(DimensionVerdict(
-            "global_batch_size", saved, wanted, "refused",
-            "set checkpoint.batch_change_lr_scaling=none|linear|sqrt to allow it"))
+        report.rows.append(
+            DimensionVerdict(
+                "global_batch_size",
+                saved,
+                wanted,
+                "refused",
+                "set checkpoint.batch_change_lr_scaling=none|linear|sqrt to allow it",
+            )
+        )
     else:
-        report.rows.append(DimensionVerdict(
-            "global_batch_size", saved, wanted, "reshardable",
-            f"lr scaled by rule '{target.batch_change_lr_scaling}'"))
+        report.rows.append(
+            DimensionVerdict(
+                "global_batch_size",
+                saved,
+                wanted,
+                "reshardable",
+                f"lr scaled by rule '{target.batch_change_lr_scaling}'",
+            )
+        )
 
 
 def _options(report: TopologyReport) -> list[str]:
     refused = [r.name for r in report.rows if r.verdict == "refused"]
     if MCORE in refused:
         saved = next(r.saved for r in report.rows if r.name == MCORE)
-        return [f"restore with the megatron-core that saved it ({saved}): the Python 3.11 stack "
-                "(make install) for 0.16.x, the Python 3.12 stack (make install PY=3.12) "
-                "for 0.19.x"]
+        return [
+            f"restore with the megatron-core that saved it ({saved}): the Python 3.11 stack "
+            "(make install) for 0.16.x, the Python 3.12 stack (make install PY=3.12) "
+            "for 0.19.x"
+        ]
     if any(name.startswith("model.") or "vocab" in name for name in refused):
-        return ["restore only into the same model (layers, hidden, heads, vocab); a new model "
-                "needs a new run_id"]
+        return [
+            "restore only into the same model (layers, hidden, heads, vocab); a new model "
+            "needs a new run_id"
+        ]
     if refused == ["global_batch_size"]:
-        return ["keep train.global_batch_size as saved, or set "
-                "checkpoint.batch_change_lr_scaling=none|linear|sqrt"]
+        return [
+            "keep train.global_batch_size as saved, or set "
+            "checkpoint.batch_change_lr_scaling=none|linear|sqrt"
+        ]
     return [
         "restore from a checkpoint saved with checkpoint.optim_format=fully_reshardable",
         "conversion: resume once on the saved layout with checkpoint.optim_format="
@@ -237,4 +329,4 @@ def _options(report: TopologyReport) -> list[str]:
 
 def scale_lr(value: float, saved_batch: int, target_batch: int, rule: str) -> float:
     ratio = target_batch / saved_batch
-    return {"none": value, "linear": value * ratio, "sqrt": value * ratio ** 0.5}[rule]
+    return {"none": value, "linear": value * ratio, "sqrt": value * ratio**0.5}[rule]

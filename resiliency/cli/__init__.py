@@ -24,8 +24,9 @@ def load_commands() -> dict[str, Command]:
 
 
 def build_parser(commands: dict[str, Command]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m resiliency",
-                                     description="Inspect and maintain fault-tolerant runs.")
+    parser = argparse.ArgumentParser(
+        prog="python -m resiliency", description="Inspect and maintain fault-tolerant runs."
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log INFO messages")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, command in commands.items():
@@ -43,5 +44,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def configure_cli_logging(verbose: bool) -> None:
     """CLI tools log to stderr, WARNING unless -v (their stdout is the report)."""
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )

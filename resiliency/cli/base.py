@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 EXIT_OK, EXIT_BAD, EXIT_USAGE = 0, 1, 2
 

@@ -93,8 +93,9 @@ def parse_count(text: str) -> float:
     try:
         count = float(number) * (scale or 1)
     except ValueError:
-        raise ValueError(f"cannot read {text!r} as a parameter count (e.g. 70e9, 7B, 405B)") \
-            from None
+        raise ValueError(
+            f"cannot read {text!r} as a parameter count (e.g. 70e9, 7B, 405B)"
+        ) from None
     if not count > 0:
         raise ValueError(f"parameter count must be positive, got {text!r}")
     return count
@@ -155,34 +156,49 @@ def human_count(n: float) -> str:
 
 def render_plan(size: CheckpointSize, storage: Storage, interval: Interval) -> str:
     low, high = storage.with_headroom()
-    lines = [f"Checkpoint plan for {human_count(size.params)} parameters", "",
-             "Size of one checkpoint version (full training state):"]
+    lines = [
+        f"Checkpoint plan for {human_count(size.params)} parameters",
+        "",
+        "Size of one checkpoint version (full training state):",
+    ]
     lines += [f"  {c.bytes_per_param:>2} B/param  {c.name}" for c in size.components]
-    lines += [f"  {size.bytes_per_param:>2} B/param  total = {human_bytes(size.bytes)} per version",
-              "  Not counted:", *(f"    - {item}" for item in NOT_COUNTED), "",
-              f"Storage, keeping {storage.keep} version(s): {human_bytes(storage.retained_bytes)}",
-              f"  with {storage.headroom[0]:.0%}-{storage.headroom[1]:.0%} headroom "
-              f"(temporary writes, retries, fragmentation): "
-              f"{human_bytes(low)} - {human_bytes(high)}", "",
-              f"Checkpoint interval (Young): sqrt(2 x {human_duration(interval.save_s)} save x "
-              f"{human_duration(interval.mtbf_s)} MTBF) = {human_duration(interval.young_s)}",
-              f"  expected work lost per failure ~ interval/2 + save = "
-              f"{human_duration(interval.expected_loss_s)}",
-              f"  time spent saving (synchronous): {interval.overhead:.1%}",
-              "  A starting point: measure save time and recovery with `python -m resiliency "
-              "drill` before fixing the interval."]
+    lines += [
+        f"  {size.bytes_per_param:>2} B/param  total = {human_bytes(size.bytes)} per version",
+        "  Not counted:",
+        *(f"    - {item}" for item in NOT_COUNTED),
+        "",
+        f"Storage, keeping {storage.keep} version(s): {human_bytes(storage.retained_bytes)}",
+        f"  with {storage.headroom[0]:.0%}-{storage.headroom[1]:.0%} headroom "
+        f"(temporary writes, retries, fragmentation): "
+        f"{human_bytes(low)} - {human_bytes(high)}",
+        "",
+        f"Checkpoint interval (Young): sqrt(2 x {human_duration(interval.save_s)} save x "
+        f"{human_duration(interval.mtbf_s)} MTBF) = {human_duration(interval.young_s)}",
+        f"  expected work lost per failure ~ interval/2 + save = "
+        f"{human_duration(interval.expected_loss_s)}",
+        f"  time spent saving (synchronous): {interval.overhead:.1%}",
+        "  A starting point: measure save time and recovery with `python -m resiliency "
+        "drill` before fixing the interval.",
+    ]
     return "\n".join(lines)
 
 
 def _add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--params", required=True, help="parameter count: 70e9, 7B, 405B")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_MOMENTS), default="adam")
-    parser.add_argument("--dtype", choices=sorted(PARAM_DTYPE_BYTES), default="bf16",
-                        help="parameter dtype in training (default bf16)")
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(PARAM_DTYPE_BYTES),
+        default="bf16",
+        help="parameter dtype in training (default bf16)",
+    )
     parser.add_argument("--keep", type=int, default=3, help="versions retained (default 3)")
     parser.add_argument("--mtbf", default="3h", help="mean time between failures (default 3h)")
-    parser.add_argument("--save-seconds", default="30",
-                        help="time one checkpoint save blocks training (default 30 s)")
+    parser.add_argument(
+        "--save-seconds",
+        default="30",
+        help="time one checkpoint save blocks training (default 30 s)",
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -200,5 +216,6 @@ def _run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"plan": Command("checkpoint size, storage with retention and Young interval",
-                            _add_args, _run)}
+COMMANDS = {
+    "plan": Command("checkpoint size, storage with retention and Young interval", _add_args, _run)
+}

@@ -91,9 +91,15 @@ def _step_row(layout: RunLayout, step: int, hint: int | None, now: float) -> str
     path = layout.step_dir(step)
     verdict = verify_step_dir(path, layout.run_id, full=False)
     notes = (["latest"] if step == hint else []) + ([] if verdict.ok else [verdict.reason])
-    return _row(step, path.name, _yes((path / COMMITTED_NAME).is_file()), _yes(verdict.ok),
-                       _human_bytes(_dir_bytes(path)), _human_age(now - path.stat().st_mtime),
-                       "; ".join(notes))
+    return _row(
+        step,
+        path.name,
+        _yes((path / COMMITTED_NAME).is_file()),
+        _yes(verdict.ok),
+        _human_bytes(_dir_bytes(path)),
+        _human_age(now - path.stat().st_mtime),
+        "; ".join(notes),
+    )
 
 
 def _yes(flag: bool) -> str:
@@ -111,9 +117,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for step in reversed(layout.published_steps()):
         print(_step_row(layout, step, hint, now))
     for path, step, attempt in reversed(layout.tmp_dirs()):
-        print(_row(step, path.name, _yes((path / COMMITTED_NAME).is_file()), "-",
-                          _human_bytes(_dir_bytes(path)), _human_age(now - path.stat().st_mtime),
-                          f"tmp of attempt {attempt:02d} (never restored from)"))
+        print(
+            _row(
+                step,
+                path.name,
+                _yes((path / COMMITTED_NAME).is_file()),
+                "-",
+                _human_bytes(_dir_bytes(path)),
+                _human_age(now - path.stat().st_mtime),
+                f"tmp of attempt {attempt:02d} (never restored from)",
+            )
+        )
     local_dir = args.local_dir or _recorded_local_dir(layout)
     if local_dir:
         _print_local_tier(Path(local_dir), layout.run_id)
@@ -133,14 +147,21 @@ def _recorded_local_dir(layout: RunLayout) -> str | None:
 
 
 def _print_local_tier(local_dir: Path, run_id: str) -> None:
+    # torch: only for runs with a local tier
     from resiliency.checkpoint.local_listing import describe_copies, scan_local_tier
 
     steps = scan_local_tier(local_dir, run_id)
     print(f"\nlocal tier:  {local_dir} (node-*/{run_id}/<rank>/; copies: shard owner -> where)")
     print(_LOCAL_ROW.format("STEP", "COMPLETE", "SIZE", "COPIES").rstrip())
     for record in steps:
-        print(_LOCAL_ROW.format(record.step, _yes(record.complete), _human_bytes(record.bytes),
-                                describe_copies(record)).rstrip())
+        print(
+            _LOCAL_ROW.format(
+                record.step,
+                _yes(record.complete),
+                _human_bytes(record.bytes),
+                describe_copies(record),
+            ).rstrip()
+        )
     if not steps:
         print("(no local checkpoints)")
 
@@ -170,12 +191,20 @@ def cmd_gc(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     live = _header(layout, args.lease_timeout)
     if live is not None and not args.dry_run:
-        print(f"error: run is live (lease held by attempt {live.attempt}); its trainer runs GC "
-              f"with the steps it must protect. Use --dry-run, or stop the job first.")
+        print(
+            f"error: run is live (lease held by attempt {live.attempt}); its trainer runs GC "
+            f"with the steps it must protect. Use --dry-run, or stop the job first."
+        )
         return EXIT_USAGE
     try:
-        plan = plan_gc(layout, layout.run_id, args.keep_last, args.milestone_interval,
-                       set(args.protect), live.attempt if live else None)
+        plan = plan_gc(
+            layout,
+            layout.run_id,
+            args.keep_last,
+            args.milestone_interval,
+            set(args.protect),
+            live.attempt if live else None,
+        )
     except ValueError as e:
         print(f"error: {e}")
         return EXIT_USAGE
@@ -188,14 +217,21 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def _add_lease_timeout(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lease-timeout", type=float, default=DEFAULT_LEASE_TIMEOUT_S,
-                   help="heartbeat age after which a lease without a recorded timeout is stale")
+    p.add_argument(
+        "--lease-timeout",
+        type=float,
+        default=DEFAULT_LEASE_TIMEOUT_S,
+        help="heartbeat age after which a lease without a recorded timeout is stale",
+    )
 
 
 def _add_ls_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="<root>/<run_id>")
-    p.add_argument("--local-dir", help="checkpoint.local.dir to list too (default: as the run's "
-                   "attempt records say; on a cluster, run on each node)")
+    p.add_argument(
+        "--local-dir",
+        help="checkpoint.local.dir to list too (default: as the run's "
+        "attempt records say; on a cluster, run on each node)",
+    )
     _add_lease_timeout(p)
 
 
@@ -213,12 +249,23 @@ def _step_arg(value: str) -> int:
 def _add_gc_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="<root>/<run_id>")
     p.add_argument("--dry-run", action="store_true", help="print the plan, delete nothing")
-    p.add_argument("--keep-last", type=int, default=DEFAULT_KEEP_LAST,
-                   help=f"verified steps to keep (>= 2, default {DEFAULT_KEEP_LAST})")
-    p.add_argument("--milestone-interval", type=int, default=None,
-                   help="also keep every step divisible by N")
-    p.add_argument("--protect", type=_step_arg, nargs="*", default=[], metavar="STEP",
-                   help="steps never to delete")
+    p.add_argument(
+        "--keep-last",
+        type=int,
+        default=DEFAULT_KEEP_LAST,
+        help=f"verified steps to keep (>= 2, default {DEFAULT_KEEP_LAST})",
+    )
+    p.add_argument(
+        "--milestone-interval", type=int, default=None, help="also keep every step divisible by N"
+    )
+    p.add_argument(
+        "--protect",
+        type=_step_arg,
+        nargs="*",
+        default=[],
+        metavar="STEP",
+        help="steps never to delete",
+    )
     _add_lease_timeout(p)
 
 

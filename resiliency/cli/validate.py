@@ -7,23 +7,30 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from pretrain import exit_codes
 from recipes import ConfigError, RunConfig, load_config
 from recipes.validate import validate_runtime
-from pretrain import exit_codes
+from resiliency.checkpoint.restore_plan import target_for
+from resiliency.checkpoint.topology import validate
 from resiliency.cli.base import EXIT_USAGE, Command
 from resiliency.storage.layout import RunLayout, parse_step
 from resiliency.storage.manifest import ManifestError, read_manifest
-from resiliency.checkpoint.restore_plan import target_for
 from resiliency.storage.select import select_restore_step
-from resiliency.checkpoint.topology import validate
 
 
 def _add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", type=Path, help="a run dir (newest verified step) or a step dir")
-    parser.add_argument("overrides", nargs="*",
-                        help="target config: recipe=<name> ... or overrides of the saved config")
-    parser.add_argument("--world-size", type=int, default=None,
-                        help="target world size (default: launch.nodes x launch.nproc_per_node)")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        help="target config: recipe=<name> ... or overrides of the saved config",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="target world size (default: launch.nodes x launch.nproc_per_node)",
+    )
 
 
 def _step_dir(path: Path) -> Path:
@@ -41,8 +48,9 @@ def _step_dir(path: Path) -> Path:
 def _target_config(saved: dict, overrides: list[str]) -> RunConfig:
     if any(o.startswith("recipe=") for o in overrides):
         return load_config(overrides)
-    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), saved,
-                             OmegaConf.from_dotlist(overrides))
+    merged = OmegaConf.merge(
+        OmegaConf.structured(RunConfig), saved, OmegaConf.from_dotlist(overrides)
+    )
     run = OmegaConf.to_object(merged)
     assert isinstance(run, RunConfig)
     return run
@@ -67,5 +75,8 @@ def _run(args: argparse.Namespace) -> int:
     return exit_codes.TOPOLOGY_REFUSED if report.refused else exit_codes.OK
 
 
-COMMANDS = {"validate": Command("check a checkpoint against a target layout (nothing is loaded)",
-                                _add_args, _run)}
+COMMANDS = {
+    "validate": Command(
+        "check a checkpoint against a target layout (nothing is loaded)", _add_args, _run
+    )
+}

@@ -5,7 +5,8 @@ Rank 0 adds to ``attempts/attempt-NN.json``: ``ranks`` (rank, host, pid), ``host
 of the RTO) and ``recovered_from`` (the previous attempt's last step, the step restored, lost
 steps and tokens). Every rank that fails with an exception writes
 ``attempts/ranks/attempt-NN.rank-R.failure.json`` with a timestamp, so the first failing rank can be
-told apart from the peers that merely timed out waiting for it (:mod:`resiliency.monitor.postmortem`).
+told apart from the peers that merely timed out waiting for it
+(:mod:`resiliency.monitor.postmortem`).
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 import psutil
 import torch.distributed as dist
 
-from pretrain.hooks import StepResult, TrainHook
-from resiliency.storage.attempts import recorded_attempts
 from pretrain.failures import Failure, classify
+from pretrain.hooks import StepResult, TrainHook
 from resiliency.monitor.postmortem import failure_path, last_step_between, lost_steps, read_record
 from resiliency.monitor.stacks import COLLECTIVE_MARKERS
+from resiliency.storage.attempts import recorded_attempts
 from resiliency.storage.layout import atomic_write_json
 
 if TYPE_CHECKING:
@@ -53,10 +54,19 @@ def failure_cause(failure: Failure, in_collective: bool) -> str:
 def write_failure_file(path: Path, rank: int, exc: BaseException, step: int | None) -> dict:
     failure = classify(exc)
     in_collective = raised_in_collective(exc)
-    body = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
-            "step": step, "failure_class": failure.kind, "exit_code": failure.exit_code,
-            "retryable": failure.retryable, "cause": failure_cause(failure, in_collective),
-            "in_collective": in_collective, "message": failure.message[:2000]}
+    body = {
+        "rank": rank,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "time": time.time(),
+        "step": step,
+        "failure_class": failure.kind,
+        "exit_code": failure.exit_code,
+        "retryable": failure.retryable,
+        "cause": failure_cause(failure, in_collective),
+        "in_collective": in_collective,
+        "message": failure.message[:2000],
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, body)
     return body
@@ -65,8 +75,13 @@ def write_failure_file(path: Path, rank: int, exc: BaseException, step: int | No
 class AttemptEvidenceHook(TrainHook):
     """Startup clock and rank inventory of this attempt; per-rank failure files."""
 
-    def __init__(self, env: "DistEnv", run_dir: Path, checkpoint: "CheckpointHook",
-                 lost_peer_grace_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        env: "DistEnv",
+        run_dir: Path,
+        checkpoint: "CheckpointHook",
+        lost_peer_grace_s: float = 0.0,
+    ) -> None:
         self.env, self.run_dir, self.checkpoint = env, run_dir, checkpoint
         self.lost_peer_grace_s = lost_peer_grace_s
         self.times: dict[str, float] = {"process_start": psutil.Process().create_time()}
@@ -79,8 +94,9 @@ class AttemptEvidenceHook(TrainHook):
     def on_start(self, trainer: "Trainer") -> None:
         self.times["load_started_at"] = time.time()
         gathered: list[Any] = [None] * self.env.world_size
-        dist.all_gather_object(gathered, {"rank": self.env.rank, "host": socket.gethostname(),
-                                          "pid": os.getpid()})
+        dist.all_gather_object(
+            gathered, {"rank": self.env.rank, "host": socket.gethostname(), "pid": os.getpid()}
+        )
         self.ranks = gathered
 
     def before_step(self, trainer: "Trainer") -> None:
@@ -107,8 +123,10 @@ class AttemptEvidenceHook(TrainHook):
         if body.get("cause") == "lost peer" and self.lost_peer_grace_s > 0:
             # The launcher reports the first exit it sees as the failure: a victim that exits
             # at once can beat the dead peer to it (measured: 2 in 9 runs) and hide the cause.
-            log.info("lost a peer: exiting in %.1f s so the launcher sees the rank that failed "
-                     "first", self.lost_peer_grace_s)
+            log.info(
+                "lost a peer: exiting in %.1f s so the launcher sees the rank that failed first",
+                self.lost_peer_grace_s,
+            )
             time.sleep(self.lost_peer_grace_s)
         if self.env.rank == 0 and "first_step_done_at" not in self.times:
             self._record()
@@ -116,8 +134,13 @@ class AttemptEvidenceHook(TrainHook):
     def _record(self, **extra: Any) -> None:
         ownership = self.checkpoint.ownership
         hosts = sorted({r["host"] for r in self.ranks})
-        ownership.record(ownership.info.get("status", "running"), ranks=self.ranks,
-                         hosts=hosts, startup=dict(self.times), **extra)
+        ownership.record(
+            ownership.info.get("status", "running"),
+            ranks=self.ranks,
+            hosts=hosts,
+            startup=dict(self.times),
+            **extra,
+        )
 
     def _recovered_from(self, trainer: "Trainer") -> dict[str, Any] | None:
         layout, attempt = self.checkpoint.layout, self.checkpoint.ownership.attempt
@@ -127,9 +150,15 @@ class AttemptEvidenceHook(TrainHook):
         previous = read_record(layout, earlier[-1])
         start = self.checkpoint.ownership.info.get("start_time", time.time())
         last = last_step_between(self.run_dir, previous.get("start_time", 0.0), start)
-        restored = self.checkpoint.checkpointer.restored_step if self.checkpoint.checkpointer \
-            else None
+        restored = (
+            self.checkpoint.checkpointer.restored_step if self.checkpoint.checkpointer else None
+        )
         lost = lost_steps(last, restored)
-        return {"attempt": earlier[-1], "status": previous.get("status"), "last_step": last,
-                "restored_step": restored, "lost_steps": lost,
-                "lost_tokens": lost * trainer.tokens_per_step}
+        return {
+            "attempt": earlier[-1],
+            "status": previous.get("status"),
+            "last_step": last,
+            "restored_step": restored,
+            "lost_steps": lost,
+            "lost_tokens": lost * trainer.tokens_per_step,
+        }

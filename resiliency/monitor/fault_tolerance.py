@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from pretrain.hooks import StepResult, TrainHook
 from pretrain import exit_codes
 from pretrain.failures import classify
+from pretrain.hooks import StepResult, TrainHook
 from resiliency.monitor.stacks import STACKS_DIR, StackWatchdog, stack_path
 from resiliency.storage.layout import RunLayout, atomic_write_json
 
@@ -52,17 +52,22 @@ def under_ft_launcher() -> bool:
 def launcher_config(run: "RunConfig") -> dict[str, Any]:
     """ft_launcher's ``fault_tolerance`` section: sections only, heartbeats off."""
     ft = run.resiliency.ft
-    return {"fault_tolerance": {
-        "workload_check_interval": ft.check_interval_s,
-        "initial_rank_heartbeat_timeout": None,
-        "rank_heartbeat_timeout": None,
-        "rank_section_timeouts": {"setup": ft.setup_timeout_s, "step": ft.step_timeout_s,
-                                  "checkpointing": ft.checkpointing_timeout_s},
-        "rank_out_of_section_timeout": ft.out_of_section_timeout_s,
-        "safety_factor": ft.timeout_multiplier,
-        # NIC health checks read RDMA counters; there are none to read on a CPU box.
-        "enable_nic_monitor": run.launch.gpus_per_node > 0,
-    }}
+    return {
+        "fault_tolerance": {
+            "workload_check_interval": ft.check_interval_s,
+            "initial_rank_heartbeat_timeout": None,
+            "rank_heartbeat_timeout": None,
+            "rank_section_timeouts": {
+                "setup": ft.setup_timeout_s,
+                "step": ft.step_timeout_s,
+                "checkpointing": ft.checkpointing_timeout_s,
+            },
+            "rank_out_of_section_timeout": ft.out_of_section_timeout_s,
+            "safety_factor": ft.timeout_multiplier,
+            # NIC health checks read RDMA counters; there are none to read on a CPU box.
+            "enable_nic_monitor": run.launch.gpus_per_node > 0,
+        }
+    }
 
 
 def write_launcher_config(run: "RunConfig", run_dir: Path) -> Path:
@@ -103,8 +108,9 @@ def _floor_section(section: dict[str, Any], floor_s: float) -> dict[str, Any]:
 class FaultToleranceHook(TrainHook):
     """Sections for the rank monitor, learned timeouts, stack dumps, no restart on bugs."""
 
-    def __init__(self, cfg: "FtConfig", env: "DistEnv", run_dir: Path,
-                 checkpoint: "CheckpointHook | None") -> None:
+    def __init__(
+        self, cfg: "FtConfig", env: "DistEnv", run_dir: Path, checkpoint: "CheckpointHook | None"
+    ) -> None:
         self.cfg, self.env, self.run_dir, self.checkpoint = cfg, env, run_dir, checkpoint
         self.client: Any = None
         self.open: list[str] = []
@@ -116,6 +122,7 @@ class FaultToleranceHook(TrainHook):
 
     # -- lifecycle
     def configure(self, run: "RunConfig", dp: int) -> "RunConfig":
+        # nvrx: loaded only where the feature runs
         from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
 
         self.client = RankMonitorClient()
@@ -124,9 +131,12 @@ class FaultToleranceHook(TrainHook):
         if missing:
             # Sections unknown to the launcher's config would fail every rank; heartbeats work
             # with any config (e.g. ft_launcher started without resiliency.ft's YAML).
-            log.warning("ft: launcher config has no %s section timeouts (start ft_launcher with "
-                        "--ft-cfg-path from resiliency.ft.write_launcher_config); sending "
-                        "heartbeats only", sorted(missing))
+            log.warning(
+                "ft: launcher config has no %s section timeouts (start ft_launcher with "
+                "--ft-cfg-path from resiliency.ft.write_launcher_config); sending "
+                "heartbeats only",
+                sorted(missing),
+            )
             self.heartbeats_only = True
             return run
         state = load_timeouts(self.run_dir, self.cfg.timeout_floor_s)
@@ -217,7 +227,8 @@ class FaultToleranceHook(TrainHook):
     def _learn(self, step: int) -> None:
         client = self.client
         if not client.calculate_and_set_section_timeouts(
-                selected_sections=["step"], calc_out_of_section=True, skip_if_not_ready=True):
+            selected_sections=["step"], calc_out_of_section=True, skip_if_not_ready=True
+        ):
             return
         current = dataclasses.asdict(client.section_timeouts)
         current.update(_floor_section(current, self.cfg.timeout_floor_s))
@@ -225,22 +236,39 @@ class FaultToleranceHook(TrainHook):
         if self.env.rank != 0:
             return
         observed = client.timeouts_calc
-        log.info("ft: learned timeouts at step %d: step %.1f s (slowest %.2f s x %.0f, floor "
-                 "%.0f s), out-of-section %.1f s (slowest %.2f s)", step,
-                 client.section_timeouts.section["step"], observed.section_to_max_time["step"],
-                 self.cfg.timeout_multiplier, self.cfg.timeout_floor_s,
-                 client.section_timeouts.out_of_section, observed.out_of_section_max_time)
-        atomic_write_json(self.run_dir / TIMEOUTS_FILE, {
-            "client_state": client.state_dict(), "learned_at_step": step, "time": time.time(),
-            "observed_max_s": {"step": observed.section_to_max_time["step"],
-                               "out_of_section": observed.out_of_section_max_time},
-            "multiplier": self.cfg.timeout_multiplier, "floor_s": self.cfg.timeout_floor_s})
+        log.info(
+            "ft: learned timeouts at step %d: step %.1f s (slowest %.2f s x %.0f, floor "
+            "%.0f s), out-of-section %.1f s (slowest %.2f s)",
+            step,
+            client.section_timeouts.section["step"],
+            observed.section_to_max_time["step"],
+            self.cfg.timeout_multiplier,
+            self.cfg.timeout_floor_s,
+            client.section_timeouts.out_of_section,
+            observed.out_of_section_max_time,
+        )
+        atomic_write_json(
+            self.run_dir / TIMEOUTS_FILE,
+            {
+                "client_state": client.state_dict(),
+                "learned_at_step": step,
+                "time": time.time(),
+                "observed_max_s": {
+                    "step": observed.section_to_max_time["step"],
+                    "out_of_section": observed.out_of_section_max_time,
+                },
+                "multiplier": self.cfg.timeout_multiplier,
+                "floor_s": self.cfg.timeout_floor_s,
+            },
+        )
 
     def _request_shutdown(self, reason: str) -> None:
+        # nvrx: loaded only where the feature runs
         from nvidia_resiliency_ext.fault_tolerance import WorkloadAction, WorkloadControlRequest
 
         try:
             self.client.send_workload_control_request(
-                WorkloadControlRequest(WorkloadAction.ShutdownWorkload, reason))
+                WorkloadControlRequest(WorkloadAction.ShutdownWorkload, reason)
+            )
         except Exception as exc:  # noqa: BLE001 - best effort while the rank is failing
             log.warning("ft: could not ask ft_launcher to stop (%s)", exc)

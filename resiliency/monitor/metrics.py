@@ -14,17 +14,24 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, write_to_textfile
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    start_http_server,
+    write_to_textfile,
+)
 
 from pretrain.hooks import StepResult, TrainHook
-from resiliency.storage.attempts import recorded_attempts
 from resiliency.monitor.postmortem import read_record
+from resiliency.storage.attempts import recorded_attempts
 
 if TYPE_CHECKING:
     from pretrain.loop import Trainer
     from recipes.schema import MetricsConfig
-    from resiliency.monitor.evidence import AttemptEvidenceHook
     from resiliency.checkpoint.hook import CheckpointHook
+    from resiliency.monitor.evidence import AttemptEvidenceHook
     from resiliency.monitor.straggler import StragglerHook
 
 log = logging.getLogger(__name__)
@@ -39,40 +46,70 @@ class RunMetrics:
         self.run_id = run_id
         self.registry = CollectorRegistry()
         reg, run = self.registry, ["run_id"]
-        self.last_success = Gauge("checkpoint_last_success_timestamp_seconds",
-                                  "Unix time of the newest committed checkpoint", run,
-                                  registry=reg)
-        self.planned_interval = Gauge("checkpoint_planned_interval_seconds",
-                                      "checkpoint.save_interval x mean step time", run,
-                                      registry=reg)
-        self.last_step = Gauge("checkpoint_last_step", "Step of the newest committed checkpoint",
-                               run, registry=reg)
-        self.save_duration = Histogram("checkpoint_save_duration_seconds",
-                                       "Persistent save: start to commit", run,
-                                       buckets=DURATION_BUCKETS, registry=reg)
-        self.load_duration = Histogram("checkpoint_load_duration_seconds",
-                                       "Restore: start to the first step", run,
-                                       buckets=DURATION_BUCKETS, registry=reg)
-        self.queue_depth = Gauge("checkpoint_async_queue_depth",
-                                 "Async saves scheduled but not yet committed", run, registry=reg)
-        self.restarts = Counter("training_restarts", "Earlier attempts of this run", run,
-                                registry=reg)
-        self.lost_steps = Counter("training_lost_steps", "Steps redone after failures", run,
-                                  registry=reg)
-        self.lost_tokens = Counter("training_lost_tokens", "Tokens redone after failures", run,
-                                   registry=reg)
+        self.last_success = Gauge(
+            "checkpoint_last_success_timestamp_seconds",
+            "Unix time of the newest committed checkpoint",
+            run,
+            registry=reg,
+        )
+        self.planned_interval = Gauge(
+            "checkpoint_planned_interval_seconds",
+            "checkpoint.save_interval x mean step time",
+            run,
+            registry=reg,
+        )
+        self.last_step = Gauge(
+            "checkpoint_last_step", "Step of the newest committed checkpoint", run, registry=reg
+        )
+        self.save_duration = Histogram(
+            "checkpoint_save_duration_seconds",
+            "Persistent save: start to commit",
+            run,
+            buckets=DURATION_BUCKETS,
+            registry=reg,
+        )
+        self.load_duration = Histogram(
+            "checkpoint_load_duration_seconds",
+            "Restore: start to the first step",
+            run,
+            buckets=DURATION_BUCKETS,
+            registry=reg,
+        )
+        self.queue_depth = Gauge(
+            "checkpoint_async_queue_depth",
+            "Async saves scheduled but not yet committed",
+            run,
+            registry=reg,
+        )
+        self.restarts = Counter(
+            "training_restarts", "Earlier attempts of this run", run, registry=reg
+        )
+        self.lost_steps = Counter(
+            "training_lost_steps", "Steps redone after failures", run, registry=reg
+        )
+        self.lost_tokens = Counter(
+            "training_lost_tokens", "Tokens redone after failures", run, registry=reg
+        )
         self.step = Gauge("training_step", "Last completed step", run, registry=reg)
-        self.step_time = Gauge("training_step_duration_seconds", "Mean step time this attempt",
-                               run, registry=reg)
+        self.step_time = Gauge(
+            "training_step_duration_seconds", "Mean step time this attempt", run, registry=reg
+        )
         per_rank = ["run_id", "rank"]
-        self.relative = Gauge("straggler_relative_score",
-                              "Fastest rank's step time / this rank's (1 = fastest)", per_rank,
-                              registry=reg)
-        self.individual = Gauge("straggler_individual_score",
-                                "This rank's best step time / its current one", per_rank,
-                                registry=reg)
-        self.straggler = Gauge("straggler_detected", "1 if the last report named the rank",
-                               per_rank, registry=reg)
+        self.relative = Gauge(
+            "straggler_relative_score",
+            "Fastest rank's step time / this rank's (1 = fastest)",
+            per_rank,
+            registry=reg,
+        )
+        self.individual = Gauge(
+            "straggler_individual_score",
+            "This rank's best step time / its current one",
+            per_rank,
+            registry=reg,
+        )
+        self.straggler = Gauge(
+            "straggler_detected", "1 if the last report named the rank", per_rank, registry=reg
+        )
 
     def labels(self, metric: Any, **extra: Any) -> Any:
         return metric.labels(run_id=self.run_id, **{k: str(v) for k, v in extra.items()})
@@ -81,9 +118,15 @@ class RunMetrics:
 class MetricsHook(TrainHook):
     """Rank 0 only (the factory leaves it out elsewhere)."""
 
-    def __init__(self, cfg: "MetricsConfig", run_id: str, run_dir: Path,
-                 checkpoint: "CheckpointHook | None", evidence: "AttemptEvidenceHook | None",
-                 straggler: "StragglerHook | None") -> None:
+    def __init__(
+        self,
+        cfg: "MetricsConfig",
+        run_id: str,
+        run_dir: Path,
+        checkpoint: "CheckpointHook | None",
+        evidence: "AttemptEvidenceHook | None",
+        straggler: "StragglerHook | None",
+    ) -> None:
         self.cfg, self.path = cfg, run_dir / "metrics" / METRICS_FILE
         self.checkpoint, self.evidence, self.straggler = checkpoint, evidence, straggler
         self.m = RunMetrics(run_id)
@@ -167,7 +210,7 @@ class MetricsHook(TrainHook):
         if checkpointer is None:
             return False
         stats = checkpointer.stats
-        new = stats.durations_s[self.saves_seen:]
+        new = stats.durations_s[self.saves_seen :]
         for duration in new:
             m.labels(m.save_duration).observe(duration)
         self.saves_seen = len(stats.durations_s)
@@ -212,6 +255,5 @@ class MetricsHook(TrainHook):
 
 
 def _serve(port: int, registry: CollectorRegistry) -> tuple[Any, Any]:
-    from prometheus_client import start_http_server
 
     return start_http_server(port, registry=registry)

@@ -29,20 +29,29 @@ from resiliency.storage.layout import RunLayout, atomic_write_json
 
 # Per-rank files live below attempts/, so globs for attempt records never pick them up.
 FAILURES_DIR = "ranks"
-CODE_CLASSES = {exit_codes.USER_CODE: "user_code", exit_codes.NUMERIC: "numeric",
-                exit_codes.OOM: "oom", exit_codes.DATA: "data",
-                exit_codes.TOPOLOGY_REFUSED: "topology", exit_codes.CONFIG_ERROR: "config",
-                exit_codes.LEASE_HELD: "lease", exit_codes.CHECKPOINT_IO: "checkpoint",
-                exit_codes.STRAGGLER: "straggler", exit_codes.REQUEUE: "preempted",
-                exit_codes.INFRASTRUCTURE: "infrastructure"}
+CODE_CLASSES = {
+    exit_codes.USER_CODE: "user_code",
+    exit_codes.NUMERIC: "numeric",
+    exit_codes.OOM: "oom",
+    exit_codes.DATA: "data",
+    exit_codes.TOPOLOGY_REFUSED: "topology",
+    exit_codes.CONFIG_ERROR: "config",
+    exit_codes.LEASE_HELD: "lease",
+    exit_codes.CHECKPOINT_IO: "checkpoint",
+    exit_codes.STRAGGLER: "straggler",
+    exit_codes.REQUEUE: "preempted",
+    exit_codes.INFRASTRUCTURE: "infrastructure",
+}
 _JOIN = re.compile(r"attempts to join the next round of the rendezvous")
 _DETECT = re.compile(r"Worker group (FAILED|UNHEALTHY)")
 _EXIT = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
 # The rank monitor's timeout line: nvrx 0.4 "[RankMonServer<r>@<host>:<rank>] Section ...";
 # nvrx 0.7 "[workload:?(<rank>) infra:?(?)] rank_monitor_server.py:<n> [Cycle <c>] Section ...".
-_MONITOR = re.compile(r"(?:\[RankMonServer\d+@[^\]]*?:(\d+)\]|\[workload:\?\((\d+)\)[^\]]*\] \S+)"
-                      r" (?:\[Cycle \d+\] )?(?:Section '([^']+)' has been open"
-                      r"|Was (out of section)) for ([\d.]+) seconds\. Timeout is ([\d.]+)")
+_MONITOR = re.compile(
+    r"(?:\[RankMonServer\d+@[^\]]*?:(\d+)\]|\[workload:\?\((\d+)\)[^\]]*\] \S+)"
+    r" (?:\[Cycle \d+\] )?(?:Section '([^']+)' has been open"
+    r"|Was (out of section)) for ([\d.]+) seconds\. Timeout is ([\d.]+)"
+)
 
 
 def failure_path(layout: RunLayout, attempt: int, rank: int) -> Path:
@@ -66,13 +75,24 @@ class LauncherEvents:
         elif _DETECT.search(line):
             self.detections.append(now)
         elif m := _EXIT.search(line):
-            self.exits.append({"time": now, "exit_code": int(m.group(1)),
-                               "local_rank": int(m.group(2)), "pid": int(m.group(3))})
+            self.exits.append(
+                {
+                    "time": now,
+                    "exit_code": int(m.group(1)),
+                    "local_rank": int(m.group(2)),
+                    "pid": int(m.group(3)),
+                }
+            )
         elif m := _MONITOR.search(line):
-            self.monitor_timeouts.append({
-                "time": now, "rank": int(m.group(1) or m.group(2)),
-                "section": m.group(3) or "out_of_section",
-                "open_s": float(m.group(5)), "timeout_s": float(m.group(6))})
+            self.monitor_timeouts.append(
+                {
+                    "time": now,
+                    "rank": int(m.group(1) or m.group(2)),
+                    "section": m.group(3) or "out_of_section",
+                    "open_s": float(m.group(5)),
+                    "timeout_s": float(m.group(6)),
+                }
+            )
 
 
 # ------------------------------------------------------------------ progress
@@ -111,7 +131,8 @@ def read_record(layout: RunLayout, attempt: int) -> dict[str, Any]:
 def rank_failures(layout: RunLayout, attempt: int) -> dict[int, dict[str, Any]]:
     found = {}
     for path in (layout.attempts_dir / FAILURES_DIR).glob(
-            f"attempt-{attempt:02d}.rank-*.failure.json"):
+        f"attempt-{attempt:02d}.rank-*.failure.json"
+    ):
         try:
             data = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
@@ -131,19 +152,35 @@ def rank_stacks(layout: RunLayout, attempt: int) -> dict[int, dict[str, Any]]:
 
 def _from_failure_file(data: dict[str, Any]) -> dict[str, Any]:
     victim = bool(data.get("in_collective")) and data.get("failure_class") == "infrastructure"
-    return {"rank": data["rank"], "time": data["time"], "source": "rank",
-            "failure_class": data["failure_class"], "exit_code": data["exit_code"],
-            "cause": data.get("cause", data["failure_class"]), "victim": victim,
-            "detail": data.get("message", "")[:500]}
+    return {
+        "rank": data["rank"],
+        "time": data["time"],
+        "source": "rank",
+        "failure_class": data["failure_class"],
+        "exit_code": data["exit_code"],
+        "cause": data.get("cause", data["failure_class"]),
+        "victim": victim,
+        "detail": data.get("message", "")[:500],
+    }
 
 
 def _from_stack(dump: dict[str, Any]) -> dict[str, Any]:
     waiting = dump.get("in_collective", False)
-    cause = (f"waiting in a collective in section {dump.get('section')}" if waiting
-             else f"hang in section {dump.get('section')} (step {dump.get('step')})")
-    return {"rank": dump["rank"], "time": dump["opened_at"], "source": "stack",
-            "failure_class": "infrastructure", "exit_code": exit_codes.INFRASTRUCTURE,
-            "cause": cause, "victim": waiting, "detail": dump.get("top_frames", [])}
+    cause = (
+        f"waiting in a collective in section {dump.get('section')}"
+        if waiting
+        else f"hang in section {dump.get('section')} (step {dump.get('step')})"
+    )
+    return {
+        "rank": dump["rank"],
+        "time": dump["opened_at"],
+        "source": "stack",
+        "failure_class": "infrastructure",
+        "exit_code": exit_codes.INFRASTRUCTURE,
+        "cause": cause,
+        "victim": waiting,
+        "detail": dump.get("top_frames", []),
+    }
 
 
 def _from_exit(rank: int, event: dict[str, Any]) -> dict[str, Any]:
@@ -151,12 +188,26 @@ def _from_exit(rank: int, event: dict[str, Any]) -> dict[str, Any]:
     if code < 0:
         name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
         # SIGTERM comes from the launcher tearing the group down after another rank failed.
-        return {"rank": rank, "time": event["time"], "source": "launcher",
-                "failure_class": "infrastructure", "exit_code": exit_codes.INFRASTRUCTURE,
-                "cause": f"killed by {name}", "victim": -code == signal.SIGTERM, "detail": ""}
-    return {"rank": rank, "time": event["time"], "source": "launcher",
-            "failure_class": CODE_CLASSES.get(code, "unknown"), "exit_code": code,
-            "cause": f"exit code {code}", "victim": False, "detail": ""}
+        return {
+            "rank": rank,
+            "time": event["time"],
+            "source": "launcher",
+            "failure_class": "infrastructure",
+            "exit_code": exit_codes.INFRASTRUCTURE,
+            "cause": f"killed by {name}",
+            "victim": -code == signal.SIGTERM,
+            "detail": "",
+        }
+    return {
+        "rank": rank,
+        "time": event["time"],
+        "source": "launcher",
+        "failure_class": CODE_CLASSES.get(code, "unknown"),
+        "exit_code": code,
+        "cause": f"exit code {code}",
+        "victim": False,
+        "detail": "",
+    }
 
 
 def first_failure(evidence: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -165,8 +216,9 @@ def first_failure(evidence: list[dict[str, Any]]) -> dict[str, Any] | None:
     return min(culprits, key=lambda e: e["time"]) if culprits else None
 
 
-def rank_exits(record: dict[str, Any], events: LauncherEvents,
-               window: tuple[float, float]) -> dict[int, dict[str, Any]]:
+def rank_exits(
+    record: dict[str, Any], events: LauncherEvents, window: tuple[float, float]
+) -> dict[int, dict[str, Any]]:
     """rank -> the first exit the launcher logged for it in the window (pids from the record)."""
     pid_rank = {r["pid"]: r["rank"] for r in record.get("ranks", [])}
     found: dict[int, dict[str, Any]] = {}
@@ -176,10 +228,16 @@ def rank_exits(record: dict[str, Any], events: LauncherEvents,
     return found
 
 
-def collect_evidence(layout: RunLayout, attempt: int, record: dict[str, Any],
-                     events: LauncherEvents, window: tuple[float, float]) -> list[dict[str, Any]]:
-    by_rank = {rank: _from_exit(rank, event)
-               for rank, event in rank_exits(record, events, window).items()}
+def collect_evidence(
+    layout: RunLayout,
+    attempt: int,
+    record: dict[str, Any],
+    events: LauncherEvents,
+    window: tuple[float, float],
+) -> list[dict[str, Any]]:
+    by_rank = {
+        rank: _from_exit(rank, event) for rank, event in rank_exits(record, events, window).items()
+    }
     for rank, dump in rank_stacks(layout, attempt).items():
         by_rank[rank] = _from_stack(dump)
     for rank, data in rank_failures(layout, attempt).items():
@@ -192,21 +250,25 @@ def _first_after(times: list[float], after: float, before: float) -> float | Non
     return min((t for t in times if after <= t <= before), default=None)
 
 
-def recovery_times(failure_at: float, window_end: float, events: LauncherEvents,
-                   startup: dict[str, float]) -> dict[str, float | None]:
+def recovery_times(
+    failure_at: float, window_end: float, events: LauncherEvents, startup: dict[str, float]
+) -> dict[str, float | None]:
     detected = _first_after(events.detections, failure_at - 1.0, window_end)
     if detected is None:
         detected = _first_after([end for _, end in events.launches], failure_at, float("inf"))
     teardown = None
     if detected is not None:
-        teardown = _first_after(events.joins + [end for _, end in events.launches], detected,
-                                float("inf"))
-    points = [("detection_s", failure_at, detected), ("teardown_s", detected, teardown),
-              ("restart_s", teardown, startup.get("configure_at")),
-              ("init_s", startup.get("configure_at"), startup.get("load_started_at")),
-              ("load_s", startup.get("load_started_at"), startup.get("first_step_started_at")),
-              ("first_step_s", startup.get("first_step_started_at"),
-               startup.get("first_step_done_at"))]
+        teardown = _first_after(
+            events.joins + [end for _, end in events.launches], detected, float("inf")
+        )
+    points = [
+        ("detection_s", failure_at, detected),
+        ("teardown_s", detected, teardown),
+        ("restart_s", teardown, startup.get("configure_at")),
+        ("init_s", startup.get("configure_at"), startup.get("load_started_at")),
+        ("load_s", startup.get("load_started_at"), startup.get("first_step_started_at")),
+        ("first_step_s", startup.get("first_step_started_at"), startup.get("first_step_done_at")),
+    ]
     rto: dict[str, float | None] = {"failure_at": failure_at, "detected_at": detected}
     for name, start, end in points:
         rto[name] = None if start is None or end is None else round(max(0.0, end - start), 3)
@@ -216,22 +278,31 @@ def recovery_times(failure_at: float, window_end: float, events: LauncherEvents,
 
 
 # ------------------------------------------------------------------ finalize
-def summarize(layout: RunLayout, attempt: int, record: dict[str, Any],
-              following: dict[str, Any] | None, events: LauncherEvents,
-              tokens_per_step: int) -> dict[str, Any]:
+def summarize(
+    layout: RunLayout,
+    attempt: int,
+    record: dict[str, Any],
+    following: dict[str, Any] | None,
+    events: LauncherEvents,
+    tokens_per_step: int,
+) -> dict[str, Any]:
     start = record.get("start_time", 0.0)
     end = following.get("start_time") if following else None
     end = end or max([e for _, e in events.launches] + [time.time()])
     evidence = collect_evidence(layout, attempt, record, events, (start, end))
     last = last_step_between(layout.run_dir, start, end)
-    restore_point = (following.get("restored_step") if following is not None
-                     else max([s for s in layout.published_steps() if last is None or s <= last],
-                              default=0))
+    restore_point = (
+        following.get("restored_step")
+        if following is not None
+        else max([s for s in layout.published_steps() if last is None or s <= last], default=0)
+    )
     lost = lost_steps(last, restore_point)
-    summary: dict[str, Any] = {"last_step": last, "lost_steps": lost,
-                               "lost_tokens": lost * tokens_per_step,
-                               "exit_codes": _exit_codes(layout, attempt, record, events,
-                                                         (start, end))}
+    summary: dict[str, Any] = {
+        "last_step": last,
+        "lost_steps": lost,
+        "lost_tokens": lost * tokens_per_step,
+        "exit_codes": _exit_codes(layout, attempt, record, events, (start, end)),
+    }
     monitor = [m for m in events.monitor_timeouts if start <= m["time"] <= end]
     if monitor:
         summary["monitor_timeouts"] = monitor
@@ -244,8 +315,13 @@ def summarize(layout: RunLayout, attempt: int, record: dict[str, Any],
     return summary
 
 
-def _exit_codes(layout: RunLayout, attempt: int, record: dict[str, Any],
-                events: LauncherEvents, window: tuple[float, float]) -> dict[str, Any]:
+def _exit_codes(
+    layout: RunLayout,
+    attempt: int,
+    record: dict[str, Any],
+    events: LauncherEvents,
+    window: tuple[float, float],
+) -> dict[str, Any]:
     """Process exit codes per rank (negative: killed by that signal; None: not known).
 
     Known from the rank's failure file or the launcher's log; ranks of a clean exit share it.
@@ -257,25 +333,33 @@ def _exit_codes(layout: RunLayout, attempt: int, record: dict[str, Any],
     return codes
 
 
-def _failure_fields(record: dict[str, Any], first: dict[str, Any] | None,
-                    evidence: list[dict[str, Any]]) -> dict[str, Any]:
+def _failure_fields(
+    record: dict[str, Any], first: dict[str, Any] | None, evidence: list[dict[str, Any]]
+) -> dict[str, Any]:
     fields: dict[str, Any] = {"evidence": evidence}
     if record.get("status") in (None, "starting", "running"):
         fields["status"] = "failed"  # killed before it could say so itself
     if first is None:
         return fields
     reported = {k: record[k] for k in ("failure_class", "exit_code") if k in record}
-    if reported and reported != {"failure_class": first["failure_class"],
-                                 "exit_code": first["exit_code"]}:
+    if reported and reported != {
+        "failure_class": first["failure_class"],
+        "exit_code": first["exit_code"],
+    }:
         fields["reported_by_rank0"] = reported
-    fields.update(first_failing_rank=first["rank"], failure_class=first["failure_class"],
-                  failure_cause=first["cause"], exit_code=first["exit_code"],
-                  failure_time=first["time"])
+    fields.update(
+        first_failing_rank=first["rank"],
+        failure_class=first["failure_class"],
+        failure_cause=first["cause"],
+        exit_code=first["exit_code"],
+        failure_time=first["time"],
+    )
     return fields
 
 
-def finalize_attempts(layout: RunLayout, attempts: list[int], events: LauncherEvents,
-                      tokens_per_step: int) -> None:
+def finalize_attempts(
+    layout: RunLayout, attempts: list[int], events: LauncherEvents, tokens_per_step: int
+) -> None:
     """Merge root cause, losses and RTO into each attempt's record (its processes are gone)."""
     records = {a: read_record(layout, a) for a in attempts}
     for index, attempt in enumerate(attempts):
@@ -284,5 +368,6 @@ def finalize_attempts(layout: RunLayout, attempts: list[int], events: LauncherEv
             continue
         following = records.get(attempts[index + 1]) if index + 1 < len(attempts) else None
         summary = summarize(layout, attempt, record, following, events, tokens_per_step)
-        atomic_write_json(layout.attempt_path(attempt),
-                          {**record, **summary, "finalized_at": time.time()})
+        atomic_write_json(
+            layout.attempt_path(attempt), {**record, **summary, "finalized_at": time.time()}
+        )

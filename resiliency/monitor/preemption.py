@@ -16,8 +16,8 @@ import signal
 import threading
 from typing import TYPE_CHECKING, Any
 
-from pretrain.hooks import TrainHook
 from pretrain import exit_codes
+from pretrain.hooks import TrainHook
 
 if TYPE_CHECKING:
     from pretrain.loop import StepResult, Trainer
@@ -48,8 +48,12 @@ class PreemptionHook(TrainHook):
         if not result.stop_asked or trainer.state.step >= trainer.run.train.train_steps:
             return
         name = signal.Signals(self.received).name if self.received else "a peer's signal"
-        log.warning("preemption (%s): emergency save at step %d, then exit %d (requeue)",
-                    name, trainer.state.step, exit_codes.REQUEUE)
+        log.warning(
+            "preemption (%s): emergency save at step %d, then exit %d (requeue)",
+            name,
+            trainer.state.step,
+            exit_codes.REQUEUE,
+        )
         watchdog = threading.Timer(self.timeout_s, self._give_up)
         watchdog.daemon = True
         watchdog.start()
@@ -60,8 +64,12 @@ class PreemptionHook(TrainHook):
         trainer.request_stop(exit_codes.REQUEUE, f"preempted ({name}), emergency save done")
 
     def _give_up(self) -> None:
-        log.error("emergency save exceeded %.0f s; exiting %d without it (the last published "
-                  "step is intact)", self.timeout_s, exit_codes.REQUEUE)
+        log.error(
+            "emergency save exceeded %.0f s; exiting %d without it (the last published "
+            "step is intact)",
+            self.timeout_s,
+            exit_codes.REQUEUE,
+        )
         os._exit(exit_codes.REQUEUE)
 
     def close(self) -> None:

@@ -44,8 +44,11 @@ class StackWatchdog:
         self.fd = self.file.fileno()
         os.ftruncate(self.fd, HEADER_BYTES)
         os.lseek(self.fd, HEADER_BYTES, os.SEEK_SET)
-        self.context: dict[str, Any] = {"rank": rank, "pid": os.getpid(),
-                                        "main_thread": f"{threading.main_thread().ident:016x}"}
+        self.context: dict[str, Any] = {
+            "rank": rank,
+            "pid": os.getpid(),
+            "main_thread": f"{threading.main_thread().ident:016x}",
+        }
 
     def arm(self, section: str, timeout_s: float | None, **context: Any) -> None:
         self.disarm()
@@ -53,13 +56,21 @@ class StackWatchdog:
             os.ftruncate(self.fd, HEADER_BYTES)
             os.lseek(self.fd, HEADER_BYTES, os.SEEK_SET)
         self.context.update(context)
-        header = {**self.context, "section": section, "opened_at": time.time(),
-                  "timeout_s": timeout_s}
-        os.pwrite(self.fd, json.dumps(header).encode()[:HEADER_BYTES - 1].ljust(
-            HEADER_BYTES - 1) + b"\n", 0)
+        header = {
+            **self.context,
+            "section": section,
+            "opened_at": time.time(),
+            "timeout_s": timeout_s,
+        }
+        os.pwrite(
+            self.fd,
+            json.dumps(header).encode()[: HEADER_BYTES - 1].ljust(HEADER_BYTES - 1) + b"\n",
+            0,
+        )
         if timeout_s:
-            faulthandler.dump_traceback_later(timeout_s * DUMP_FRACTION, repeat=False,
-                                              file=self.file)
+            faulthandler.dump_traceback_later(
+                timeout_s * DUMP_FRACTION, repeat=False, file=self.file
+            )
 
     @staticmethod
     def disarm() -> None:
@@ -87,9 +98,13 @@ def read_stack_dump(path: Path) -> dict[str, Any] | None:
     if not body.strip():
         return {**header, "dumped": False}
     frames = _main_thread_frames(body, header.get("main_thread", ""))
-    return {**header, "dumped": True, "dumped_at": path.stat().st_mtime,
-            "in_collective": any(m in f for f, _, _ in frames for m in COLLECTIVE_MARKERS),
-            "top_frames": [f"{Path(f).name}:{line} {func}" for f, line, func in frames[:6]]}
+    return {
+        **header,
+        "dumped": True,
+        "dumped_at": path.stat().st_mtime,
+        "in_collective": any(m in f for f, _, _ in frames for m in COLLECTIVE_MARKERS),
+        "top_frames": [f"{Path(f).name}:{line} {func}" for f, line, func in frames[:6]],
+    }
 
 
 def _main_thread_frames(body: str, main_thread: str) -> list[tuple[str, str, str]]:

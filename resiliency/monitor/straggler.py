@@ -5,8 +5,8 @@ Each training step after ``warmup_steps`` is a detection section ("step"); every
 whose relative score (fastest rank's median section time / this rank's) is below
 ``relative_threshold``, with their individual scores (vs. the rank's own best median). On a GPU
 the CUDA-kernel scores count too; on CPU sections are timed in CPU time (see
-:func:`pretrain.cpu_shim.nvrx_straggler_on_cpu`). A rank only slower than its own past (the whole job slowed down:
-a noisy machine) is logged, not named. Reports go to the log and to
+:func:`pretrain.cpu_shim.nvrx_straggler_on_cpu`). A rank only slower than its own past (the whole
+job slowed down: a noisy machine) is logged, not named. Reports go to the log and to
 ``<run_dir>/metrics/straggler.jsonl``; with ``stop_if_detected`` the run saves and exits
 STRAGGLER.
 """
@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from pretrain.hooks import StepResult, TrainHook
 from pretrain import exit_codes
+from pretrain.compat import nvrx_straggler
 from pretrain.cpu_shim import nvrx_straggler_on_cpu
+from pretrain.hooks import StepResult, TrainHook
 
 if TYPE_CHECKING:
     from pretrain.distributed import DistEnv
@@ -53,18 +54,23 @@ class StragglerReport:
 
 def summarize(report: Any, step: int, cfg: "StragglerConfig") -> StragglerReport:
     """Rank-0 view of an nvrx ``Report``: scores per rank and who is below the thresholds."""
+
     def finite(scores: dict[int, float]) -> dict[int, float]:
         return {int(r): round(float(s), 4) for r, s in scores.items() if math.isfinite(s)}
 
-    out = StragglerReport(step, time.time(),
-                          finite(report.section_relative_perf_scores.get(SECTION, {})),
-                          finite(report.section_individual_perf_scores.get(SECTION, {})),
-                          finite(report.gpu_relative_perf_scores))
+    out = StragglerReport(
+        step,
+        time.time(),
+        finite(report.section_relative_perf_scores.get(SECTION, {})),
+        finite(report.section_individual_perf_scores.get(SECTION, {})),
+        finite(report.gpu_relative_perf_scores),
+    )
     slow = {r for r, s in out.relative.items() if s < cfg.relative_threshold}
     slow |= {r for r, s in out.gpu_relative.items() if s < cfg.relative_threshold}
     out.stragglers = sorted(slow)
-    out.slower_than_before = sorted(r for r, s in out.individual.items()
-                                    if s < cfg.individual_threshold and r not in slow)
+    out.slower_than_before = sorted(
+        r for r, s in out.individual.items() if s < cfg.individual_threshold and r not in slow
+    )
     return out
 
 
@@ -80,20 +86,24 @@ class StragglerHook(TrainHook):
 
     def on_start(self, trainer: "Trainer") -> None:
         nvrx_straggler_on_cpu(self.env.device)
-        from pretrain.compat import nvrx_straggler
 
         self.detector = nvrx_straggler().Detector
         # report_time_interval is for generate_report_if_interval_elapsed, which is not used:
         # reports come every report_interval steps, the same step on every rank.
-        self.detector.initialize(scores_to_compute="all", gather_on_rank0=True,
-                                 profiling_interval=1, report_time_interval=float("inf"),
-                                 node_name=socket.gethostname())
+        self.detector.initialize(
+            scores_to_compute="all",
+            gather_on_rank0=True,
+            profiling_interval=1,
+            report_time_interval=float("inf"),
+            node_name=socket.gethostname(),
+        )
         self.first_step = trainer.state.step + 1
 
     def before_step(self, trainer: "Trainer") -> None:
         if trainer.state.step + 1 >= self.first_step + self.cfg.warmup_steps:
             self.section = self.detector.detection_section(
-                SECTION, profile_cuda=self.env.device == "cuda")
+                SECTION, profile_cuda=self.env.device == "cuda"
+            )
             self.section.__enter__()
 
     def after_step(self, trainer: "Trainer", result: StepResult) -> None:
@@ -122,17 +132,27 @@ class StragglerHook(TrainHook):
 
     def _publish(self, report: StragglerReport) -> None:
         if report.stragglers:
-            log.warning("straggler report at step %d: slow rank(s) %s; relative scores %s, "
-                        "individual scores %s", report.step, report.stragglers,
-                        {r: report.relative.get(r) for r in report.stragglers},
-                        {r: report.individual.get(r) for r in report.stragglers})
+            log.warning(
+                "straggler report at step %d: slow rank(s) %s; relative scores %s, "
+                "individual scores %s",
+                report.step,
+                report.stragglers,
+                {r: report.relative.get(r) for r in report.stragglers},
+                {r: report.individual.get(r) for r in report.stragglers},
+            )
         else:
-            log.info("straggler report at step %d: no straggler (relative scores %s)",
-                     report.step, report.relative)
+            log.info(
+                "straggler report at step %d: no straggler (relative scores %s)",
+                report.step,
+                report.relative,
+            )
         if report.slower_than_before:
-            log.info("straggler report: rank(s) %s slower than their own best (individual "
-                     "scores %s), not slower than their peers", report.slower_than_before,
-                     {r: report.individual[r] for r in report.slower_than_before})
+            log.info(
+                "straggler report: rank(s) %s slower than their own best (individual "
+                "scores %s), not slower than their peers",
+                report.slower_than_before,
+                {r: report.individual[r] for r in report.slower_than_before},
+            )
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as stream:
             stream.write(json.dumps(asdict(report)) + "\n")

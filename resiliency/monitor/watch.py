@@ -16,8 +16,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pretrain.hooks import StepResult, TrainHook
 from pretrain.failures import NonFiniteError
+from pretrain.hooks import StepResult, TrainHook
 
 if TYPE_CHECKING:
     from pretrain.loop import Trainer
@@ -54,15 +54,18 @@ def jumps(result: StepResult, reference: dict[str, Any], cfg: "WatchConfig") -> 
         before, now = float(reference[key]), float(getattr(result, key))
         limit = before * (1.0 + tolerance) if before > 0 else before + tolerance
         if now > limit:
-            found.append(f"{key} {now:.4f} vs {before:.4f} at step {reference['step']} "
-                         f"(+{(now - before) / max(abs(before), 1e-12):.0%}, tolerance "
-                         f"{tolerance:.0%})")
+            found.append(
+                f"{key} {now:.4f} vs {before:.4f} at step {reference['step']} "
+                f"(+{(now - before) / max(abs(before), 1e-12):.0%}, tolerance "
+                f"{tolerance:.0%})"
+            )
     return found
 
 
 class PostRestoreWatchHook(TrainHook):
-    def __init__(self, cfg: "WatchConfig", rank: int, run_dir: Path,
-                 checkpoint: "CheckpointHook") -> None:
+    def __init__(
+        self, cfg: "WatchConfig", rank: int, run_dir: Path, checkpoint: "CheckpointHook"
+    ) -> None:
         self.cfg, self.rank, self.run_dir, self.checkpoint = cfg, rank, run_dir, checkpoint
         self.history: dict[int, dict[str, Any]] = {}
         self.restored = -1
@@ -87,8 +90,12 @@ class PostRestoreWatchHook(TrainHook):
         self.checked += 1
         found = jumps(result, reference, self.cfg)
         if found and self.rank == 0:
-            log.error("POST-RESTORE WATCH: step %d after restoring step %d: %s", result.step,
-                      self.restored, "; ".join(found))
+            log.error(
+                "POST-RESTORE WATCH: step %d after restoring step %d: %s",
+                result.step,
+                self.restored,
+                "; ".join(found),
+            )
         self.findings.extend(found)
         if found and self.cfg.stop_on_jump:
             raise RestoreDivergedError("post-restore watch: " + "; ".join(found))
@@ -102,10 +109,15 @@ class PostRestoreWatchHook(TrainHook):
     def _finish(self) -> None:
         if self.rank != 0:
             return
-        verdict = {"steps_checked": self.checked, "ok": not self.findings,
-                   "findings": self.findings[:20]}
+        verdict = {
+            "steps_checked": self.checked,
+            "ok": not self.findings,
+            "findings": self.findings[:20],
+        }
         if not self.findings:
-            log.info("post-restore watch: %d steps match the pre-failure loss and grad norm",
-                     self.checked)
+            log.info(
+                "post-restore watch: %d steps match the pre-failure loss and grad norm",
+                self.checked,
+            )
         ownership = self.checkpoint.ownership
         ownership.record(ownership.info.get("status", "running"), post_restore_watch=verdict)

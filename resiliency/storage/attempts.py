@@ -80,7 +80,8 @@ def write_attempt_record(layout: RunLayout, attempt: int, record: dict[str, Any]
     if _read_owner_token(path) != _owner_token():
         raise AttemptConflictError(
             f"{path} already belongs to another process; attempt {attempt} is taken "
-            f"(unset or change {ATTEMPT_ENV})")
+            f"(unset or change {ATTEMPT_ENV})"
+        )
     atomic_write_json(path, body)
     return path
 
@@ -107,6 +108,7 @@ def ensure_run_record(layout: RunLayout, attempt: int) -> dict[str, Any]:
         logger.info("created %s", layout.run_json_path)
     data = json.loads(layout.run_json_path.read_text())
     if data.get("run_id") != layout.run_id:
-        raise ValueError(f"{layout.run_json_path} belongs to run {data.get('run_id')!r}, "
-                         f"not {layout.run_id!r}")
+        raise ValueError(
+            f"{layout.run_json_path} belongs to run {data.get('run_id')!r}, not {layout.run_id!r}"
+        )
     return data

@@ -105,8 +105,9 @@ class FileEntry:
         return cls(path, size, checksum, algorithm)
 
 
-def describe_file(step_dir: Path, rel_path: str, algorithm: str = DEFAULT_ALGORITHM,
-                  fsync: bool = True) -> FileEntry:
+def describe_file(
+    step_dir: Path, rel_path: str, algorithm: str = DEFAULT_ALGORITHM, fsync: bool = True
+) -> FileEntry:
     path = step_dir / rel_path
     if fsync:
         # The rank that wrote a file is the one that describes it, so this is where its data
@@ -116,12 +117,14 @@ def describe_file(step_dir: Path, rel_path: str, algorithm: str = DEFAULT_ALGORI
     return FileEntry(Path(rel_path).as_posix(), size, file_checksum(path, algorithm), algorithm)
 
 
-def describe_files(step_dir: Path, rel_paths: list[str], algorithm: str = DEFAULT_ALGORITHM,
-                   fsync: bool = True) -> list[FileEntry]:
+def describe_files(
+    step_dir: Path, rel_paths: list[str], algorithm: str = DEFAULT_ALGORITHM, fsync: bool = True
+) -> list[FileEntry]:
     """Entries for this rank's share of files in ``step_dir``; the coordinator gathers them."""
     entries = [describe_file(step_dir, rel, algorithm, fsync) for rel in rel_paths]
-    logger.debug("described %d files (%d bytes) in %s", len(entries),
-                 sum(e.bytes for e in entries), step_dir)
+    logger.debug(
+        "described %d files (%d bytes) in %s", len(entries), sum(e.bytes for e in entries), step_dir
+    )
     return entries
 
 
@@ -219,7 +222,11 @@ def describe_written(step_dir: Path, rel_path: str, size: int, checksum: str) ->
     path = step_dir / rel_path
     fsync_file(path)
     if path.stat().st_size != size:
-        logger.warning("%s: %d bytes on disk, writer hashed %d; checksumming it again", path,
-                       path.stat().st_size, size)
+        logger.warning(
+            "%s: %d bytes on disk, writer hashed %d; checksumming it again",
+            path,
+            path.stat().st_size,
+            size,
+        )
         return describe_file(step_dir, rel_path, fsync=False)
     return FileEntry(Path(rel_path).as_posix(), size, checksum, DEFAULT_ALGORITHM)

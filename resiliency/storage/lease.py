@@ -16,11 +16,12 @@ import random
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import psutil
 
@@ -86,23 +87,43 @@ class LeaseInfo:
         if not isinstance(d, dict):
             raise ValueError("lease is not a JSON object")
         try:
-            return cls(int(d["attempt"]), str(d["host"]), int(d["pid"]), float(d["heartbeat"]),
-                       d.get("job_id"), d.get("pid_ns"), d.get("pid_start"), d.get("acquired_at"),
-                       d.get("timeout_s"))
+            return cls(
+                int(d["attempt"]),
+                str(d["host"]),
+                int(d["pid"]),
+                float(d["heartbeat"]),
+                d.get("job_id"),
+                d.get("pid_ns"),
+                d.get("pid_start"),
+                d.get("acquired_at"),
+                d.get("timeout_s"),
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"lease is missing or has a bad field: {e}") from e
 
     @classmethod
-    def for_this_process(cls, attempt: int, timeout_s: float,
-                         acquired_at: float | None = None) -> LeaseInfo:
+    def for_this_process(
+        cls, attempt: int, timeout_s: float, acquired_at: float | None = None
+    ) -> LeaseInfo:
         now = time.time()
-        return cls(attempt, socket.gethostname(), os.getpid(), now, _job_id(), _pid_namespace(),
-                   _pid_start(os.getpid()), acquired_at or now, timeout_s)
+        return cls(
+            attempt,
+            socket.gethostname(),
+            os.getpid(),
+            now,
+            _job_id(),
+            _pid_namespace(),
+            _pid_start(os.getpid()),
+            acquired_at or now,
+            timeout_s,
+        )
 
     def describe(self, now: float) -> str:
         job = f", job {self.job_id}" if self.job_id else ""
-        return (f"attempt {self.attempt} on host {self.host} (pid {self.pid}{job}), "
-                f"last heartbeat {now - self.heartbeat:.1f}s ago")
+        return (
+            f"attempt {self.attempt} on host {self.host} (pid {self.pid}{job}), "
+            f"last heartbeat {now - self.heartbeat:.1f}s ago"
+        )
 
 
 def read_lease(layout: RunLayout) -> LeaseInfo | None:
@@ -167,8 +188,10 @@ def _mutex(lease_path: Path, wait_s: float) -> Iterator[None]:
                 lock.unlink(missing_ok=True)
                 continue
             if time.monotonic() > deadline:
-                raise LeaseHeldError(f"{lock} stayed locked for {wait_s:.0f}s; another process is "
-                                     f"acquiring the lease (delete the file if none is)") from None
+                raise LeaseHeldError(
+                    f"{lock} stayed locked for {wait_s:.0f}s; another process is "
+                    f"acquiring the lease (delete the file if none is)"
+                ) from None
             time.sleep(random.uniform(0.005, 0.03))
     try:
         me = {"host": socket.gethostname(), "pid": os.getpid(), "pid_ns": _pid_namespace()}
@@ -184,8 +207,9 @@ def _mutex(lease_path: Path, wait_s: float) -> Iterator[None]:
 class RunLease:
     """Exclusive right of one attempt to write a run; keep it alive with heartbeats."""
 
-    def __init__(self, layout: RunLayout, attempt: int, timeout_s: float,
-                 lock_wait_s: float = 10.0) -> None:
+    def __init__(
+        self, layout: RunLayout, attempt: int, timeout_s: float, lock_wait_s: float = 10.0
+    ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.layout, self.attempt, self.timeout_s = layout, attempt, timeout_s
@@ -196,8 +220,11 @@ class RunLease:
         self._thread: threading.Thread | None = None
 
     def _is_mine(self, info: LeaseInfo) -> bool:
-        return (info.attempt == self.attempt and info.host == socket.gethostname()
-                and info.pid == os.getpid())
+        return (
+            info.attempt == self.attempt
+            and info.host == socket.gethostname()
+            and info.pid == os.getpid()
+        )
 
     def _write(self) -> None:
         info = LeaseInfo.for_this_process(self.attempt, self.timeout_s, self._acquired_at)
@@ -211,8 +238,10 @@ class RunLease:
             if age > self.timeout_s:
                 logger.warning("replacing unreadable LEASE (%s), last written %.0fs ago", e, age)
                 return None
-            raise LeaseHeldError(f"{self.layout.lease_path} is unreadable ({e}) and was written "
-                                 f"{age:.0f}s ago; retry after {self.timeout_s:.0f}s") from e
+            raise LeaseHeldError(
+                f"{self.layout.lease_path} is unreadable ({e}) and was written "
+                f"{age:.0f}s ago; retry after {self.timeout_s:.0f}s"
+            ) from e
 
     def acquire(self) -> None:
         self.layout.run_dir.mkdir(parents=True, exist_ok=True)
@@ -237,7 +266,8 @@ class RunLease:
                 f"run {self.layout.run_dir} is held by {current.describe(now)}. Wait for that "
                 f"job to finish or stop it. If it is dead, its lease is taken over once the "
                 f"heartbeat is older than {self.timeout_s:.0f}s (immediately when the dead "
-                f"process was on this host).")
+                f"process was on this host)."
+            )
         logger.warning("taking over lease of %s: %s", current.describe(now), reason)
 
     def heartbeat(self) -> None:
@@ -260,20 +290,30 @@ class RunLease:
             fsync_dir(self.layout.run_dir)
         logger.info("released lease on %s", self.layout.run_dir)
 
-    def start_heartbeat(self, interval_s: float | None = None,
-                        on_lost: Callable[[LeaseLostError], None] | None = None) -> None:
+    def start_heartbeat(
+        self,
+        interval_s: float | None = None,
+        on_lost: Callable[[LeaseLostError], None] | None = None,
+    ) -> None:
         interval = interval_s if interval_s is not None else self.timeout_s / 4
         if interval >= self.timeout_s:
             raise ValueError(f"heartbeat interval {interval}s must be < timeout {self.timeout_s}s")
         self.stop_heartbeat()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat_loop,
-                                        args=(self._stop, interval, on_lost),
-                                        name="run-lease-heartbeat", daemon=True)
+        self._thread = threading.Thread(
+            target=self._beat_loop,
+            args=(self._stop, interval, on_lost),
+            name="run-lease-heartbeat",
+            daemon=True,
+        )
         self._thread.start()
 
-    def _beat_loop(self, stop: threading.Event, interval: float,
-                   on_lost: Callable[[LeaseLostError], None] | None) -> None:
+    def _beat_loop(
+        self,
+        stop: threading.Event,
+        interval: float,
+        on_lost: Callable[[LeaseLostError], None] | None,
+    ) -> None:
         while not stop.wait(interval):
             try:
                 self.heartbeat()
@@ -298,6 +338,10 @@ class RunLease:
         self.acquire()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.release()

@@ -7,11 +7,12 @@ import logging
 import os
 import platform
 import subprocess
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from resiliency.storage.checksum import FileEntry, bytes_checksum
 from resiliency.storage.layout import MANIFEST_NAME
@@ -30,7 +31,7 @@ class ManifestError(Exception):
 
 
 def utc_now_iso() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass
@@ -89,7 +90,8 @@ def _check_schema(d: dict[str, Any]) -> None:
     if d.get("schema_version") != SCHEMA_VERSION:
         raise ManifestError(
             f"unsupported manifest schema_version {d.get('schema_version')!r} "
-            f"(this code reads {SCHEMA_VERSION})")
+            f"(this code reads {SCHEMA_VERSION})"
+        )
     if not isinstance(d.get("run_id"), str):
         raise ManifestError("manifest has no string 'run_id'")
     for key in _REQUIRED_INT:
@@ -119,8 +121,9 @@ def merge_file_entries(groups: Iterable[Iterable[FileEntry]]) -> list[FileEntry]
     for group in groups:
         for entry in group:
             if entry.path in merged and merged[entry.path] != entry:
-                raise ValueError(f"ranks disagree about {entry.path!r}: "
-                                 f"{merged[entry.path]} vs {entry}")
+                raise ValueError(
+                    f"ranks disagree about {entry.path!r}: {merged[entry.path]} vs {entry}"
+                )
             merged[entry.path] = entry
     return [merged[p] for p in sorted(merged)]
 
@@ -162,8 +165,14 @@ def code_commit() -> str | None:
     if not (repo / ".git").exists():
         return None
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True,
-                             text=True, timeout=10, check=True)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
     except (OSError, subprocess.SubprocessError) as e:
         logger.warning("cannot read git commit of %s: %s", repo, e)
         return None

@@ -12,8 +12,17 @@ import shutil
 import time
 from pathlib import Path
 
-from resiliency.storage.layout import (COMMITTED_NAME, MANIFEST_NAME, RunLayout, atomic_write_json,
-                               fsync_dir, fsync_tree, parse_tmp, step_name, write_durable)
+from resiliency.storage.layout import (
+    COMMITTED_NAME,
+    MANIFEST_NAME,
+    RunLayout,
+    atomic_write_json,
+    fsync_dir,
+    fsync_tree,
+    parse_tmp,
+    step_name,
+    write_durable,
+)
 from resiliency.storage.manifest import Manifest, manifest_checksum, read_manifest
 from resiliency.storage.verify import check_files, step_of_dir, verify_step_dir
 
@@ -27,8 +36,9 @@ class PublishError(Exception):
 def begin_step(layout: RunLayout, step: int, attempt: int) -> Path:
     """Create an empty tmp dir for ``step``; leftovers of this attempt's earlier try are removed."""
     if layout.step_dir(step).exists():
-        raise PublishError(f"{layout.step_dir(step)} is already published; "
-                           f"published steps are immutable")
+        raise PublishError(
+            f"{layout.step_dir(step)} is already published; published steps are immutable"
+        )
     tmp = layout.tmp_dir(step, attempt)
     if tmp.exists():
         logger.warning("removing leftover %s from an earlier try of this attempt", tmp)
@@ -52,8 +62,9 @@ def write_manifest_and_commit(tmp_dir: Path, manifest: Manifest) -> None:
     fsync_tree(tmp_dir)
     write_durable(marker, (manifest_checksum(raw) + "\n").encode())
     fsync_dir(tmp_dir)
-    logger.info("committed %s (%d files, %d bytes)", tmp_dir, len(manifest.files),
-                manifest.total_bytes)
+    logger.info(
+        "committed %s (%d files, %d bytes)", tmp_dir, len(manifest.files), manifest.total_bytes
+    )
 
 
 def update_latest(layout: RunLayout, step: int) -> None:
@@ -72,22 +83,24 @@ def set_aside(layout: RunLayout, step: int, reason: str) -> Path:
     return dst
 
 
-def _check_can_publish(layout: RunLayout, tmp_dir: Path, step: int,
-                       replace_invalid: bool) -> None:
+def _check_can_publish(layout: RunLayout, tmp_dir: Path, step: int, replace_invalid: bool) -> None:
     parsed = parse_tmp(tmp_dir.name)
     in_steps_dir = tmp_dir.parent.resolve() == layout.steps_dir.resolve()
     if not in_steps_dir or parsed is None or parsed[0] != step:
         raise PublishError(f"{tmp_dir} is not a tmp dir for step {step} in {layout.steps_dir}")
     if not (tmp_dir / COMMITTED_NAME).is_file():
-        raise PublishError(f"{tmp_dir} has no {COMMITTED_NAME}; "
-                           f"call write_manifest_and_commit first")
+        raise PublishError(
+            f"{tmp_dir} has no {COMMITTED_NAME}; call write_manifest_and_commit first"
+        )
     final = layout.step_dir(step)
     if not final.exists():
         return
     verdict = verify_step_dir(final, read_manifest(tmp_dir).run_id, full=False)
     if verdict.ok or not replace_invalid:
-        raise PublishError(f"{final} already exists ({verdict.reason}); published steps are "
-                           f"immutable and are never overwritten")
+        raise PublishError(
+            f"{final} already exists ({verdict.reason}); published steps are "
+            f"immutable and are never overwritten"
+        )
     set_aside(layout, step, verdict.reason)
 
 

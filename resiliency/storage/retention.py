@@ -33,16 +33,25 @@ class GcPlan:
         return self.delete_steps + self.delete_tmp + self.delete_trash
 
 
-def plan_gc(layout: RunLayout, run_id: str, keep_last: int, milestone_interval: int | None,
-            protected: set[int], live_attempt: int | None) -> GcPlan:
+def plan_gc(
+    layout: RunLayout,
+    run_id: str,
+    keep_last: int,
+    milestone_interval: int | None,
+    protected: set[int],
+    live_attempt: int | None,
+) -> GcPlan:
     if keep_last < MIN_KEEP_LAST:
-        raise ValueError(f"keep_last must be >= {MIN_KEEP_LAST} (the newest and the previous "
-                         f"verified step), got {keep_last}")
+        raise ValueError(
+            f"keep_last must be >= {MIN_KEEP_LAST} (the newest and the previous "
+            f"verified step), got {keep_last}"
+        )
     if milestone_interval is not None and milestone_interval <= 0:
         raise ValueError(f"milestone_interval must be positive, got {milestone_interval}")
     plan = GcPlan()
-    verdicts = {s: verify_step_dir(layout.step_dir(s), run_id, full=False)
-                for s in layout.published_steps()}
+    verdicts = {
+        s: verify_step_dir(layout.step_dir(s), run_id, full=False) for s in layout.published_steps()
+    }
     verified = sorted(s for s, v in verdicts.items() if v.ok)
     if not verified:
         # Without a restorable step any dir may be the only material left to recover from.
@@ -51,19 +60,29 @@ def plan_gc(layout: RunLayout, run_id: str, keep_last: int, milestone_interval: 
         return plan
     recent = set(verified[-keep_last:])
     for step, verdict in verdicts.items():
-        reason_keep = _keep_reason(step, verdict.ok, recent, verified[-1], milestone_interval,
-                                   protected)
+        reason_keep = _keep_reason(
+            step, verdict.ok, recent, verified[-1], milestone_interval, protected
+        )
         target = plan.keep if reason_keep else plan.delete_steps
-        why = reason_keep or (f"older than the last {keep_last} verified steps" if verdict.ok
-                              else f"invalid and older than newest verified: {verdict.reason}")
+        why = reason_keep or (
+            f"older than the last {keep_last} verified steps"
+            if verdict.ok
+            else f"invalid and older than newest verified: {verdict.reason}"
+        )
         target.append((layout.step_dir(step), why))
     _plan_tmp(layout, live_attempt, plan)
     plan.delete_trash = [(p, "leftover of an interrupted delete") for p in layout.trash_dirs()]
     return plan
 
 
-def _keep_reason(step: int, ok: bool, recent: set[int], newest: int,
-                 milestone_interval: int | None, protected: set[int]) -> str | None:
+def _keep_reason(
+    step: int,
+    ok: bool,
+    recent: set[int],
+    newest: int,
+    milestone_interval: int | None,
+    protected: set[int],
+) -> str | None:
     if step in protected:
         return "protected (e.g. restored from, until a newer step is committed)"
     if step > newest:
@@ -86,8 +105,11 @@ def _plan_tmp(layout: RunLayout, live_attempt: int | None, plan: GcPlan) -> None
 
 
 def _remove(path: Path) -> None:
-    trash = path if path.name.startswith(TRASH_PREFIX) else (
-        path.with_name(f"{TRASH_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}"))
+    trash = (
+        path
+        if path.name.startswith(TRASH_PREFIX)
+        else (path.with_name(f"{TRASH_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}"))
+    )
     if trash != path:
         path.rename(trash)
         fsync_dir(path.parent)

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Mapping
+from typing import Literal
 
 from resiliency.storage.layout import RunLayout, step_name
 from resiliency.storage.verify import Verdict, verify_step_dir
@@ -56,8 +57,9 @@ def _skip(skipped: list[tuple[str, str]], name: str, reason: str) -> None:
     skipped.append((name, reason))
 
 
-def select_restore_step(layout: RunLayout, run_id: str, full_verify: bool,
-                        rejected: Mapping[int, str] | None = None) -> Selection:
+def select_restore_step(
+    layout: RunLayout, run_id: str, full_verify: bool, rejected: Mapping[int, str] | None = None
+) -> Selection:
     """``rejected``: steps already found bad (step -> reason), e.g. by a collective re-hash."""
     skipped: list[tuple[str, str]] = []
     hint, problem = read_latest_hint(layout)
@@ -78,11 +80,16 @@ def select_restore_step(layout: RunLayout, run_id: str, full_verify: bool,
     return Selection(None, None, "none", skipped)
 
 
-def _chosen(layout: RunLayout, step: int, hint: int | None, verdict: Verdict,
-            skipped: list[tuple[str, str]]) -> Selection:
+def _chosen(
+    layout: RunLayout, step: int, hint: int | None, verdict: Verdict, skipped: list[tuple[str, str]]
+) -> Selection:
     source: Literal["latest", "scan"] = "latest" if step == hint else "scan"
     if hint is not None and step > hint:
-        logger.warning("restore: latest.json points to step %d but newer step %d verifies; "
-                       "using %d", hint, step, step)
+        logger.warning(
+            "restore: latest.json points to step %d but newer step %d verifies; using %d",
+            hint,
+            step,
+            step,
+        )
     logger.info("restore: selected %s (via %s)", layout.step_dir(step), source)
     return Selection(layout.step_dir(step), step, source, skipped, verdict)

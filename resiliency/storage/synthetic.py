@@ -26,25 +26,34 @@ def write_payload(step_dir: Path, step: int, seed: int = 0) -> list[str]:
     for rel, size in SHARD_SIZES.items():
         path = step_dir / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = (json.dumps({"step": step, "shards": 2}).encode() if size == 0
-                else rng.randbytes(size))
+        data = (
+            json.dumps({"step": step, "shards": 2}).encode() if size == 0 else rng.randbytes(size)
+        )
         path.write_bytes(data)
     (step_dir / "train_state.json").write_text(json.dumps({"step": step, "tokens": step * 4096}))
     return payload_files(step_dir)
 
 
-def synthetic_manifest(layout: RunLayout, step: int, attempt: int, tmp: Path,
-                       world_size: int = 2) -> Manifest:
+def synthetic_manifest(
+    layout: RunLayout, step: int, attempt: int, tmp: Path, world_size: int = 2
+) -> Manifest:
     files = payload_files(tmp)
     # Each "rank" describes its own share, as real ranks would before the coordinator gathers.
     groups = [describe_files(tmp, files[r::world_size], fsync=False) for r in range(world_size)]
-    return Manifest(run_id=layout.run_id, attempt=attempt, step=step, world_size=world_size,
-                    parallelism={"tp": 1, "pp": 1, "cp": 1, "ep": 1, "vpp": 1, "dp": world_size},
-                    optim_format="synthetic", files=merge_file_entries(groups))
+    return Manifest(
+        run_id=layout.run_id,
+        attempt=attempt,
+        step=step,
+        world_size=world_size,
+        parallelism={"tp": 1, "pp": 1, "cp": 1, "ep": 1, "vpp": 1, "dp": world_size},
+        optim_format="synthetic",
+        files=merge_file_entries(groups),
+    )
 
 
-def write_synthetic_step(layout: RunLayout, step: int, attempt: int = 1, seed: int = 0,
-                         do_publish: bool = True) -> Path:
+def write_synthetic_step(
+    layout: RunLayout, step: int, attempt: int = 1, seed: int = 0, do_publish: bool = True
+) -> Path:
     """Write, commit and (by default) publish a fake step; returns its dir."""
     tmp = begin_step(layout, step, attempt)
     write_payload(tmp, step, seed)

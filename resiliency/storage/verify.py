@@ -9,7 +9,12 @@ from pathlib import Path, PurePosixPath
 
 from resiliency.storage.checksum import ALGORITHMS, FileEntry, file_checksum
 from resiliency.storage.layout import COMMITTED_NAME, parse_step, parse_tmp, payload_files
-from resiliency.storage.manifest import Manifest, ManifestError, manifest_checksum, read_manifest_bytes
+from resiliency.storage.manifest import (
+    Manifest,
+    ManifestError,
+    manifest_checksum,
+    read_manifest_bytes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +56,12 @@ def verify_step_dir(step_dir: Path, run_id: str, full: bool = True) -> Verdict:
     if (problem := check_files(step_dir, manifest.files, full)) is not None:
         return _bad(step, problem)
     kind = "full" if full else "quick"
-    return Verdict(True, step, f"ok ({kind}: {len(manifest.files)} files, "
-                               f"{manifest.total_bytes} bytes)", manifest)
+    return Verdict(
+        True,
+        step,
+        f"ok ({kind}: {len(manifest.files)} files, {manifest.total_bytes} bytes)",
+        manifest,
+    )
 
 
 def _read_committed_manifest(step_dir: Path) -> Manifest:
@@ -66,15 +75,19 @@ def _read_committed_manifest(step_dir: Path) -> Manifest:
     raw = read_manifest_bytes(step_dir)
     expected = manifest_checksum(raw)
     if committed != expected:
-        raise ManifestError(f"{COMMITTED_NAME} says {committed[:40]!r} but manifest.json hashes "
-                            f"to {expected!r} (marker belongs to another manifest)")
+        raise ManifestError(
+            f"{COMMITTED_NAME} says {committed[:40]!r} but manifest.json hashes "
+            f"to {expected!r} (marker belongs to another manifest)"
+        )
     return Manifest.from_json(raw)
 
 
 def _identity_problem(manifest: Manifest, run_id: str, step: int) -> str | None:
     if manifest.run_id != run_id:
-        return (f"manifest run_id {manifest.run_id!r} != expected {run_id!r} "
-                f"(checkpoint from another run)")
+        return (
+            f"manifest run_id {manifest.run_id!r} != expected {run_id!r} "
+            f"(checkpoint from another run)"
+        )
     if manifest.step != step:
         return f"manifest step {manifest.step} != step {step} in the directory name"
     return None
@@ -128,8 +141,9 @@ def checksum_problem(path: Path, entry: FileEntry) -> str | None:
         return f"file {entry.path!r} uses unknown checksum algorithm {entry.algorithm!r}"
     actual = file_checksum(path, entry.algorithm)
     if actual != entry.checksum:
-        return (f"file {entry.path!r} {entry.algorithm} mismatch: "
-                f"{actual} != manifest {entry.checksum}")
+        return (
+            f"file {entry.path!r} {entry.algorithm} mismatch: {actual} != manifest {entry.checksum}"
+        )
     return None
 
 

@@ -27,8 +27,10 @@ def sharded_state() -> dict[str, Any]:
 
     torch.manual_seed(0)
     shapes = {"big": (1 << 21,), "matrix": (512, 384), "small": (7,), "empty_ish": (1,)}
-    return {name: ShardedTensor.from_rank_offsets(name, torch.randn(shape))
-            for name, shape in shapes.items()}
+    return {
+        name: ShardedTensor.from_rank_offsets(name, torch.randn(shape))
+        for name, shape in shapes.items()
+    }
 
 
 def save_request(directory: Path, thread_count: int) -> Any:
@@ -38,8 +40,9 @@ def save_request(directory: Path, thread_count: int) -> Any:
 
     directory.mkdir(parents=True, exist_ok=True)
     strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=thread_count)
-    return dist_checkpointing.save(sharded_state(), str(directory), sharded_strategy=strategy,
-                                   async_sharded_save=True)
+    return dist_checkpointing.save(
+        sharded_state(), str(directory), sharded_strategy=strategy, async_sharded_save=True
+    )
 
 
 def save(directory: Path, in_process: bool) -> int:
@@ -81,8 +84,7 @@ def main() -> None:
 
     cpu_shim.apply()  # megatron's preload synchronizes CUDA
     work = Path(tempfile.mkdtemp(prefix="shard-writes-"))
-    dist.init_process_group("gloo", rank=0, world_size=1,
-                            init_method=f"file://{work / 'store'}")
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{work / 'store'}")
     os.register_at_fork(before=lambda: FORKS.__setitem__(0, FORKS[0] + 1))
     report: dict[str, Any] = {}
     report["megatron_forks"] = save(work / "megatron", in_process=False)
@@ -90,10 +92,12 @@ def main() -> None:
     report["crc_option_after"] = torch.serialization.get_crc32_options()
     expected = {k: v.data for k, v in sharded_state().items()}
     ours, theirs = load(work / "threads"), load(work / "megatron")
-    report["equal"] = all(torch.equal(ours[k], expected[k]) and torch.equal(theirs[k], expected[k])
-                          for k in expected)
-    report["zip_crcs_set"] = {name: sum(1 for c in zip_crcs(work / name) if c)
-                              for name in ("megatron", "threads")}
+    report["equal"] = all(
+        torch.equal(ours[k], expected[k]) and torch.equal(theirs[k], expected[k]) for k in expected
+    )
+    report["zip_crcs_set"] = {
+        name: sum(1 for c in zip_crcs(work / name) if c) for name in ("megatron", "threads")
+    }
     report["files"] = sorted(p.name for p in (work / "threads").glob("*.distcp"))
     gone = work / "gone"
     try:

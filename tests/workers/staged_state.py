@@ -33,9 +33,16 @@ def _described(sharded: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for path, value in _leaves(sharded):
         if isinstance(value, ShardedTensor):
-            meta = (value.key, value.dtype, tuple(value.local_shape), tuple(value.global_shape),
-                    tuple(value.global_offset), value.axis_fragmentations, value.replica_id,
-                    value.flattened_range)
+            meta = (
+                value.key,
+                value.dtype,
+                tuple(value.local_shape),
+                tuple(value.global_shape),
+                tuple(value.global_offset),
+                value.axis_fragmentations,
+                value.replica_id,
+                value.flattened_range,
+            )
             out[path] = (meta, value.data)
         else:
             out[path] = (repr(value), None)
@@ -68,32 +75,43 @@ def main() -> None:
     from pretrain.loop import Trainer
     from recipes import load_config
     from recipes.validate import validate_runtime
-    from resiliency.checkpoint.checkpointer import sharded_training_state
     from resiliency.checkpoint.staging import StagingBuffers
+    from resiliency.checkpoint.state_dict import sharded_training_state
 
     run = load_config(args.overrides)
     dp = validate_runtime(run, launch_env()[1], "cpu")
     env = init_distributed("cpu")
     trainer = Trainer(run, env, dp, Path(run.output_dir) / run.run_id, [])
     staging = StagingBuffers()
-    report: dict[str, Any] = {"compared": 0, "fast_tensors": 0, "non_tensors": 0,
-                              "mismatches": [], "in_place": 0, "in_place_mismatches": []}
+    report: dict[str, Any] = {
+        "compared": 0,
+        "fast_tensors": 0,
+        "non_tensors": 0,
+        "mismatches": [],
+        "in_place": 0,
+        "in_place_mismatches": [],
+    }
     for _ in range(2):
         trainer.train_step()
         ref = sharded_training_state(trainer.parts, "fully_reshardable")
         fast = sharded_training_state(trainer.parts, "fully_reshardable", staging=staging)
         report["mismatches"] += compare(ref["optimizer"], fast["optimizer"])
         # A sync save's state (no snapshot): whole live tensors are used as they are.
-        sync = sharded_training_state(trainer.parts, "fully_reshardable", staging=staging,
-                                      snapshot=False)
+        sync = sharded_training_state(
+            trainer.parts, "fully_reshardable", staging=staging, snapshot=False
+        )
         report["in_place_mismatches"] += compare(ref["optimizer"], sync["optimizer"])
-        report["in_place"] += sum(1 for _, data in _described(sync["optimizer"]).values()
-                                  if data is not None and not staging.owns(data))
+        report["in_place"] += sum(
+            1
+            for _, data in _described(sync["optimizer"]).values()
+            if data is not None and not staging.owns(data)
+        )
         described = _described(fast["optimizer"])
         report["compared"] += len(described)
         report["non_tensors"] += sum(1 for _, data in described.values() if data is None)
-        report["fast_tensors"] += sum(1 for _, data in described.values()
-                                      if data is not None and staging.owns(data))
+        report["fast_tensors"] += sum(
+            1 for _, data in described.values() if data is not None and staging.owns(data)
+        )
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, report)
     if env.rank == 0:

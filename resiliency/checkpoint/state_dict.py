@@ -1,0 +1,50 @@
+"""The full training state as one megatron-core sharded state dict, as Megatron-LM keys it."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from resiliency.checkpoint.optim_gather import staged_fully_reshardable
+from resiliency.checkpoint.staging import StagingBuffers
+
+
+def chunks_by_key(chunks: list[Any]) -> dict[str, Any]:
+    """Megatron-LM's top-level checkpoint keys: "model", or "model<i>" per virtual stage."""
+    if len(chunks) == 1:
+        return {"model": chunks[0]}
+    return {f"model{i}": chunk for i, chunk in enumerate(chunks)}
+
+
+def model_state_dict(chunks: list[Any]) -> dict[str, Any]:
+    return {key: chunk.sharded_state_dict() for key, chunk in chunks_by_key(chunks).items()}
+
+
+def sharded_training_state(
+    parts: Any,
+    optim_format: str,
+    is_loading: bool = False,
+    with_optimizer: bool = True,
+    staging: StagingBuffers | None = None,
+    snapshot: bool = True,
+) -> dict[str, Any]:
+    """Model chunks and (optionally) optimizer as one megatron sharded state dict; with
+    ``staging``, a fully-reshardable optimizer state is built into its buffers (or, without
+    ``snapshot``, left in place where it can be written as it is)."""
+    sharded = model_state_dict(parts.chunks)
+    if with_optimizer:
+        fast = staging is not None and not is_loading and optim_format == "fully_reshardable"
+        with (
+            staged_fully_reshardable(parts.optimizer, staging, snapshot)
+            if fast
+            else contextlib.nullcontext()
+        ):
+            sharded["optimizer"] = parts.optimizer.sharded_state_dict(
+                sharded,
+                is_loading=is_loading,
+                metadata={
+                    "distrib_optim_sharding_type": optim_format,
+                    "chained_optim_avoid_prefix": True,
+                },
+            )
+    return sharded
