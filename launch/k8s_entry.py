@@ -36,6 +36,7 @@ from pathlib import Path
 from types import FrameType
 
 from pretrain import exit_codes
+from pretrain.logs import setup_logging
 from recipes.load import load_config_file
 from resiliency.monitor.fault_tolerance import write_launcher_config
 from resiliency.storage.layout import atomic_write_json
@@ -167,15 +168,12 @@ def with_ft_config(launcher_args: list[str], state_dir: Path) -> list[str]:
     pinned run config (the ``--config`` after ``-m pretrain``) into the shared state dir."""
     if any(a.startswith("--ft-cfg-path") for a in launcher_args) or "--config" not in launcher_args:
         return launcher_args
-
     run = load_config_file(launcher_args[launcher_args.index("--config") + 1])
     path = write_launcher_config(run, state_dir)
     return [f"--ft-cfg-path={path}", *launcher_args]
 
 
 def main(argv: list[str]) -> int:
-    from pretrain.logs import setup_logging
-
     setup_logging("INFO")
     args = _parse(argv)
     signal.signal(signal.SIGTERM, _on_signal)

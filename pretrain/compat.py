@@ -8,18 +8,24 @@ prefixes, measured by running tests/test_compat.py with the fix left out via
 ``MCORE_RECIPES_COMPAT_SKIP=F,G``); a version not listed gets no fix. Re-measure before adding
 a release: a supported version (``SUPPORTED_MCORE``) missing from a fix's list is a measured
 "not needed there", proven by tests/test_compat.py.
+
+F-I patch megatron's DistributedOptimizer class and are applied by :func:`apply` (table
+``FIXES``); J-L need objects of the run and are applied where those exist (table
+``CALL_SITE_FIXES`` says where). Two more entries are not bug fixes but the only other places
+that reach into megatron-core: :func:`route_shard_writer_open` (checksums computed while shards
+are written) and :func:`fully_reshardable_state_from` (the optimizer state built into staging
+buffers). nvidia-resiliency-ext's straggler package is located by :func:`nvrx_straggler`;
+making it run on CPU is in :mod:`pretrain.cpu_shim`.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import functools
 import importlib
 import logging
 import os
-import signal
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -139,7 +145,7 @@ def fix_uninitialised_tp_attributes(chunks: list[Any]) -> None:
     and a resumed run silently takes different steps (measured: grad norm 4.507 -> 4.489 at
     the first resumed step, losses drift from the next one).
     """
-    if "L" in skipped() or not mcore_version().startswith(L_AFFECTED):
+    if not call_site_fix_needed("L"):
         return
     # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
     from megatron.core.tensor_parallel.layers import (
@@ -170,7 +176,7 @@ def vpp_tied_embedding_save_problem(
     and both Adam moments) wrong; a run resumed from it diverges (loss 5.2 -> 5.8 at the next
     step). Untied embeddings or ``dp_reshardable`` resume bit-exactly.
     """
-    affected = mcore_version().startswith(K_AFFECTED) and "K" not in skipped()
+    affected = call_site_fix_needed("K")
     if (
         affected
         and (vpp or 1) > 1
@@ -185,17 +191,6 @@ def vpp_tied_embedding_save_problem(
             "model.share_embeddings_and_output_weights=false."
         )
     return None
-
-
-def die_with_parent() -> None:
-    """For helper processes of a rank (the checkpoint writer): SIGKILLed when the rank dies,
-    deaf to the SIGTERM/SIGUSR1 that Slurm sends every process of a step."""
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    # Slurm signals every process of a step: outlive the rank's emergency save.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 def _writer_queue_modules() -> list[Any]:
@@ -222,12 +217,7 @@ def fix_orphaned_writer_manager() -> None:
     queue instead (pretrain/file_queue.py): no process to orphan, and no Manager to spawn,
     which took ~0.9 s of every (re)start here.
     """
-
-    if (
-        "J" in skipped()
-        or not sys.platform.startswith("linux")
-        or not mcore_version().startswith(J_AFFECTED)
-    ):
+    if not sys.platform.startswith("linux") or not call_site_fix_needed("J"):
         return
     modules = [m for m in _writer_queue_modules() if m._results_queue is None]
     if not modules:
@@ -321,6 +311,49 @@ FIXES: tuple[Fix, ...] = (
         BOTH,
     ),
 )
+
+
+@dataclass(frozen=True)
+class CallSiteFix:
+    """A fix that needs objects of the run (model chunks, the writer modules, the config), so
+    it is applied where they exist (``where``) instead of by :func:`apply`."""
+
+    name: str
+    bug: str
+    affected: tuple[str, ...]  # megatron-core version prefixes measured to have the bug
+    where: str
+
+
+CALL_SITE_FIXES: tuple[CallSiteFix, ...] = (
+    CallSiteFix(
+        "J",
+        "dist_checkpointing's write-results queue is a spawned Manager that "
+        "outlives a SIGKILLed rank",
+        J_AFFECTED,
+        "Checkpointer.__init__ -> fix_orphaned_writer_manager()",
+    ),
+    CallSiteFix(
+        "K",
+        "vpp>1 + tied embeddings + distributed optimizer: fully_reshardable saves "
+        "a corrupt embedding optimizer state (refused, not patched)",
+        K_AFFECTED,
+        "CheckpointHook.configure -> vpp_tied_embedding_save_problem()",
+    ),
+    CallSiteFix(
+        "L",
+        "a model built without initialisation has no tensor-parallel attributes "
+        "on its TP weights (grad-norm clipping double counts them)",
+        L_AFFECTED,
+        "build_components -> fix_uninitialised_tp_attributes()",
+    ),
+)
+
+
+def call_site_fix_needed(name: str, mcore: str | None = None) -> bool:
+    """Whether call-site fix ``name`` applies to this megatron-core (and is not skipped)."""
+    entry = next(f for f in CALL_SITE_FIXES if f.name == name)
+    return name not in skipped() and (mcore or mcore_version()).startswith(entry.affected)
+
 
 _applied: list[str] = []
 

@@ -13,9 +13,11 @@ needs CUDA in the worker.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import multiprocessing as mp
 import os
 import queue
+import signal
 from typing import Any
 
 from megatron.core.dist_checkpointing.strategies.async_utils import (
@@ -24,11 +26,21 @@ from megatron.core.dist_checkpointing.strategies.async_utils import (
     AsyncRequest,
 )
 
-from pretrain.compat import die_with_parent
 from resiliency.checkpoint.shard_writer import install_writer_checksums
 
 WRITER_NICE = 19
 POLL_S = 0.05
+
+
+def die_with_parent() -> None:
+    """For helper processes of a rank (the checkpoint writer): SIGKILLed when the rank dies,
+    deaf to the SIGTERM/SIGUSR1 that Slurm sends every process of a step."""
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    # Slurm signals every process of a step: outlive the rank's emergency save.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 class WriterDied(RuntimeError):

@@ -1,0 +1,128 @@
+"""The layers hold together: the trainer finds resiliency through its entry point, features react
+to hook events instead of patching each other, and the Trainer's methods are how they steer it."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from pretrain import hooks as hook_api
+from pretrain.distributed import DistEnv
+from pretrain.hooks import TrainHook
+from pretrain.loop import Trainer
+from recipes import ConfigError, load_config
+from recipes.schema import FtConfig
+from resiliency.monitor.fault_tolerance import FaultToleranceHook
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = DistEnv(rank=0, world_size=1, local_rank=0, device="cpu")
+
+
+@pytest.mark.current_stack
+def test_the_trainer_finds_resiliency_hooks_through_the_entry_point() -> None:
+    from resiliency.hooks import build_hooks
+
+    assert hook_api.hook_builders() == {"resiliency": build_hooks}
+
+
+def test_checkpointing_without_a_hook_provider_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    run = load_config(["recipe=gpt_tiny", f"output_dir={tmp_path}"])
+    monkeypatch.setattr(hook_api, "hook_builders", dict)
+    with pytest.raises(ConfigError, match="no train-hook provider"):
+        hook_api.build_hooks(run, ENV, tmp_path / "run")
+    off = dataclasses.replace(run, checkpoint=dataclasses.replace(run.checkpoint, enabled=False))
+    assert hook_api.build_hooks(off, ENV, tmp_path / "run") == []
+
+
+@pytest.mark.current_stack
+def test_the_core_loads_without_any_upper_layer() -> None:
+    """Importing the training session loads no module of resiliency, launch, drill or bench."""
+    code = (
+        "import sys, pretrain.session, pretrain.hooks\n"
+        "upper = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('resiliency', 'launch', 'drill', 'bench'))\n"
+        "print(','.join(upper))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == ""
+
+
+class _Recorder(TrainHook):
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+
+    def on_checkpoint_begin(self, trainer: Any, what: str) -> None:
+        self.events.append(("begin", what))
+
+    def on_checkpoint_end(self, trainer: Any, what: str) -> None:
+        self.events.append(("end", what))
+
+
+def _bare_trainer(hooks: list[TrainHook]) -> Trainer:
+    """A Trainer with no model: enough for its hook-facing methods."""
+    trainer = Trainer.__new__(Trainer)
+    trainer.hooks, trainer.env, trainer._checkpointing = hooks, ENV, None
+    trainer.state = SimpleNamespace(step=4)
+    trainer.stop_requested, trainer.exit_code = False, 0
+    return trainer
+
+
+def test_checkpoint_events_wrap_the_outermost_work_once_even_on_failure() -> None:
+    recorder = _Recorder()
+    trainer = _bare_trainer([recorder])
+    with trainer.checkpointing("final save"), trainer.checkpointing("save"):
+        pass
+    with pytest.raises(OSError), trainer.checkpointing("commit"):
+        raise OSError("disk full")
+    assert recorder.events == [
+        ("begin", "final save"),
+        ("end", "final save"),
+        ("begin", "commit"),
+        ("end", "commit"),
+    ]
+
+
+def test_request_stop_is_how_a_hook_ends_the_run() -> None:
+    trainer = _bare_trainer([])
+    trainer.request_stop(75, "preempted")
+    assert (trainer.stop_requested, trainer.exit_code) == (True, 75)
+
+
+class _FakeRankMonitor:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.section_timeouts = SimpleNamespace(section={})
+
+    def start_section(self, name: str) -> None:
+        self.calls.append(f"start {name}")
+
+    def end_section(self, name: str) -> None:
+        self.calls.append(f"end {name}")
+
+
+def test_fault_tolerance_gives_checkpoint_work_its_own_section(tmp_path: Path) -> None:
+    """A save inside a step's section pauses it, runs under "checkpointing" (its own, longer
+    timeout) and resumes it; the checkpoint hook is never patched for this."""
+    hook = FaultToleranceHook(FtConfig(), ENV, tmp_path, checkpoint=None)
+    hook.client = monitor = _FakeRankMonitor()
+    trainer = _bare_trainer([hook])
+    hook.before_step(trainer)
+    with trainer.checkpointing("commit"):
+        pass
+    assert monitor.calls == [
+        "start step",
+        "end step",
+        "start checkpointing",
+        "end checkpointing",
+        "start step",
+    ]
