@@ -34,6 +34,7 @@ from drill.runs import (
     Scenario,
 )
 from recipes import ConfigError, RunConfig, load_config
+from recipes.validate import resolve_run_id
 from resiliency.cli.base import EXIT_BAD, EXIT_OK, EXIT_USAGE
 
 log = logging.getLogger(__name__)
@@ -130,12 +131,12 @@ def _check_baseline(baseline: Scenario, steps: int) -> None:
 
 
 def _resolve(overrides: list[str]) -> tuple[RunConfig, dict]:
-    # Imported here: pretrain.data pulls in torch, and every CLI command module is imported
-    # whenever the CLI starts.
+    # torch: the drill itself never loads it otherwise
     from pretrain.data import dataset_fingerprint
 
     try:
-        run = load_config(overrides)
+        # Every scenario has a run dir of its own: one fixed name for them all.
+        run = resolve_run_id(load_config(overrides), "drill", world_size=1)
     except ConfigError as exc:
         raise DrillError(f"bad recipe overrides: {exc}") from None
     return run, dataset_fingerprint(run.data)

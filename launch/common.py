@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recipes import ConfigError, RunConfig, load_config, to_yaml
-from recipes.validate import validate_runtime
+from recipes.validate import new_launch_id, resolve_run_id, validate_runtime
 from resiliency.storage.layout import RunLayout, atomic_write_json
 from resiliency.storage.lease import read_lease, stale_reason
 
@@ -24,7 +24,9 @@ class LaunchPlan:
 
 def plan_launch(overrides: Sequence[str]) -> LaunchPlan:
     """Compose and validate for the launch layout (nodes x ranks per node), before submitting."""
-    run = load_config(list(overrides))
+    # A launch that names no run starts one; the pinned config keeps the name for every rank,
+    # restart and requeue of this launch.
+    run = resolve_run_id(load_config(list(overrides)), new_launch_id(), world_size=1)
     device = "cuda" if run.launch.gpus_per_node > 0 else "cpu"
     try:
         dp = validate_runtime(run, run.launch.world_size, device)

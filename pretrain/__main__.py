@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from pretrain import exit_codes
 from pretrain.logs import setup_logging
 from recipes import ConfigError, load_config, to_yaml
 from recipes.load import load_config_file, schema_keys
-from recipes.validate import resolve_device, validate_runtime
+from recipes.validate import resolve_device, resolve_run_id, validate_runtime
 
 log = logging.getLogger(__name__)
+# Set by torchrun and ft_launcher: one id per launch, kept by its in-place restarts.
+LAUNCH_ID_ENV = "TORCHELASTIC_RUN_ID"
 USAGE = (
     "usage: python -m pretrain (recipe=<name> | --config RESOLVED.yaml) [key=value ...]\n"
     "                          [--show-keys | --show-config]\n"
@@ -39,11 +42,21 @@ def main(argv: list[str]) -> int:
 
         from pretrain.distributed import launch_env
 
+        rank, world_size, _ = launch_env()
+        named = resolve_run_id(run, os.environ.get(LAUNCH_ID_ENV), world_size)
         device = resolve_device(run.train.device, torch.cuda.is_available())
-        dp = validate_runtime(run, launch_env()[1], device)
+        dp = validate_runtime(named, world_size, device)
     except ConfigError as exc:
         log.error("config error: %s", exc)
         return exit_codes.CONFIG_ERROR
+    if run.run_id is None and rank == 0:
+        log.info(
+            "run_id not set: new run %r in %s/ (continue it later with run_id=%s)",
+            named.run_id,
+            named.output_dir,
+            named.run_id,
+        )
+    run = named
     # torch and megatron-core: not for --help/--show-config
     from pretrain.session import train
 

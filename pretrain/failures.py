@@ -7,6 +7,7 @@ No torch import: the storage layer and the CLIs classify errors too.
 
 from __future__ import annotations
 
+import errno
 import sys
 from dataclasses import dataclass
 from typing import ClassVar
@@ -14,6 +15,8 @@ from typing import ClassVar
 from pretrain import exit_codes
 from recipes import ConfigError
 
+# Local storage refusing writes: the same on fresh hardware, so not worth a retry.
+LOCAL_IO_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT})
 INFRA_MARKERS = (
     "gloo",
     "nccl",
@@ -41,7 +44,8 @@ class NonFiniteError(FloatingPointError):
 
 @dataclass(frozen=True)
 class Failure:
-    kind: str  # infrastructure | oom | user_code | data | numeric | topology | lease | checkpoint
+    # config | infrastructure | oom | user_code | data | numeric | topology | lease | checkpoint
+    kind: str
     exit_code: int
     retryable: bool
     message: str
@@ -58,6 +62,8 @@ def classify(exc: BaseException) -> Failure:
         return Failure("numeric", exit_codes.NUMERIC, False, message)
     if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower():
         return Failure("oom", exit_codes.OOM, False, message)
+    if isinstance(exc, OSError) and exc.errno in LOCAL_IO_ERRNOS:
+        return Failure("checkpoint", exit_codes.CHECKPOINT_IO, False, message)
     if isinstance(exc, (FileNotFoundError, UnicodeDecodeError)):
         return Failure("data", exit_codes.DATA, False, message)
     if _is_infrastructure(exc):

@@ -6,25 +6,27 @@ import logging
 from pathlib import Path
 
 from pretrain import exit_codes
-from pretrain.distributed import init_distributed, shutdown
-from pretrain.failures import classify
+from pretrain.distributed import broadcast_object, init_distributed, shutdown
+from pretrain.failures import Failure, classify
 from pretrain.hooks import TrainHook, build_hooks
 from pretrain.logs import setup_logging
 from pretrain.loop import Trainer
 from recipes import ConfigError, RunConfig, to_yaml
 
 log = logging.getLogger(__name__)
+# Deterministic failures whose message says everything: one line, no traceback.
+ONE_LINE_KINDS = ("config", "lease", "topology", "checkpoint", "data")
 
 
 def train(run: RunConfig, device: str, dp: int) -> int:
     setup_logging(run.logging.level)
     env = init_distributed(device)
     run_dir = Path(run.output_dir) / run.run_id
-    if env.rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = run_dir / "config.yaml.tmp"
-        tmp.write_text(to_yaml(run))
-        tmp.replace(run_dir / "config.yaml")  # one path for every rank and attempt
+    problem = broadcast_object(_make_run_dir(run_dir) if env.rank == 0 else None)
+    if problem is not None:
+        if env.rank == 0:
+            log.error("config error: %s", problem)
+        return exit_codes.CONFIG_ERROR
     try:
         hooks = build_hooks(run, env, run_dir)
     except ConfigError as exc:
@@ -34,24 +36,55 @@ def train(run: RunConfig, device: str, dp: int) -> int:
     try:
         for hook in hooks:
             run = hook.configure(run, dp)
+        if env.rank == 0:
+            _write_config(run_dir, run)  # as trained: after restore planning adjusted it
         trainer = Trainer(run, env, dp, run_dir, hooks)
         trainer.fit()
         code = trainer.exit_code
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - every failure gets its class and exit code
         for hook in hooks:
             hook.on_exception(trainer, exc)
-        failure = classify(exc)
-        log.exception(
-            "training failed (%s, exit %d, %s)",
-            failure.kind,
-            failure.exit_code,
-            "retryable" if failure.retryable else "do not retry",
-        )
-        return failure.exit_code
+        _log_failure(classify(exc))
+        return classify(exc).exit_code
     finally:
         _close_all(hooks)
     shutdown()
     return code
+
+
+def _make_run_dir(run_dir: Path) -> str | None:
+    """Rank 0 creates the run dir; a read-only or forbidden output_dir is the user's to fix."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".writable"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        return (
+            f"cannot write the run directory {run_dir} ({exc.strerror or exc}); "
+            "choose a writable output_dir"
+        )
+    return None
+
+
+def _write_config(run_dir: Path, run: RunConfig) -> None:
+    tmp = run_dir / "config.yaml.tmp"
+    tmp.write_text(to_yaml(run))
+    tmp.replace(run_dir / "config.yaml")  # one path for every rank and attempt
+
+
+def _log_failure(failure: Failure) -> None:
+    summary = "retryable" if failure.retryable else "do not retry"
+    if failure.kind in ONE_LINE_KINDS:
+        log.error(
+            "training failed (%s, exit %d, %s): %s",
+            failure.kind,
+            failure.exit_code,
+            summary,
+            failure.message,
+        )
+    else:
+        log.exception("training failed (%s, exit %d, %s)", failure.kind, failure.exit_code, summary)
 
 
 def _close_all(hooks: list[TrainHook]) -> None:

@@ -332,6 +332,12 @@ class CheckpointConfig:
     lease_timeout_s: float = 60.0
     # Restoring with a different train.global_batch_size: refuse, or scale the LR by this rule.
     batch_change_lr_scaling: str = "refuse"
+    # Resuming with other optimizer/scheduler values than the checkpoint's: refuse, keep the
+    # checkpoint's ("checkpoint") or apply the new ones ("config"); see resume_policy.py.
+    schedule_on_resume: str = "refuse"
+    # The run dir has published steps but none verifies: refuse (exit 10), or start the run's
+    # history over from step 0 (the bad steps are set aside as they are overwritten).
+    start_over_if_unverified: bool = False
     local: LocalCheckpointConfig = field(default_factory=LocalCheckpointConfig)
 
     def __post_init__(self) -> None:
@@ -355,6 +361,12 @@ class CheckpointConfig:
             "batch_change_lr_scaling",
             self.batch_change_lr_scaling,
             ("refuse", "none", "linear", "sqrt"),
+        )
+        _one_of(
+            "checkpoint",
+            "schedule_on_resume",
+            self.schedule_on_resume,
+            ("refuse", "checkpoint", "config"),
         )
 
 
@@ -546,7 +558,9 @@ class LaunchConfig:
 
 @dataclass(kw_only=True)
 class RunConfig:
-    run_id: str = "dev"
+    # None: each launch starts a new run, named by recipes.validate.resolve_run_id; continuing a
+    # run needs its run_id (README "Resume").
+    run_id: Optional[str] = None
     output_dir: str = "runs"
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -561,7 +575,8 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _require(
-            bool(self.run_id) and "/" not in self.run_id and self.run_id not in (".", ".."),
+            self.run_id is None
+            or (bool(self.run_id) and "/" not in self.run_id and self.run_id not in (".", "..")),
             f"run_id={self.run_id!r} must be a non-empty name without '/'",
         )
         model, par = self.model, self.parallel

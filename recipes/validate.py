@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import secrets
+import time
+
 from recipes.schema import ConfigError, RunConfig
 
 
@@ -35,3 +39,38 @@ def validate_runtime(run: RunConfig, world_size: int, device: str) -> int:
 
 def num_microbatches(run: RunConfig, dp: int) -> int:
     return run.train.global_batch_size // (run.train.micro_batch_size * dp)
+
+
+# torchrun's --rdzv-id default: not an id of this launch.
+_NO_LAUNCH_ID = ("", "none")
+
+
+def resolve_run_id(run: RunConfig, launch_id: str | None, world_size: int) -> RunConfig:
+    """``run`` with its run_id set: as given, or a new run's name ``<model>-<launch id>``.
+
+    ``launch_id`` names this launch and must be the same on every rank and every in-place
+    restart of it (torchrun's TORCHELASTIC_RUN_ID: a fresh uuid per ``--standalone`` launch, or
+    the ``--rdzv-id`` the user chose); a launcher that pins the config passes a timestamp. A
+    single process without one gets a timestamp; several ranks without one cannot agree on a
+    name, so they must be given a run_id.
+    """
+    if run.run_id is not None:
+        return run
+    if launch_id in _NO_LAUNCH_ID or launch_id is None:
+        if world_size > 1:
+            raise ConfigError(
+                "run_id is not set and this launch has no id to name a new run by (torchrun "
+                "--rdzv-id or --standalone); set run_id=<name> (the same name continues a run)"
+            )
+        launch_id = new_launch_id()
+    name = f"{run.model.name}-{launch_id[:8] if _is_uuid(launch_id) else launch_id}"
+    return dataclasses.replace(run, run_id=name)
+
+
+def new_launch_id() -> str:
+    """A launcher's id for a launch it pins: sortable, and unique on one machine."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+def _is_uuid(value: str) -> bool:
+    return len(value) == 36 and value.count("-") == 4

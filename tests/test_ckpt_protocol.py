@@ -211,6 +211,23 @@ def _symlink_outside(layout: RunLayout, d: Path) -> None:
     (d / SHARD).symlink_to(outside)
 
 
+def _dir_symlink_outside(layout: RunLayout, d: Path) -> None:
+    outside = layout.root / "elsewhere"
+    outside.mkdir()
+    (outside / "rank-00000.pt").write_bytes(b"x")
+    (d / "rank-state" / "more").symlink_to(outside, target_is_directory=True)
+
+
+def _train_state_of_another_step(layout: RunLayout, d: Path) -> None:
+    """train_state.json edited to step 120, manifest and COMMITTED recomputed to match."""
+    (d / "train_state.json").write_text(json.dumps({"step": 120, "tokens": 0}))
+    m = read_manifest(d)
+    entries = {e.path: e for e in m.files}
+    entries["train_state.json"] = describe_files(d, ["train_state.json"])[0]
+    m.files = sorted(entries.values(), key=lambda e: e.path)
+    raw_commit(d, m)
+
+
 def _foreign_commit(layout: RunLayout, d: Path) -> None:
     shutil.copyfile(layout.step_dir(200) / "COMMITTED", d / "COMMITTED")
 
@@ -242,7 +259,15 @@ CORRUPTIONS: dict[str, tuple[Callable[[RunLayout, Path], None], str]] = {
     "wrong_step": (_wrong_step, "manifest step 250"),
     "traversal": (_forge_paths("../../etc/passwd"), "escapes the step dir"),
     "absolute": (_forge_paths("/etc/passwd"), "is absolute"),
-    "symlink_outside": (_symlink_outside, "resolves outside"),
+    "symlink_outside": (_symlink_outside, "is a symlink"),
+    "dir_symlink_outside": (_dir_symlink_outside, "'rank-state/more' is a symlink"),
+    "symlink_inside": (
+        lambda lo, d: (d / "rank-state" / "alias.pt").symlink_to(d / "train_state.json"),
+        "is a symlink",
+    ),
+    "unlisted_empty_dir": (lambda lo, d: (d / "model" / "extra").mkdir(), "unlisted directory"),
+    "fifo": (lambda lo, d: os.mkfifo(d / "rank-state" / "pipe"), "not a regular file"),
+    "train_state_other_step": (_train_state_of_another_step, "train_state.json says step 120"),
     "missing_shard": (lambda lo, d: (d / SHARD).unlink(), "is missing"),
     "extra_shard": (lambda lo, d: (d / "model/__9_0.distcp").write_bytes(b"x" * 64), "unlisted"),
     "extra_rank_state": (

@@ -51,11 +51,13 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 TOKEN = "test-token-123"
 BASE = [f"launch.k8s.image={IMAGE}", "launch.k8s.shared_pvc=ckpt-rwx"]
 RECIPES = {
-    "gpt_125m": ["recipe=gpt_125m"],
-    "llama3_70b": ["recipe=llama3_70b"],
-    "mixtral_8x7b": ["recipe=mixtral_8x7b"],
+    # Each names its run (as a user continuing one would): the goldens are stable across launches.
+    "gpt_125m": ["recipe=gpt_125m", "run_id=gpt_125m"],
+    "llama3_70b": ["recipe=llama3_70b", "run_id=llama3_70b"],
+    "mixtral_8x7b": ["recipe=mixtral_8x7b", "run_id=mixtral_8x7b"],
     "gpt_tiny": [
         "recipe=gpt_tiny",
+        "run_id=gpt_tiny",
         "launch.nodes=2",
         "launch.nproc_per_node=1",
         "launch.k8s.cpu=4",
@@ -321,9 +323,14 @@ def test_live_lease_refuses_submit(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     lease.acquire()
     try:
         with pytest.raises(ConfigError, match="owned by a live job"):
-            cli(["recipe=gpt_125m", f"output_dir={tmp_path}"] + BASE)
+            cli(["recipe=gpt_125m", "run_id=gpt_125m", f"output_dir={tmp_path}"] + BASE)
         # A dry run only renders, so it still works while the job runs.
-        assert cli(["recipe=gpt_125m", f"output_dir={tmp_path}", "--dry-run"] + BASE) == 0
+        assert (
+            cli(
+                ["recipe=gpt_125m", "run_id=gpt_125m", f"output_dir={tmp_path}", "--dry-run"] + BASE
+            )
+            == 0
+        )
     finally:
         lease.release()
 
@@ -473,7 +480,12 @@ def api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeApiServ
 
 
 def test_submit_posts_the_rendered_objects(api: FakeApiServer, tmp_path: Path) -> None:
-    argv = ["recipe=llama3_70b", f"output_dir={tmp_path}", "launch.k8s.namespace=team-a"] + BASE
+    argv = [
+        "recipe=llama3_70b",
+        "run_id=llama3_70b",
+        f"output_dir={tmp_path}",
+        "launch.k8s.namespace=team-a",
+    ] + BASE
     _, rendered = k8s.render_run(argv)
     assert cli(argv) == 0
     assert [(r["method"], r["path"]) for r in api.requests] == [
@@ -497,7 +509,10 @@ def test_rejected_job_rolls_back_its_config_map(
     api: FakeApiServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     api.fail_job_create = True
-    assert cli(["recipe=gpt_125m", f"output_dir={tmp_path}"] + BASE) == exit_codes.INFRASTRUCTURE
+    assert (
+        cli(["recipe=gpt_125m", "run_id=gpt_125m", f"output_dir={tmp_path}"] + BASE)
+        == exit_codes.INFRASTRUCTURE
+    )
     assert [(r["method"], r["path"]) for r in api.requests][-1] == (
         "DELETE",
         "/api/v1/namespaces/default/configmaps/gpt-125m-config",
@@ -508,7 +523,7 @@ def test_rejected_job_rolls_back_its_config_map(
 def test_status_logs_delete(
     api: FakeApiServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert cli(["recipe=llama3_70b", f"output_dir={tmp_path}"] + BASE) == 0
+    assert cli(["recipe=llama3_70b", "run_id=llama3_70b", f"output_dir={tmp_path}"] + BASE) == 0
     capsys.readouterr()
     assert cli(["status", "llama3-70b"]) == 0
     out = capsys.readouterr().out

@@ -27,6 +27,7 @@ def _compare(overrides: list[str], tmp_path: Path) -> list[dict]:
             f"--out={out}",
             *overrides,
             f"output_dir={tmp_path}",
+            "run_id=staged",
         ],
         cwd=REPO,
         env=env,

@@ -475,6 +475,9 @@ class Checkpointer:
                 "restore: checkpoint.load_optimizer=false: weights only, FRESH optimizer "
                 "state; the loss trajectory will differ from the original run"
             )
+        override = self.cfg.schedule_on_resume == "config"
+        if override:
+            self._schedule_from_config()
         self._scale_lr_for_batch_change(train_state)
         trainer.parts.scheduler.load_state_dict(train_state["scheduler"])
         trainer.resume_from(
@@ -489,7 +492,7 @@ class Checkpointer:
             log.warning(
                 "restore: topology changed; RNG reseeded from (seed, step, rank) = %d", seed
             )
-        self._check_restored(train_state)
+        self._check_restored(train_state, lr_saved=not override)
         log.info(
             "restore: resumed from %s at step %d (%d samples consumed)",
             source,
@@ -533,13 +536,31 @@ class Checkpointer:
         )
         return dist_checkpointing.load(sharded, str(model_dir))
 
-    def _check_restored(self, train_state: dict[str, Any]) -> None:
+    def _schedule_from_config(self) -> None:
+        """checkpoint.schedule_on_resume=config (Megatron-LM's --override-opt_param-scheduler):
+        the scheduler keeps this run's values and only takes the step count from the checkpoint;
+        the optimizer's restored per-group hyperparameters are replaced by this run's."""
+        scheduler, opt = self.trainer.parts.scheduler, self.trainer.run.optimizer
+        scheduler.override_opt_param_scheduler = True
+        scheduler.use_checkpoint_opt_param_scheduler = False
+        for group in self.trainer.parts.optimizer.param_groups:
+            values = {"max_lr": opt.lr, "min_lr": opt.min_lr, "eps": opt.adam_eps}
+            values["betas"] = (opt.adam_beta1, opt.adam_beta2)
+            group.update({k: v for k, v in values.items() if k in group})
+        log.warning(
+            "restore: checkpoint.schedule_on_resume=config: this run's optimizer "
+            "schedule replaces the checkpoint's (lr %.3e)",
+            opt.lr,
+        )
+
+    def _check_restored(self, train_state: dict[str, Any], lr_saved: bool = True) -> None:
+        """The loop state is the saved one; so is the LR, unless this run's schedule won."""
         trainer = self.trainer
         problems = []
         if trainer.state.step != train_state["step"]:
             problems.append(f"step {trainer.state.step} != saved step {train_state['step']}")
         lr = trainer.lr
-        if not math.isclose(lr, train_state["lr"], rel_tol=1e-9, abs_tol=1e-15):
+        if lr_saved and not math.isclose(lr, train_state["lr"], rel_tol=1e-9, abs_tol=1e-15):
             problems.append(f"lr {lr} != saved lr {train_state['lr']}")
         if self.cfg.load_optimizer and not self._optimizer_has_state():
             problems.append("optimizer state is empty after load")

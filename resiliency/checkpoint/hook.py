@@ -23,6 +23,7 @@ from recipes import ConfigError
 from resiliency.checkpoint.checkpointer import Checkpointer
 from resiliency.checkpoint.local_tier import LocalTier
 from resiliency.checkpoint.restore_plan import plan_restore
+from resiliency.checkpoint.resume_policy import ResumeDecision, reconcile
 from resiliency.storage.attempts import claim_attempt, ensure_run_record, write_attempt_record
 from resiliency.storage.layout import RunLayout
 from resiliency.storage.lease import LeaseHeldError, RunLease
@@ -32,7 +33,8 @@ if TYPE_CHECKING:
     from pretrain.loop import Trainer
     from recipes.schema import RunConfig
     from resiliency.checkpoint.local_tier import LocalTier
-    from resiliency.checkpoint.restore_plan import RestorePlan
+    from resiliency.checkpoint.resume_policy import ResumeDecision, reconcile
+from resiliency.checkpoint.restore_plan import RestorePlan
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +97,7 @@ class CheckpointHook(TrainHook):
         self.plan: "RestorePlan | None" = None
         self.initialise = True  # the run's own model.perform_initialization
         self.local: "LocalTier | None" = None
+        self.decision: ResumeDecision | None = None  # config differences from the checkpoint
 
     def configure(self, run: "RunConfig", dp: int) -> "RunConfig":
         """Take the run's lease, then pick and validate the step to restore (nothing loaded)."""
@@ -112,7 +115,21 @@ class CheckpointHook(TrainHook):
         if self.cfg.resume:
             vocab = build_tokenizer(run.data.tokenizer, run.data.tokenizer_path).vocab_size
             run, self.plan = plan_restore(run, self.layout, self.env.world_size, dp, vocab)
-        return self._model_init_for_plan(run)
+        return self._model_init_for_plan(self._reconcile(run))
+
+    def _reconcile(self, run: "RunConfig") -> "RunConfig":
+        """Judge this launch's config against the one the chosen step was saved with: refuse,
+        or say in the log (and later the attempt record) what changes and what is kept."""
+        if self.plan is None:
+            return run
+        manifest = self.plan.manifest
+        self.decision = reconcile(run, manifest.config, manifest.step)
+        if self.env.rank == 0:
+            for change in self.decision.applied:
+                log.info("resume: %s (%s, applied)", change.describe(), change.kind)
+            for change in self.decision.kept:
+                log.warning("resume: %s: the checkpoint's value is kept", change.describe())
+        return self.decision.run
 
     def _model_init_for_plan(self, run: "RunConfig") -> "RunConfig":
 
@@ -149,7 +166,7 @@ class CheckpointHook(TrainHook):
             run, self.plan = plan_restore(
                 trainer.run, self.layout, self.env.world_size, trainer.dp, vocab, rejected
             )
-            trainer.rebuild(self._model_init_for_plan(run))
+            trainer.rebuild(self._model_init_for_plan(self._reconcile(run)))
 
     def on_start(self, trainer: "Trainer") -> None:
         self._confirm_plan(trainer)
@@ -167,6 +184,7 @@ class CheckpointHook(TrainHook):
             topology_changed=bool(self.plan and not self.plan.report.same_layout),
             lr_scaling=checkpointer.lr_scaling,
             local_dir=self.cfg.local.dir if self.local else None,
+            config_changes=self.decision.record() if self.decision else None,
         )
 
     def _restore(self, checkpointer: Checkpointer) -> tuple[int | None, str | None]:

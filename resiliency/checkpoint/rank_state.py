@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from resiliency.storage.layout import TRAIN_STATE_NAME
+
 RANK_STATE_DIR = "rank-state"
-TRAIN_STATE_NAME = "train_state.json"
 
 
 def rank_state_path(step_dir: Path, rank: int) -> Path:

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from pretrain import exit_codes
 from pretrain.distributed import broadcast_object
+from pretrain.failures import ClassifiedError
 from recipes.schema import RunConfig
 from resiliency.checkpoint.topology import Target, TopologyRefusedError, TopologyReport, validate
 from resiliency.storage.layout import RunLayout
@@ -41,20 +43,55 @@ class RestorePlan:
         return next((p for p in problems if p is not None), None)
 
 
-def pick_checkpoint(layout: RunLayout, run_id: str, rejected: Mapping[int, str]) -> Path | None:
+class UnrecoverableRunError(ClassifiedError):
+    """The run has published steps and none of them verifies: starting over would silently
+    replace its history, so the run stops until someone decides."""
+
+    kind, exit_code = "checkpoint", exit_codes.CHECKPOINT_IO
+
+
+def pick_checkpoint(
+    layout: RunLayout, run_id: str, rejected: Mapping[int, str], start_over: bool = False
+) -> Path | None:
     """Rank 0 picks the newest step whose marker, manifest and file sizes check out and that is
-    not ``rejected``; every rank gets the same answer (collective)."""
-    choice = None
+    not ``rejected``; every rank gets the same answer (collective). Published steps of which
+    none verifies stop the run, unless ``start_over``."""
+    choice, refusal = None, None
     if dist.get_rank() == 0:
         selection = select_restore_step(layout, run_id, full_verify=False, rejected=rejected)
         for name, reason in selection.skipped:
             log.warning("restore: skipped %s: %s", name, reason)
         choice = str(selection.step_dir) if selection.step_dir else None
-    choice = broadcast_object(choice)
+        if choice is None and layout.published_steps():
+            refusal = _unrecoverable(layout, selection.skipped, start_over)
+    choice, refusal = broadcast_object((choice, refusal))
+    if refusal is not None:
+        raise UnrecoverableRunError(refusal)
     if choice is None:
         log.info("restore: no verified checkpoint in %s; starting fresh", layout.run_dir)
         return None
     return Path(choice)
+
+
+def _unrecoverable(
+    layout: RunLayout, skipped: list[tuple[str, str]], start_over: bool
+) -> str | None:
+    steps = layout.published_steps()
+    if start_over:
+        log.warning(
+            "restore: none of the %d published steps in %s verifies; "
+            "checkpoint.start_over_if_unverified=true: training starts over from step 0",
+            len(steps),
+            layout.steps_dir,
+        )
+        return None
+    reasons = "\n".join(f"  {name}: {reason}" for name, reason in skipped)
+    return (
+        f"{layout.steps_dir} holds {len(steps)} published step(s) and none verifies:\n"
+        f"{reasons}\nNothing was changed. Repair or restore the steps (python -m resiliency "
+        "verify <step dir> says why), or start this run's history over with "
+        "checkpoint.start_over_if_unverified=true."
+    )
 
 
 def start_rehash(step_dir: Path, manifest: Manifest) -> Future[str | None]:
@@ -115,7 +152,9 @@ def plan_restore(
     :meth:`RestorePlan.confirm` (all ranks) before loading; on a problem, plan again with the
     step in ``rejected``.
     """
-    step_dir = pick_checkpoint(layout, run.run_id, rejected or {})
+    step_dir = pick_checkpoint(
+        layout, run.run_id, rejected or {}, run.checkpoint.start_over_if_unverified
+    )
     if step_dir is None:
         return run, None
     manifest = read_manifest(step_dir)

@@ -24,6 +24,8 @@ COMMITTED_NAME = "COMMITTED"
 # Files the protocol itself writes into a step dir; every other file is payload that the
 # manifest must list.
 RESERVED_NAMES = frozenset({MANIFEST_NAME, COMMITTED_NAME})
+# Rank 0's loop state (step, samples, scheduler); its step must agree with the dir and manifest.
+TRAIN_STATE_NAME = "train_state.json"
 
 
 def step_name(step: int) -> str:

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from resiliency.storage.checksum import ALGORITHMS, FileEntry, file_checksum
-from resiliency.storage.layout import COMMITTED_NAME, parse_step, parse_tmp, payload_files
+from resiliency.storage.layout import (
+    COMMITTED_NAME,
+    RESERVED_NAMES,
+    TRAIN_STATE_NAME,
+    parse_step,
+    parse_tmp,
+    payload_files,
+)
 from resiliency.storage.manifest import (
     Manifest,
     ManifestError,
@@ -55,6 +63,8 @@ def verify_step_dir(step_dir: Path, run_id: str, full: bool = True) -> Verdict:
         return _bad(step, problem)
     if (problem := check_files(step_dir, manifest.files, full)) is not None:
         return _bad(step, problem)
+    if (problem := _train_state_problem(step_dir, manifest.files, step)) is not None:
+        return _bad(step, problem)
     kind = "full" if full else "quick"
     return Verdict(
         True,
@@ -93,8 +103,46 @@ def _identity_problem(manifest: Manifest, run_id: str, step: int) -> str | None:
     return None
 
 
+def _train_state_problem(step_dir: Path, files: list[FileEntry], step: int) -> str | None:
+    """The step the loop resumes at is the one the directory and manifest name."""
+    if TRAIN_STATE_NAME not in {e.path for e in files}:
+        return None
+    try:
+        saved = json.loads((step_dir / TRAIN_STATE_NAME).read_text()).get("step")
+    except (OSError, ValueError, AttributeError) as e:
+        return f"{TRAIN_STATE_NAME} is unreadable: {e}"
+    if saved != step:
+        return f"{TRAIN_STATE_NAME} says step {saved!r}, the directory name and manifest say {step}"
+    return None
+
+
+def filesystem_problem(step_dir: Path, files: list[FileEntry]) -> str | None:
+    """Anything in ``step_dir`` but regular files and the directories that hold listed files:
+    a symlink of any kind (to a file or a directory, inside the step or out), a special file,
+    a directory the manifest does not imply. Nothing is followed."""
+    listed = {e.path for e in files} | RESERVED_NAMES
+    dirs = {str(parent) for p in listed for parent in PurePosixPath(p).parents} - {"."}
+    pending = [(step_dir, "")]
+    while pending:
+        directory, prefix = pending.pop()
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                rel = f"{prefix}{entry.name}"
+                if entry.is_symlink():
+                    return f"{rel!r} is a symlink (a step holds regular files and directories only)"
+                if entry.is_dir(follow_symlinks=False):
+                    if rel not in dirs:
+                        return f"unlisted directory {rel!r} (no file of the manifest is in it)"
+                    pending.append((Path(entry.path), f"{rel}/"))
+                elif not entry.is_file(follow_symlinks=False):
+                    return f"{rel!r} is not a regular file or directory"
+    return None
+
+
 def check_files(step_dir: Path, files: list[FileEntry], full: bool) -> str | None:
     """First problem with the payload files of ``step_dir`` against ``files``, or None."""
+    if (problem := filesystem_problem(step_dir, files)) is not None:
+        return problem
     root = step_dir.resolve()
     for entry in files:
         problem = _check_entry(root, entry, full)

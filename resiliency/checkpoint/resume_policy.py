@@ -1,0 +1,186 @@
+"""What a resumed run may change from the config its checkpoint recorded, and under which rule.
+
+Every key of the resolved config falls in one class (first matching rule below wins):
+
+- ``free``: settings of this launch only (logging, intervals, launcher, resiliency, where files
+  go); applied, and listed in the log and the attempt record.
+- ``topology``: parallel layout and batch sizes; judged by the topology validator
+  (``checkpoint/topology.py``) before this policy runs, with its own rules (reshard, LR scaling
+  for a global-batch change).
+- ``grows``: ``train.train_steps`` may grow past the restored step; it may not fall to or below
+  it (nothing would be trained).
+- ``schedule``: optimizer hyperparameters and the LR/weight-decay schedule, compared as the
+  scheduler sees them (an unset ``scheduler.decay_steps`` follows ``train.train_steps``).
+  A difference is refused unless ``checkpoint.schedule_on_resume`` says which side wins:
+  ``checkpoint`` (keep the saved values, as Megatron-LM's ``--use-checkpoint-opt_param-
+  scheduler``) or ``config`` (apply this launch's, as ``--override-opt_param-scheduler``).
+- ``must_match``: everything else (model shape, tokenizer, data paths/blend/split, seeds,
+  precision, optimizer kind and format); a difference is refused before anything is loaded.
+  A key nobody classified is ``must_match``: a new setting is safe until someone decides.
+
+Refusals are :class:`recipes.ConfigError` (exit 2) naming each key with both values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from recipes import ConfigError, RunConfig
+
+KeyClass = Literal["free", "topology", "grows", "schedule", "must_match"]
+SCHEDULE_CHOICES = ("refuse", "checkpoint", "config")
+
+# (key or dotted prefix, class): the first match wins, so specific keys come first.
+RULES: tuple[tuple[str, KeyClass], ...] = (
+    ("checkpoint.optim_format", "must_match"),
+    ("train.train_steps", "grows"),
+    ("train.global_batch_size", "topology"),
+    ("train.micro_batch_size", "topology"),
+    ("parallel.", "topology"),
+    ("optimizer.name", "must_match"),
+    ("optimizer.use_distributed_optimizer", "must_match"),
+    ("optimizer.", "schedule"),
+    ("scheduler.", "schedule"),
+    # Set by the restore itself (the checkpoint's padded vocab, no init of restored weights).
+    ("model.padded_vocab_size", "free"),
+    ("model.perform_initialization", "free"),
+    ("model.layout_invariant_init", "free"),  # how fresh weights are drawn; none are drawn
+    ("data.cache_dir", "free"),
+    ("train.fault", "free"),
+    ("train.device", "free"),
+    ("run_id", "free"),
+    ("output_dir", "free"),
+    ("checkpoint.", "free"),
+    ("resiliency.", "free"),
+    ("logging.", "free"),
+    ("launch.", "free"),
+)
+
+
+@dataclass(frozen=True)
+class Change:
+    key: str
+    saved: Any
+    now: Any
+    kind: KeyClass
+
+    def describe(self) -> str:
+        return f"{self.key}: {self.saved!r} -> {self.now!r}"
+
+
+def classify_key(key: str) -> KeyClass:
+    for prefix, kind in RULES:
+        if key == prefix or (prefix.endswith(".") and key.startswith(prefix)):
+            return kind
+    return "must_match"
+
+
+def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def effective(config: dict[str, Any]) -> dict[str, Any]:
+    """Flattened, with the scheduler's derived values spelled out (what it actually uses)."""
+    flat = flatten(config)
+    if flat.get("scheduler.decay_steps") is None:
+        flat["scheduler.decay_steps"] = flat.get("train.train_steps")
+    for side in ("start", "end"):
+        if flat.get(f"scheduler.{side}_weight_decay") is None:
+            flat[f"scheduler.{side}_weight_decay"] = flat.get("optimizer.weight_decay")
+    return flat
+
+
+def diff(saved: dict[str, Any], now: dict[str, Any]) -> list[Change]:
+    old, new = effective(saved), effective(now)
+    keys = sorted(set(old) | set(new))
+    return [
+        Change(k, old.get(k), new.get(k), classify_key(k)) for k in keys if old.get(k) != new.get(k)
+    ]
+
+
+@dataclass(frozen=True)
+class ResumeDecision:
+    run: RunConfig  # the config to train with (checkpoint's schedule kept if asked)
+    applied: list[Change]  # differences that take effect (free, grows, schedule "config")
+    kept: list[Change]  # differences where the checkpoint's value stays ("checkpoint")
+
+    @property
+    def override_schedule(self) -> bool:
+        return any(c.kind == "schedule" for c in self.applied)
+
+    def record(self) -> dict[str, Any]:
+        """For the attempt record: what changed against the checkpoint, by outcome."""
+        return {
+            "applied": {c.key: [c.saved, c.now] for c in self.applied},
+            "kept_from_checkpoint": {c.key: [c.saved, c.now] for c in self.kept},
+        }
+
+
+def reconcile(run: RunConfig, saved_config: dict[str, Any], step: int) -> ResumeDecision:
+    """Judge every difference between ``run`` and the config saved with checkpoint ``step``."""
+    changes = [c for c in diff(saved_config, dataclasses.asdict(run)) if c.kind != "topology"]
+    problems = [c for c in changes if c.kind == "must_match"]
+    problems += [c for c in changes if c.kind == "grows" and not _grows_past(c, step)]
+    schedule = [c for c in changes if c.kind == "schedule"]
+    choice = run.checkpoint.schedule_on_resume
+    if problems:
+        raise ConfigError(_refusal(problems, step))
+    if schedule and choice == "refuse":
+        raise ConfigError(_schedule_refusal(schedule, step))
+    kept = schedule if choice == "checkpoint" else []
+    applied = [c for c in changes if c not in kept]
+    if kept:
+        run = _with_saved_schedule(run, saved_config)
+    return ResumeDecision(run, applied, kept)
+
+
+def _grows_past(change: Change, step: int) -> bool:
+    return isinstance(change.now, int) and change.now > step
+
+
+def _refusal(problems: list[Change], step: int) -> str:
+    lines = "\n".join(f"  {c.describe()}" for c in problems)
+    return (
+        f"resuming from checkpoint step {step} would silently change what it trained:\n{lines}\n"
+        "These must match the checkpoint (train.train_steps must exceed the restored step). "
+        "Restore them, or start a new run under another run_id."
+    )
+
+
+def _schedule_refusal(changes: list[Change], step: int) -> str:
+    lines = "\n".join(f"  {c.describe()}" for c in changes)
+    implicit = any(c.key == "scheduler.decay_steps" for c in changes)
+    hint = (
+        " (scheduler.decay_steps is unset, so it follows train.train_steps: set it to the "
+        "saved value to keep the schedule)"
+        if implicit
+        else ""
+    )
+    return (
+        f"the optimizer schedule differs from checkpoint step {step}'s:\n{lines}\n"
+        "Say which wins: checkpoint.schedule_on_resume=checkpoint keeps the saved values, "
+        f"checkpoint.schedule_on_resume=config applies these{hint}."
+    )
+
+
+def _with_saved_schedule(run: RunConfig, saved: dict[str, Any]) -> RunConfig:
+    """``run`` with the checkpoint's optimizer and scheduler sections (its kind stays)."""
+    optimizer = dataclasses.replace(run.optimizer, **_known(run.optimizer, saved["optimizer"]))
+    scheduler = dataclasses.replace(run.scheduler, **_known(run.scheduler, saved["scheduler"]))
+    if run.scheduler.decay_steps is None and saved["scheduler"].get("decay_steps") is None:
+        # The saved schedule decayed over the saved train_steps: pin that horizon.
+        scheduler = dataclasses.replace(scheduler, decay_steps=saved["train"]["train_steps"])
+    return dataclasses.replace(run, optimizer=optimizer, scheduler=scheduler)
+
+
+def _known(section: Any, saved: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(section)}
+    return {k: v for k, v in saved.items() if k in names}
