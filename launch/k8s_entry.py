@@ -25,35 +25,22 @@ A wrapper killed before recording its outcome (SIGKILL, node loss) is counted at
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import os
 import signal
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
 from pretrain import exit_codes
 from pretrain.logs import setup_logging
+from pretrain.run import LAUNCHERS, SIGNAL_BASE, Outcome, run_launcher
 from recipes.load import load_config_file
 from resiliency.monitor.fault_tolerance import write_launcher_config
 from resiliency.storage.layout import atomic_write_json
 
 log = logging.getLogger(__name__)
-
-LAUNCHERS = {
-    "torchrun": "torch.distributed.run",
-    "ft_launcher": "nvidia_resiliency_ext.fault_tolerance.launcher",
-}
-SIGNAL_BASE = 128
-
-
-@dataclass(frozen=True)
-class Outcome:
-    code: int  # root-cause worker exit code; negative: killed by that signal
-    planned: bool  # the platform stopped the agent (SIGTERM): preemption, eviction, delete
 
 
 def classify(outcome: Outcome) -> tuple[int, bool]:
@@ -112,24 +99,6 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
     # As PID 1 a process ignores SIGTERM unless it installs a handler; torchrun replaces this
     # one with its own once its workers start.
     raise _Stopped(signum)
-
-
-def run_launcher(launcher: str, argv: list[str]) -> Outcome:
-    module = importlib.import_module(LAUNCHERS[launcher])
-    try:
-        module.run(module.parse_args(argv))
-    except Exception as exc:  # noqa: BLE001 - every way out becomes an exit code
-        # Duck-typed: ft_launcher raises its own vendored copies of torch.elastic's classes.
-        if hasattr(exc, "get_first_failure"):
-            rank, failure = exc.get_first_failure()
-            log.error("rank %s failed first, exit code %s", rank, failure.exitcode)
-            return Outcome(int(failure.exitcode), planned=False)
-        if hasattr(exc, "sigval"):
-            log.warning("launcher stopped by signal %s", int(exc.sigval))
-            return Outcome(-int(exc.sigval), planned=True)
-        log.exception("launcher failed")
-        return Outcome(exit_codes.INFRASTRUCTURE, planned=False)
-    return Outcome(exit_codes.OK, planned=False)
 
 
 def budget_path(state_dir: Path) -> Path:

@@ -70,6 +70,23 @@ def test_ls(layout: RunLayout) -> None:
     assert "tmp of attempt 02" in row["step-000000500.tmp-attempt-02"]
 
 
+def test_ls_says_what_it_checked_and_verify_rehashes(layout: RunLayout) -> None:
+    """A flipped byte keeps every size: plain ls must not call the step verified; --verify
+    re-hashes, marks it BAD with the reason and exits 1."""
+    flip_byte(layout.step_dir(300) / SHARD)
+    quick = cli("ls", layout.run_dir)
+    assert quick.returncode == 0 and "sizes and markers only" in quick.stdout
+    assert "VERIFIED" not in quick.stdout
+    row = next(ln for ln in quick.stdout.splitlines() if "step-000000300" in ln)
+    assert "sizes ok" in row
+    full = cli("ls", layout.run_dir, "--verify")
+    assert full.returncode == 1, full.stdout
+    rows = {ln.split()[1]: ln for ln in full.stdout.splitlines() if ln.split()[0].isdigit()}
+    assert "BAD" in rows["step-000000300"] and "crc32c mismatch" in rows["step-000000300"]
+    assert "crc ok" in rows["step-000000400"]
+    assert "verifying step-000000300 (2/4)" in full.stderr
+
+
 def test_ls_missing_dir(tmp_path: Path) -> None:
     out = cli("ls", tmp_path / "nope")
     assert out.returncode == 2 and "not a directory" in out.stdout

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 from resiliency.cli.base import EXIT_BAD, EXIT_OK, EXIT_USAGE, Command
 from resiliency.storage.attempts import recorded_attempts
-from resiliency.storage.layout import COMMITTED_NAME, RunLayout, parse_step
+from resiliency.storage.layout import COMMITTED_NAME, RunLayout, parse_step, step_name
 from resiliency.storage.lease import LeaseInfo, read_lease, stale_reason
 from resiliency.storage.retention import GcPlan, apply_gc, plan_gc
 from resiliency.storage.select import read_latest_hint
@@ -87,19 +88,25 @@ def _row(*cols: object) -> str:
     return _ROW.format(*cols).rstrip()
 
 
-def _step_row(layout: RunLayout, step: int, hint: int | None, now: float) -> str:
+def _step_row(
+    layout: RunLayout, step: int, hint: int | None, now: float, full: bool
+) -> tuple[str, bool]:
+    """The step's row, and whether it passed the check (``full``: every byte re-hashed;
+    otherwise markers, manifest, file list and sizes only: the CHECK column says which)."""
     path = layout.step_dir(step)
-    verdict = verify_step_dir(path, layout.run_id, full=False)
+    verdict = verify_step_dir(path, layout.run_id, full=full)
     notes = (["latest"] if step == hint else []) + ([] if verdict.ok else [verdict.reason])
-    return _row(
+    check = ("crc ok" if full else "sizes ok") if verdict.ok else "BAD"
+    row = _row(
         step,
         path.name,
         _yes((path / COMMITTED_NAME).is_file()),
-        _yes(verdict.ok),
+        check,
         _human_bytes(_dir_bytes(path)),
         _human_age(now - path.stat().st_mtime),
         "; ".join(notes),
     )
+    return row, verdict.ok
 
 
 def _yes(flag: bool) -> str:
@@ -113,9 +120,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
     _header(layout, args.lease_timeout)
     hint, _ = read_latest_hint(layout)
     now = time.time()
-    print(_row("STEP", "DIR", "COMMITTED", "VERIFIED", "SIZE", "AGE", "NOTE"))
-    for step in reversed(layout.published_steps()):
-        print(_step_row(layout, step, hint, now))
+    steps = list(reversed(layout.published_steps()))
+    if not args.verify:
+        print("check:       sizes and markers only (--verify re-hashes every byte)")
+    print(_row("STEP", "DIR", "COMMITTED", "CHECK", "SIZE", "AGE", "NOTE"))
+    all_ok = True
+    for index, step in enumerate(steps, 1):
+        if args.verify:  # progress on stderr: a full re-hash reads every byte of the step
+            print(f"verifying {step_name(step)} ({index}/{len(steps)})", file=sys.stderr)
+        row, ok = _step_row(layout, step, hint, now, args.verify)
+        all_ok &= ok
+        print(row, flush=True)
     for path, step, attempt in reversed(layout.tmp_dirs()):
         print(
             _row(
@@ -131,7 +146,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     local_dir = args.local_dir or _recorded_local_dir(layout)
     if local_dir:
         _print_local_tier(Path(local_dir), layout.run_id)
-    return EXIT_OK
+    return EXIT_OK if all_ok or not args.verify else EXIT_BAD
 
 
 def _recorded_local_dir(layout: RunLayout) -> str | None:
@@ -227,6 +242,11 @@ def _add_lease_timeout(p: argparse.ArgumentParser) -> None:
 
 def _add_ls_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="<root>/<run_id>")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="re-hash every file of every published step (reads them all; exit 1 if any is bad)",
+    )
     p.add_argument(
         "--local-dir",
         help="checkpoint.local.dir to list too (default: as the run's "
