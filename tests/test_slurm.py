@@ -462,7 +462,7 @@ def test_job_runs_to_completion(clean_run: tuple[Path, dict]) -> None:
         text=True,
         timeout=120,
     )
-    assert re.search(r"^\s+40\s+step-000000040\s+yes\s+yes", ls.stdout, re.M), ls.stdout
+    assert re.search(r"^\s+40\s+step-000000040\s+yes\s+sizes ok", ls.stdout, re.M), ls.stdout
     steps = read_steps(run_dir)
     assert sorted(steps) == list(range(1, 41))
     assert steps[40]["loss"] < steps[1]["loss"] - 0.5, (steps[1], steps[40])

@@ -4,7 +4,8 @@ Every key of the resolved config falls in one class (first matching rule below w
 
 - ``free``: settings of this launch only (logging, intervals, launcher, resiliency, where files
   go); applied, and listed in the log and the attempt record.
-- ``topology``: parallel layout and batch sizes; judged by the topology validator
+- ``topology``: parallel layout, batch sizes and the optimizer's checkpoint format; judged by
+  the topology validator
   (``checkpoint/topology.py``) before this policy runs, with its own rules (reshard, LR scaling
   for a global-batch change).
 - ``grows``: ``train.train_steps`` may grow past the restored step; it may not fall to or below
@@ -15,7 +16,7 @@ Every key of the resolved config falls in one class (first matching rule below w
   ``checkpoint`` (keep the saved values, as Megatron-LM's ``--use-checkpoint-opt_param-
   scheduler``) or ``config`` (apply this launch's, as ``--override-opt_param-scheduler``).
 - ``must_match``: everything else (model shape, tokenizer, data paths/blend/split, seeds,
-  precision, optimizer kind and format); a difference is refused before anything is loaded.
+  precision, the optimizer's kind); a difference is refused before anything is loaded.
   A key nobody classified is ``must_match``: a new setting is safe until someone decides.
 
 Refusals are :class:`recipes.ConfigError` (exit 2) naming each key with both values.
@@ -34,19 +35,22 @@ SCHEDULE_CHOICES = ("refuse", "checkpoint", "config")
 
 # (key or dotted prefix, class): the first match wins, so specific keys come first.
 RULES: tuple[tuple[str, KeyClass], ...] = (
-    ("checkpoint.optim_format", "must_match"),
+    # Restored in the saved format, saved in the new one: the validator knows which reshard.
+    ("checkpoint.optim_format", "topology"),
     ("train.train_steps", "grows"),
     ("train.global_batch_size", "topology"),
     ("train.micro_batch_size", "topology"),
     ("parallel.", "topology"),
     ("optimizer.name", "must_match"),
-    ("optimizer.use_distributed_optimizer", "must_match"),
+    ("optimizer.use_distributed_optimizer", "topology"),  # how the state is sharded over DP
     ("optimizer.", "schedule"),
     ("scheduler.", "schedule"),
     # Set by the restore itself (the checkpoint's padded vocab, no init of restored weights).
     ("model.padded_vocab_size", "free"),
     ("model.perform_initialization", "free"),
     ("model.layout_invariant_init", "free"),  # how fresh weights are drawn; none are drawn
+    ("model.init_method_std", "free"),
+    ("model.make_vocab_size_divisible_by", "free"),  # the padded vocab is the checkpoint's
     ("data.cache_dir", "free"),
     ("train.fault", "free"),
     ("train.device", "free"),
@@ -112,10 +116,6 @@ class ResumeDecision:
     applied: list[Change]  # differences that take effect (free, grows, schedule "config")
     kept: list[Change]  # differences where the checkpoint's value stays ("checkpoint")
 
-    @property
-    def override_schedule(self) -> bool:
-        return any(c.kind == "schedule" for c in self.applied)
-
     def record(self) -> dict[str, Any]:
         """For the attempt record: what changed against the checkpoint, by outcome."""
         return {
@@ -134,7 +134,8 @@ def reconcile(run: RunConfig, saved_config: dict[str, Any], step: int) -> Resume
     if problems:
         raise ConfigError(_refusal(problems, step))
     if schedule and choice == "refuse":
-        raise ConfigError(_schedule_refusal(schedule, step))
+        implicit = run.scheduler.decay_steps is None
+        raise ConfigError(_schedule_refusal(schedule, step, implicit))
     kept = schedule if choice == "checkpoint" else []
     applied = [c for c in changes if c not in kept]
     if kept:
@@ -148,16 +149,18 @@ def _grows_past(change: Change, step: int) -> bool:
 
 def _refusal(problems: list[Change], step: int) -> str:
     lines = "\n".join(f"  {c.describe()}" for c in problems)
+    steps = any(c.kind == "grows" for c in problems)
     return (
         f"resuming from checkpoint step {step} would silently change what it trained:\n{lines}\n"
-        "These must match the checkpoint (train.train_steps must exceed the restored step). "
-        "Restore them, or start a new run under another run_id."
+        + (f"train.train_steps must exceed the restored step {step}; " if steps else "")
+        + "the other keys must match the checkpoint. Restore them, or start a new run under "
+        "another run_id."
     )
 
 
-def _schedule_refusal(changes: list[Change], step: int) -> str:
+def _schedule_refusal(changes: list[Change], step: int, implicit_decay: bool) -> str:
     lines = "\n".join(f"  {c.describe()}" for c in changes)
-    implicit = any(c.key == "scheduler.decay_steps" for c in changes)
+    implicit = implicit_decay and any(c.key == "scheduler.decay_steps" for c in changes)
     hint = (
         " (scheduler.decay_steps is unset, so it follows train.train_steps: set it to the "
         "saved value to keep the schedule)"
