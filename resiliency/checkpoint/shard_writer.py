@@ -23,6 +23,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
+
 from pretrain.compat import route_shard_writer_open
 from resiliency.storage.checksum import WriterChecksums
 
@@ -31,8 +33,6 @@ log = logging.getLogger(__name__)
 
 @contextlib.contextmanager
 def _without_zip_crc() -> Iterator[None]:
-    import torch
-
     if not hasattr(torch.serialization, "set_crc32_options"):  # older torch: nothing to skip
         yield
         return

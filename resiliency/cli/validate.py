@@ -8,6 +8,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from pretrain import exit_codes
+from pretrain.tokenizer import build_tokenizer
 from recipes import ConfigError, RunConfig, load_config
 from recipes.validate import validate_runtime
 from resiliency.checkpoint.restore_plan import target_for
@@ -57,8 +58,6 @@ def _target_config(saved: dict, overrides: list[str]) -> RunConfig:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pretrain.tokenizer import build_tokenizer
-
     try:
         step_dir = _step_dir(args.path)
         manifest = read_manifest(step_dir)
