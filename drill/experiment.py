@@ -278,7 +278,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> DrillConfig:
-
     kills = args.kills or DrillPlan.default_kills(args.save_every)
     plan = DrillPlan(
         steps=args.steps, save_every=args.save_every, kills=kills, max_retries=args.max_retries

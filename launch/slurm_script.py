@@ -150,7 +150,6 @@ def _srun_args(run: RunConfig) -> str:
 
 
 def _launcher(run: RunConfig, inputs: ScriptInputs) -> str:
-
     name = LAUNCHERS[run.launch.backend]
     # Inside a container the image provides the environment; outside, the submitting venv does.
     launcher = name if run.launch.slurm.container_image else _q(inputs.bin_dir / name)

@@ -274,7 +274,6 @@ NVRX_STRAGGLER_PACKAGE = {
 
 def nvrx_straggler(submodule: str = "") -> Any:
     """nvrx's straggler package (or one of its submodules) for the installed nvrx release."""
-
     nvrx = version("nvidia-resiliency-ext")
     package = next(
         (p for v, p in NVRX_STRAGGLER_PACKAGE.items() if nvrx.startswith(v)),

@@ -44,8 +44,9 @@ def train(run: RunConfig, device: str, dp: int) -> int:
     except Exception as exc:  # noqa: BLE001 - every failure gets its class and exit code
         for hook in hooks:
             hook.on_exception(trainer, exc)
-        _log_failure(classify(exc))
-        return classify(exc).exit_code
+        failure = classify(exc)
+        _log_failure(failure)
+        return failure.exit_code
     finally:
         _close_all(hooks)
     shutdown()

@@ -35,7 +35,6 @@ POLL_S = 0.05
 def die_with_parent() -> None:
     """For helper processes of a rank (the checkpoint writer): SIGKILLed when the rank dies,
     deaf to the SIGTERM/SIGUSR1 that Slurm sends every process of a step."""
-
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     # Slurm signals every process of a step: outlive the rank's emergency save.

@@ -379,7 +379,6 @@ class Checkpointer:
         FileSystemReader(str(model_dir)).read_metadata()
 
     def _manifest(self, step: int, files: list[Any]) -> Manifest:
-
         run, parts = self.trainer.run, self.trainer.parts
         return Manifest(
             run_id=run.run_id,
@@ -403,7 +402,6 @@ class Checkpointer:
         )
 
     def _dataset(self) -> dict[str, Any]:
-
         if self._dataset_snapshot is None:
             snapshot = dataset_fingerprint(self.trainer.run.data)
             snapshot["index_files"] = {
@@ -415,7 +413,6 @@ class Checkpointer:
         return self._dataset_snapshot
 
     def _abort(self, tmp: Path, exc: BaseException) -> None:
-
         self.pending = None
         space = self._space_report()  # before cleanup frees the partial write
         # Any rank that sees the failure removes the dir: an async failure reaches ranks at
@@ -428,7 +425,6 @@ class Checkpointer:
 
     def _space_report(self) -> str:
         """Write errors from torch DCP often hide ENOSPC; say how full the disk is."""
-
         usage = shutil.disk_usage(self.layout.steps_dir)
         mib = 1 << 20
         report = (

@@ -101,7 +101,6 @@ class CheckpointHook(TrainHook):
 
     def configure(self, run: "RunConfig", dp: int) -> "RunConfig":
         """Take the run's lease, then pick and validate the step to restore (nothing loaded)."""
-
         problem = vpp_tied_embedding_save_problem(
             run.parallel.vpp,
             run.model.share_embeddings_and_output_weights,
@@ -132,7 +131,6 @@ class CheckpointHook(TrainHook):
         return self.decision.run
 
     def _model_init_for_plan(self, run: "RunConfig") -> "RunConfig":
-
         if self.plan is None:
             if not self.initialise:
                 raise ConfigError(
@@ -152,7 +150,6 @@ class CheckpointHook(TrainHook):
     def _confirm_plan(self, trainer: "Trainer") -> None:
         """The chosen step was re-hashed while the model was built; when a file is bad, plan
         the next step and rebuild the model for it (uninitialised only if it has a step)."""
-
         rejected: dict[int, str] = {}
         while self.plan is not None and (problem := self.plan.confirm()) is not None:
             rejected[self.plan.manifest.step] = problem

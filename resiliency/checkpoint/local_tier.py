@@ -131,7 +131,6 @@ class LocalTier:
 
     def restore(self, step: int) -> None:
         """Collective: load ``step`` (own files, missing shards from peers' replicas)."""
-
         self.manager.mark_restoring(step, self.checkpointer.attempt)
         started = time.perf_counter()
         tasd, _ = self.manager.load()

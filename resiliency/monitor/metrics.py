@@ -255,5 +255,4 @@ class MetricsHook(TrainHook):
 
 
 def _serve(port: int, registry: CollectorRegistry) -> tuple[Any, Any]:
-
     return start_http_server(port, registry=registry)
