@@ -60,6 +60,7 @@ def _relaunch(overrides: list[str]) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+@pytest.mark.current_stack  # megatron's scheduler override flags on both releases
 def test_changed_schedule_is_refused_then_applied_only_when_asked(
     tiny_overrides: list[str], tmp_path: Path
 ) -> None:

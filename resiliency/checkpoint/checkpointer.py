@@ -462,7 +462,12 @@ class Checkpointer:
         trainer = self.trainer
         for key, chunk in chunks_by_key(trainer.parts.chunks).items():
             chunk.load_state_dict(loaded[key], strict=True)
+        override = self.cfg.schedule_on_resume == "config"
         if self.cfg.load_optimizer:
+            if override:  # megatron 0.19 pairs saved and live groups by their max/min LR
+                self._set_group_lrs(
+                    train_state["scheduler"]["max_lr"], train_state["scheduler"]["min_lr"]
+                )
             trainer.parts.optimizer.load_state_dict(loaded["optimizer"])
         else:
             # Main (fp32) params were copied from the weights at build time; refresh them.
@@ -471,7 +476,6 @@ class Checkpointer:
                 "restore: checkpoint.load_optimizer=false: weights only, FRESH optimizer "
                 "state; the loss trajectory will differ from the original run"
             )
-        override = self.cfg.schedule_on_resume == "config"
         if override:
             self._schedule_from_config()
         self._scale_lr_for_batch_change(train_state)
@@ -539,15 +543,20 @@ class Checkpointer:
         scheduler, opt = self.trainer.parts.scheduler, self.trainer.run.optimizer
         scheduler.override_opt_param_scheduler = True
         scheduler.use_checkpoint_opt_param_scheduler = False
+        self._set_group_lrs(opt.lr, opt.min_lr)
         for group in self.trainer.parts.optimizer.param_groups:
-            values = {"max_lr": opt.lr, "min_lr": opt.min_lr, "eps": opt.adam_eps}
-            values["betas"] = (opt.adam_beta1, opt.adam_beta2)
+            values = {"eps": opt.adam_eps, "betas": (opt.adam_beta1, opt.adam_beta2)}
             group.update({k: v for k, v in values.items() if k in group})
         log.warning(
             "restore: checkpoint.schedule_on_resume=config: this run's optimizer "
             "schedule replaces the checkpoint's (lr %.3e)",
             opt.lr,
         )
+
+    def _set_group_lrs(self, max_lr: float, min_lr: float) -> None:
+        """The per-group LR bounds megatron's scheduler reads (groups without them: none)."""
+        for group in self.trainer.parts.optimizer.param_groups:
+            group.update({k: v for k, v in (("max_lr", max_lr), ("min_lr", min_lr)) if k in group})
 
     def _check_restored(self, train_state: dict[str, Any], lr_saved: bool = True) -> None:
         """The loop state is the saved one; so is the LR, unless this run's schedule won."""
