@@ -6,27 +6,15 @@ launch environment (world size, device) live in :mod:`recipes.validate`.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-
-class ConfigError(ValueError):
-    """A config value is invalid; the message names the key and what to do."""
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
-def _positive(owner: str, **values: Optional[int]) -> None:
-    for key, value in values.items():
-        _require(value is None or value >= 1, f"{owner}.{key} must be >= 1, got {value}")
-
-
-def _one_of(owner: str, key: str, value: str, allowed: tuple[str, ...]) -> None:
-    _require(value in allowed, f"{owner}.{key}={value!r} is not one of {list(allowed)}")
+# Callers import ConfigError and the launch configs from here too: explicit re-exports.
+from recipes.checks import ConfigError as ConfigError
+from recipes.checks import one_of, positive, require
+from recipes.launch_schema import K8sConfig as K8sConfig
+from recipes.launch_schema import LaunchConfig
+from recipes.launch_schema import SlurmConfig as SlurmConfig
 
 
 @dataclass(kw_only=True)
@@ -66,7 +54,7 @@ class ModelConfig:
     moe_aux_loss_coeff: float = 0.0
 
     def __post_init__(self) -> None:
-        _positive(
+        positive(
             "model",
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
@@ -78,34 +66,34 @@ class ModelConfig:
             moe_router_topk=self.moe_router_topk,
             padded_vocab_size=self.padded_vocab_size,
         )
-        _require(
+        require(
             self.hidden_size % self.num_attention_heads == 0,
             f"model.hidden_size={self.hidden_size} must be divisible by "
             f"model.num_attention_heads={self.num_attention_heads}",
         )
         groups = self.num_query_groups or self.num_attention_heads
-        _require(
+        require(
             self.num_attention_heads % groups == 0,
             f"model.num_attention_heads={self.num_attention_heads} must be divisible by "
             f"model.num_query_groups={groups}",
         )
-        _one_of(
+        one_of(
             "model",
             "position_embedding_type",
             self.position_embedding_type,
             ("rope", "learned_absolute"),
         )
-        _one_of("model", "normalization", self.normalization, ("LayerNorm", "RMSNorm"))
-        _one_of("model", "activation", self.activation, ("gelu", "swiglu"))
+        one_of("model", "normalization", self.normalization, ("LayerNorm", "RMSNorm"))
+        one_of("model", "activation", self.activation, ("gelu", "swiglu"))
         if self.num_experts is not None:
-            _require(
+            require(
                 self.moe_router_topk <= self.num_experts,
                 f"model.moe_router_topk={self.moe_router_topk} exceeds "
                 f"model.num_experts={self.num_experts}",
             )
         for key in ("hidden_dropout", "attention_dropout"):
             value = getattr(self, key)
-            _require(0.0 <= value < 1.0, f"model.{key} must be in [0, 1), got {value}")
+            require(0.0 <= value < 1.0, f"model.{key} must be in [0, 1), got {value}")
 
     @property
     def is_moe(self) -> bool:
@@ -123,14 +111,14 @@ class ParallelConfig:
     sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
-        _positive(
+        positive(
             "parallel", tp=self.tp, pp=self.pp, vpp=self.vpp, cp=self.cp, ep=self.ep, dp=self.dp
         )
-        _require(
+        require(
             not self.sequence_parallel or self.tp > 1,
             "parallel.sequence_parallel=true needs parallel.tp > 1",
         )
-        _require(
+        require(
             self.vpp is None or self.pp > 1,
             f"parallel.vpp={self.vpp} needs parallel.pp > 1 (interleaving needs stages)",
         )
@@ -153,18 +141,18 @@ class ParallelConfig:
     def data_parallel_size(self, world_size: int) -> int:
         """The DP size for ``world_size`` ranks, or a ConfigError naming the mismatch."""
         mp = self.model_parallel_size
-        _require(
+        require(
             world_size % mp == 0,
             f"world size {world_size} is not divisible by tp*pp*cp = "
             f"{self.tp}*{self.pp}*{self.cp} = {mp}",
         )
         dp = world_size // mp
-        _require(
+        require(
             self.dp is None or self.dp == dp,
             f"parallel.dp={self.dp} but tp*pp*cp*dp must equal the world size {world_size}: "
             f"dp would be {dp} (set parallel.dp=null to derive it)",
         )
-        _require(
+        require(
             (dp * self.cp) % self.ep == 0,
             f"parallel.ep={self.ep} must divide dp*cp = {dp}*{self.cp}",
         )
@@ -184,13 +172,13 @@ class OptimizerConfig:
     use_distributed_optimizer: bool = True
 
     def __post_init__(self) -> None:
-        _one_of("optimizer", "name", self.name, ("adam", "sgd"))
-        _require(self.lr > 0, f"optimizer.lr must be > 0, got {self.lr}")
-        _require(
+        one_of("optimizer", "name", self.name, ("adam", "sgd"))
+        require(self.lr > 0, f"optimizer.lr must be > 0, got {self.lr}")
+        require(
             0 <= self.min_lr <= self.lr,
             f"optimizer.min_lr={self.min_lr} must be in [0, optimizer.lr={self.lr}]",
         )
-        _require(self.clip_grad >= 0, f"optimizer.clip_grad must be >= 0, got {self.clip_grad}")
+        require(self.clip_grad >= 0, f"optimizer.clip_grad must be >= 0, got {self.clip_grad}")
 
 
 @dataclass(kw_only=True)
@@ -203,15 +191,15 @@ class SchedulerConfig:
     weight_decay_incr_style: str = "constant"
 
     def __post_init__(self) -> None:
-        _require(self.warmup_steps >= 0, "scheduler.warmup_steps must be >= 0")
-        _positive("scheduler", decay_steps=self.decay_steps)
-        _one_of(
+        require(self.warmup_steps >= 0, "scheduler.warmup_steps must be >= 0")
+        positive("scheduler", decay_steps=self.decay_steps)
+        one_of(
             "scheduler",
             "decay_style",
             self.decay_style,
             ("constant", "linear", "cosine", "inverse-square-root"),
         )
-        _one_of(
+        one_of(
             "scheduler",
             "weight_decay_incr_style",
             self.weight_decay_incr_style,
@@ -235,23 +223,23 @@ class DataConfig:
     eod_mask_loss: bool = False
 
     def __post_init__(self) -> None:
-        _one_of("data", "kind", self.kind, ("indexed", "mock"))
-        _one_of("data", "tokenizer", self.tokenizer, ("byte", "huggingface"))
-        _require(
+        one_of("data", "kind", self.kind, ("indexed", "mock"))
+        one_of("data", "tokenizer", self.tokenizer, ("byte", "huggingface"))
+        require(
             self.kind != "indexed" or len(self.paths) > 0,
             "data.kind=indexed needs data.paths (prefixes of .bin/.idx files made by "
             "`python -m pretrain.prepare`)",
         )
-        _require(
+        require(
             self.weights is None or len(self.weights) == len(self.paths),
             f"data.weights has {len(self.weights or [])} entries for {len(self.paths)} data.paths",
         )
-        _require(
+        require(
             self.tokenizer != "huggingface" or self.tokenizer_path is not None,
             "data.tokenizer=huggingface needs data.tokenizer_path (a local directory)",
         )
         parts = self.split.split(",")
-        _require(
+        require(
             len(parts) == 3 and all(p.strip().replace(".", "", 1).isdigit() for p in parts),
             f"data.split={self.split!r} must be three comma-separated weights (train,valid,test)",
         )
@@ -269,19 +257,19 @@ class TrainConfig:
     fault: str = ""
 
     def __post_init__(self) -> None:
-        _positive(
+        positive(
             "train",
             train_steps=self.train_steps,
             micro_batch_size=self.micro_batch_size,
             global_batch_size=self.global_batch_size,
         )
-        _require(
+        require(
             self.global_batch_size % self.micro_batch_size == 0,
             f"train.global_batch_size={self.global_batch_size} must be a multiple of "
             f"train.micro_batch_size={self.micro_batch_size}",
         )
-        _one_of("train", "device", self.device, ("auto", "cpu", "cuda"))
-        _one_of("train", "precision", self.precision, ("auto", "fp32", "bf16"))
+        one_of("train", "device", self.device, ("auto", "cpu", "cuda"))
+        one_of("train", "precision", self.precision, ("auto", "fp32", "bf16"))
 
 
 @dataclass(kw_only=True)
@@ -299,16 +287,14 @@ class LocalCheckpointConfig:
         return self.interval is not None
 
     def __post_init__(self) -> None:
-        _positive(
-            "checkpoint.local", interval=self.interval, replication_jump=self.replication_jump
-        )
-        _require(
+        positive("checkpoint.local", interval=self.interval, replication_jump=self.replication_jump)
+        require(
             self.interval is None or bool(self.dir),
             "checkpoint.local.interval is set but checkpoint.local.dir is not: give the "
             "node-local directory, e.g. checkpoint.local.dir=/local_nvme/ckpt",
         )
-        _require(self.replication_factor >= 1, "checkpoint.local.replication_factor must be >= 1")
-        _require(self.keep_last >= 1, "checkpoint.local.keep_last must be >= 1")
+        require(self.replication_factor >= 1, "checkpoint.local.replication_factor must be >= 1")
+        require(self.keep_last >= 1, "checkpoint.local.keep_last must be >= 1")
 
 
 @dataclass(kw_only=True)
@@ -341,28 +327,28 @@ class CheckpointConfig:
     local: LocalCheckpointConfig = field(default_factory=LocalCheckpointConfig)
 
     def __post_init__(self) -> None:
-        _one_of(
+        one_of(
             "checkpoint", "optim_format", self.optim_format, ("fully_reshardable", "dp_reshardable")
         )
-        _positive(
+        positive(
             "checkpoint",
             save_interval=self.save_interval,
             milestone_interval=self.milestone_interval,
             writer_threads=self.writer_threads,
         )
-        _require(
+        require(
             self.keep_last >= 2,
             f"checkpoint.keep_last={self.keep_last}: at least 2 verified steps are kept, so a "
             "corrupt newest step always has a fallback",
         )
-        _require(self.lease_timeout_s > 0, "checkpoint.lease_timeout_s must be > 0")
-        _one_of(
+        require(self.lease_timeout_s > 0, "checkpoint.lease_timeout_s must be > 0")
+        one_of(
             "checkpoint",
             "batch_change_lr_scaling",
             self.batch_change_lr_scaling,
             ("refuse", "none", "linear", "sqrt"),
         )
-        _one_of(
+        one_of(
             "checkpoint",
             "schedule_on_resume",
             self.schedule_on_resume,
@@ -399,9 +385,9 @@ class FtConfig:
             "timeout_floor_s",
             "check_interval_s",
         ):
-            _require(getattr(self, key) > 0, f"resiliency.ft.{key} must be > 0")
-        _require(self.timeout_multiplier >= 1, "resiliency.ft.timeout_multiplier must be >= 1")
-        _positive("resiliency.ft", learn_after_steps=self.learn_after_steps)
+            require(getattr(self, key) > 0, f"resiliency.ft.{key} must be > 0")
+        require(self.timeout_multiplier >= 1, "resiliency.ft.timeout_multiplier must be >= 1")
+        positive("resiliency.ft", learn_after_steps=self.learn_after_steps)
 
 
 @dataclass(kw_only=True)
@@ -417,10 +403,10 @@ class StragglerConfig:
     stop_if_detected: bool = False  # save and exit STRAGGLER
 
     def __post_init__(self) -> None:
-        _positive("resiliency.straggler", report_interval=self.report_interval)
-        _require(self.warmup_steps >= 0, "resiliency.straggler.warmup_steps must be >= 0")
+        positive("resiliency.straggler", report_interval=self.report_interval)
+        require(self.warmup_steps >= 0, "resiliency.straggler.warmup_steps must be >= 0")
         for key in ("relative_threshold", "individual_threshold"):
-            _require(0 < getattr(self, key) < 1, f"resiliency.straggler.{key} must be in (0, 1)")
+            require(0 < getattr(self, key) < 1, f"resiliency.straggler.{key} must be in (0, 1)")
 
 
 @dataclass(kw_only=True)
@@ -432,8 +418,8 @@ class MetricsConfig:
     http_port: int = 0  # 0: no HTTP endpoint
 
     def __post_init__(self) -> None:
-        _positive("resiliency.metrics", write_interval_steps=self.write_interval_steps)
-        _require(0 <= self.http_port < 65536, "resiliency.metrics.http_port must be in [0, 65535]")
+        positive("resiliency.metrics", write_interval_steps=self.write_interval_steps)
+        require(0 <= self.http_port < 65536, "resiliency.metrics.http_port must be in [0, 65535]")
 
 
 @dataclass(kw_only=True)
@@ -446,8 +432,8 @@ class WatchConfig:
     stop_on_jump: bool = False  # fail the run (numeric, not retried) instead of only logging
 
     def __post_init__(self) -> None:
-        _require(self.steps >= 0, "resiliency.watch.steps must be >= 0")
-        _require(
+        require(self.steps >= 0, "resiliency.watch.steps must be >= 0")
+        require(
             self.loss_tolerance > 0 and self.grad_norm_tolerance > 0,
             "resiliency.watch tolerances must be > 0",
         )
@@ -466,10 +452,10 @@ class ResiliencyConfig:
     watch: WatchConfig = field(default_factory=WatchConfig)
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             self.emergency_save_timeout_s > 0, "resiliency.emergency_save_timeout_s must be > 0"
         )
-        _require(self.max_restarts >= 0, "resiliency.max_restarts must be >= 0")
+        require(self.max_restarts >= 0, "resiliency.max_restarts must be >= 0")
 
 
 @dataclass(kw_only=True)
@@ -478,82 +464,8 @@ class LoggingConfig:
     log_interval: int = 1
 
     def __post_init__(self) -> None:
-        _one_of("logging", "level", self.level, ("DEBUG", "INFO", "WARNING", "ERROR"))
-        _positive("logging", log_interval=self.log_interval)
-
-
-@dataclass(kw_only=True)
-class SlurmConfig:
-    partition: Optional[str] = None
-    account: Optional[str] = None
-    time_limit: str = "01:00:00"
-    signal_grace_s: int = 120  # --signal=B:USR1@<grace>: emergency-save window before the kill
-    max_requeues: int = 3  # infrastructure retries before the job stops for good
-    container_image: Optional[str] = None  # pyxis --container-image
-    container_mounts: list[str] = field(default_factory=list)
-    extra_sbatch: list[str] = field(default_factory=list)  # verbatim "#SBATCH" arguments
-    env_passthrough: list[str] = field(default_factory=list)  # extra env vars exported to ranks
-
-    def __post_init__(self) -> None:
-        _require(self.signal_grace_s >= 0, "launch.slurm.signal_grace_s must be >= 0")
-        _require(self.max_requeues >= 0, "launch.slurm.max_requeues must be >= 0")
-        _require(
-            bool(re.fullmatch(r"(\d+-)?\d+(:\d{2}){0,2}", self.time_limit)),
-            f"launch.slurm.time_limit={self.time_limit!r} is not a Slurm time "
-            "(e.g. 04:00:00 or 2-00:00:00)",
-        )
-
-
-@dataclass(kw_only=True)
-class K8sConfig:
-    image: Optional[str] = None
-    namespace: str = "default"
-    job_name: Optional[str] = None  # None: derived from run_id
-    shared_pvc: Optional[str] = None  # RWX claim for the persistent checkpoint tier
-    shared_mount: str = "/checkpoints"
-    local_volume: str = "emptyDir"  # emptyDir | hostPath: node-local checkpoint tier
-    local_host_path: Optional[str] = None
-    local_mount: str = "/local-ckpt"
-    termination_grace_s: int = 180
-    backoff_limit: int = 3
-    queue: Optional[str] = None  # gang scheduling queue (Volcano/Kueue)
-    priority_class: Optional[str] = None
-    cpu: Optional[str] = None
-    memory: Optional[str] = None
-    env: dict[str, str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        _one_of("launch.k8s", "local_volume", self.local_volume, ("emptyDir", "hostPath"))
-        _require(
-            self.local_volume != "hostPath" or self.local_host_path is not None,
-            "launch.k8s.local_volume=hostPath needs launch.k8s.local_host_path",
-        )
-        _require(self.termination_grace_s >= 0, "launch.k8s.termination_grace_s must be >= 0")
-        _require(self.backoff_limit >= 0, "launch.k8s.backoff_limit must be >= 0")
-
-
-@dataclass(kw_only=True)
-class LaunchConfig:
-    backend: str = "torchrun"  # torchrun | ft_launcher
-    nodes: int = 1
-    nproc_per_node: int = 1
-    gpus_per_node: int = 0
-    slurm: SlurmConfig = field(default_factory=SlurmConfig)
-    k8s: K8sConfig = field(default_factory=K8sConfig)
-
-    def __post_init__(self) -> None:
-        _one_of("launch", "backend", self.backend, ("torchrun", "ft_launcher"))
-        _positive("launch", nodes=self.nodes, nproc_per_node=self.nproc_per_node)
-        _require(self.gpus_per_node >= 0, "launch.gpus_per_node must be >= 0")
-        _require(
-            self.gpus_per_node in (0, self.nproc_per_node),
-            f"launch.gpus_per_node={self.gpus_per_node} must be 0 (CPU) or equal "
-            f"launch.nproc_per_node={self.nproc_per_node} (one rank per GPU)",
-        )
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.nproc_per_node
+        one_of("logging", "level", self.level, ("DEBUG", "INFO", "WARNING", "ERROR"))
+        positive("logging", log_interval=self.log_interval)
 
 
 @dataclass(kw_only=True)
@@ -574,42 +486,42 @@ class RunConfig:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             self.run_id is None
             or (bool(self.run_id) and "/" not in self.run_id and self.run_id not in (".", "..")),
             f"run_id={self.run_id!r} must be a non-empty name without '/'",
         )
         model, par = self.model, self.parallel
-        _require(
+        require(
             model.num_attention_heads % par.tp == 0,
             f"model.num_attention_heads={model.num_attention_heads} is not divisible by "
             f"parallel.tp={par.tp}",
         )
         groups = model.num_query_groups or model.num_attention_heads
-        _require(
+        require(
             groups % par.tp == 0,
             f"model.num_query_groups={groups} is not divisible by parallel.tp={par.tp}",
         )
         stages = par.pp * (par.vpp or 1)
-        _require(
+        require(
             model.num_layers % stages == 0,
             f"model.num_layers={model.num_layers} is not divisible by pp*vpp = "
             f"{par.pp}*{par.vpp or 1} = {stages}",
         )
         if model.padded_vocab_size is not None:
-            _require(
+            require(
                 model.padded_vocab_size % par.tp == 0,
                 f"model.padded_vocab_size={model.padded_vocab_size} is not divisible by "
                 f"parallel.tp={par.tp}",
             )
         if par.ep > 1:
-            _require(model.is_moe, f"parallel.ep={par.ep} needs an MoE model (model.num_experts)")
-            _require(
+            require(model.is_moe, f"parallel.ep={par.ep} needs an MoE model (model.num_experts)")
+            require(
                 model.num_experts % par.ep == 0,
                 f"parallel.ep={par.ep} must divide model.num_experts={model.num_experts}",
             )
         if model.is_moe and par.tp > 1:
-            _require(
+            require(
                 par.sequence_parallel,
                 "MoE with parallel.tp > 1 needs parallel.sequence_parallel=true (Megatron-Core)",
             )
