@@ -26,11 +26,13 @@ def train(run: RunConfig, device: str, dp: int) -> int:
     if problem is not None:
         if env.rank == 0:
             log.error("config error: %s", problem)
+        shutdown()  # every rank agreed: leave together (a live group aborts at interpreter exit)
         return exit_codes.CONFIG_ERROR
     try:
         hooks = build_hooks(run, env, run_dir)
     except ConfigError as exc:
         log.error("config error: %s", exc)
+        shutdown()
         return exit_codes.CONFIG_ERROR
     trainer = None
     try:
