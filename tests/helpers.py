@@ -9,6 +9,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from resiliency.storage.checksum import describe_files
+from resiliency.storage.manifest import Manifest, manifest_checksum, read_manifest
+
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
@@ -52,3 +55,20 @@ def read_steps(run_dir: Path) -> dict[int, dict]:
 def losses(run_dir: Path) -> list[float]:
     steps = read_steps(run_dir)
     return [steps[s]["loss"] for s in sorted(steps)]
+
+
+def raw_commit(step_dir: Path, manifest: Manifest) -> None:
+    """Write manifest + matching COMMITTED without the publish-side checks (a forged dir)."""
+    raw = manifest.to_json().encode()
+    (step_dir / "manifest.json").write_bytes(raw)
+    (step_dir / "COMMITTED").write_text(manifest_checksum(raw) + "\n")
+
+
+def recommit_file(step_dir: Path, rel: str) -> None:
+    """After editing ``rel``, rewrite its manifest entry and COMMITTED as a careful forger
+    would: only the file's content can then tell that something is wrong."""
+    manifest = read_manifest(step_dir)
+    entries = {e.path: e for e in manifest.files}
+    entries[rel] = describe_files(step_dir, [rel])[0]
+    manifest.files = sorted(entries.values(), key=lambda e: e.path)
+    raw_commit(step_dir, manifest)

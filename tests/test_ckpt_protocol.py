@@ -40,6 +40,7 @@ from resiliency.storage.retention import apply_gc, plan_gc
 from resiliency.storage.select import select_restore_step
 from resiliency.storage.synthetic import synthetic_manifest, write_payload, write_synthetic_step
 from resiliency.storage.verify import verify_step_dir
+from tests.helpers import raw_commit, recommit_file
 
 RUN = "run-test-001"
 SHARD = "model/__0_0.distcp"
@@ -53,13 +54,6 @@ def layout(tmp_path: Path) -> RunLayout:
 
 def make_steps(layout: RunLayout, steps: list[int], attempt: int = 1) -> list[Path]:
     return [write_synthetic_step(layout, s, attempt) for s in steps]
-
-
-def raw_commit(step_dir: Path, manifest: Manifest) -> None:
-    """Write manifest + matching COMMITTED without the publish-side checks (a forged dir)."""
-    raw = manifest.to_json().encode()
-    (step_dir / "manifest.json").write_bytes(raw)
-    (step_dir / "COMMITTED").write_text(manifest_checksum(raw) + "\n")
 
 
 def flip_byte(path: Path, offset: int = 100) -> None:
@@ -221,11 +215,7 @@ def _dir_symlink_outside(layout: RunLayout, d: Path) -> None:
 def _train_state_of_another_step(layout: RunLayout, d: Path) -> None:
     """train_state.json edited to step 120, manifest and COMMITTED recomputed to match."""
     (d / "train_state.json").write_text(json.dumps({"step": 120, "tokens": 0}))
-    m = read_manifest(d)
-    entries = {e.path: e for e in m.files}
-    entries["train_state.json"] = describe_files(d, ["train_state.json"])[0]
-    m.files = sorted(entries.values(), key=lambda e: e.path)
-    raw_commit(d, m)
+    recommit_file(d, "train_state.json")
 
 
 def _foreign_commit(layout: RunLayout, d: Path) -> None:

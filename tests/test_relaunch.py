@@ -22,11 +22,9 @@ from pretrain import exit_codes
 from pretrain.failures import classify
 from recipes import ConfigError, load_config
 from recipes.validate import resolve_run_id
-from resiliency.storage.checksum import describe_files
 from resiliency.storage.layout import RunLayout
-from resiliency.storage.manifest import manifest_checksum, read_manifest
-from tests.ft_helpers import FT, launch_local
-from tests.helpers import REPO, TORCHRUN, losses, read_steps, run_pretrain
+from tests.ft_helpers import FT, env, launch_local
+from tests.helpers import REPO, TORCHRUN, losses, read_steps, recommit_file, run_pretrain
 
 SAVE_EVERY = 3
 
@@ -55,7 +53,7 @@ def _relaunch(overrides: list[str]) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=300,
-        env={**_env(), "OMP_NUM_THREADS": "1"},
+        env=env(),
     )
 
 
@@ -149,23 +147,6 @@ def test_a_new_run_is_named_by_its_launch() -> None:
     assert resolve_run_id(given, uuid, 2).run_id == "mine"
 
 
-def _env() -> dict[str, str]:
-    import os
-
-    return {**os.environ, "PYTHONUNBUFFERED": "1"}
-
-
-def _recommit(step_dir: Path, rel: str) -> None:
-    """Rewrite one file's manifest entry and COMMITTED as a careful forger would."""
-    manifest = read_manifest(step_dir)
-    entries = {e.path: e for e in manifest.files}
-    entries[rel] = describe_files(step_dir, [rel])[0]
-    manifest.files = sorted(entries.values(), key=lambda e: e.path)
-    raw = manifest.to_json().encode()
-    (step_dir / "manifest.json").write_bytes(raw)
-    (step_dir / "COMMITTED").write_text(manifest_checksum(raw))
-
-
 @pytest.mark.slow
 def test_no_step_to_trust_stops_the_run_until_told_to_start_over(
     tiny_overrides: list[str], tmp_path: Path
@@ -181,7 +162,7 @@ def test_no_step_to_trust_stops_the_run_until_told_to_start_over(
     (layout.step_dir(6) / "rank-state" / "extra").symlink_to(outside, target_is_directory=True)
     state = layout.step_dir(3) / "train_state.json"
     state.write_text(json.dumps({**json.loads(state.read_text()), "step": 2}))
-    _recommit(layout.step_dir(3), "train_state.json")
+    recommit_file(layout.step_dir(3), "train_state.json")
     for step in (3, 6):
         verify = subprocess.run(
             [sys.executable, "-m", "resiliency", "verify", str(layout.step_dir(step))],
@@ -217,15 +198,15 @@ def test_the_scheduler_sees_the_failing_rank_exit_code(
         "run_id=bad",
         "train.global_batch_size=7",
     ]
-    env = {**_env(), "OMP_NUM_THREADS": "1"}
-    bare = subprocess.run([TORCHRUN, *args], cwd=REPO, capture_output=True, text=True, env=env)
+    run_env = env()
+    bare = subprocess.run([TORCHRUN, *args], cwd=REPO, capture_output=True, text=True, env=run_env)
     assert bare.returncode == 1
     wrapped = subprocess.run(
         [sys.executable, "-m", "pretrain.run", *args],
         cwd=REPO,
         capture_output=True,
         text=True,
-        env=env,
+        env=run_env,
     )
     assert wrapped.returncode == exit_codes.CONFIG_ERROR, wrapped.stderr[-3000:]
     assert "global_batch_size=7 must be a multiple" in wrapped.stderr

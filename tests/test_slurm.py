@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from drill.jobs import SLURM_TERMINAL as TERMINAL  # states after which a job never runs again
 from launch.__main__ import main as launch_main
 from launch.retry_policy import REQUEUE, STOP, decide
 from pretrain import exit_codes
@@ -27,17 +28,6 @@ from tests.helpers import REPO, read_steps
 
 SLURM_DIR = REPO / "tests" / "slurm"
 BIN = Path(sys.executable).parent
-TERMINAL = {
-    "COMPLETED",
-    "FAILED",
-    "CANCELLED",
-    "TIMEOUT",
-    "NODE_FAIL",
-    "OUT_OF_MEMORY",
-    "BOOT_FAIL",
-    "DEADLINE",
-    "PREEMPTED",
-}
 LAYOUT_2x1 = ["launch.nodes=2", "launch.nproc_per_node=1"]
 
 
