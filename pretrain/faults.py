@@ -4,7 +4,9 @@ Kinds: kill (SIGKILL self before the step), hang (block forever), raise (determi
 exception), nan (poison gradients after backward), kill_save (SIGKILL once this step's shards
 are written, before the commit), kill_publish (SIGKILL after COMMITTED is written, before the
 rename), kill_writer (SIGKILL this rank's checkpoint writer process once this step's async
-save is handed to it), slow (from this step on, this rank's step burns ``factor`` times its
+save is handed to it), stop / stop_save / stop_restore (SIGSTOP this rank: before the step, at
+the save point, at the start of restoring this step; the process freezes as a stuck node does,
+every thread with it), slow (from this step on, this rank's step burns ``factor`` times its
 CPU time: "slow@<step>:<rank>:<factor>", a straggler). A "/<round>" suffix limits an entry to
 one launcher round (TORCHELASTIC_RESTART_COUNT), so a fault can hit once and the restarted
 group run clean.
@@ -21,7 +23,19 @@ from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
-KINDS = ("kill", "hang", "raise", "nan", "kill_save", "kill_publish", "kill_writer", "slow")
+KINDS = (
+    "kill",
+    "hang",
+    "raise",
+    "nan",
+    "kill_save",
+    "kill_publish",
+    "kill_writer",
+    "slow",
+    "stop",
+    "stop_save",
+    "stop_restore",
+)
 ROUND_ENV = "TORCHELASTIC_RESTART_COUNT"
 
 
@@ -61,21 +75,27 @@ class FaultInjector:
 
     def before_step(self, step: int) -> None:
         self._slow_down(step)
-        for fault in self._due(step, ("kill", "hang", "raise")):
+        for fault in self._due(step, ("kill", "hang", "raise", "stop")):
             log.warning("fault injection: %s before step %d", fault.kind, step)
             if fault.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if fault.kind == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+                continue  # continued (SIGCONT) before anyone killed it: carry on
             if fault.kind == "hang":
                 while True:
                     time.sleep(3600)
             raise InjectedFault(f"injected failure before step {step}")
 
     def at_checkpoint(self, phase: str, step: int, pid: int | None = None) -> None:
-        """Called by the checkpointer at its ``save`` / ``publish`` / ``writer`` points; kills
-        ``pid`` (the writer process) or this rank."""
-        for fault in self._due(step, (f"kill_{phase}",)):
+        """Called by the checkpointer at its ``save`` / ``publish`` / ``writer`` / ``restore``
+        points; kills ``pid`` (the writer process) or this rank, or stops this rank."""
+        for fault in self._due(step, (f"kill_{phase}", f"stop_{phase}")):
             log.warning("fault injection: %s at step %d", fault.kind, step)
-            os.kill(pid or os.getpid(), signal.SIGKILL)
+            if fault.kind.startswith("stop"):
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                os.kill(pid or os.getpid(), signal.SIGKILL)
 
     def _slow_down(self, step: int) -> None:
         """Busy-burn CPU (not sleep) so the rank is slower at computing, not just late."""

@@ -26,7 +26,7 @@ from pretrain import exit_codes
 from pretrain.compat import fix_orphaned_writer_manager
 from pretrain.data import dataset_fingerprint
 from pretrain.distributed import broadcast_object
-from pretrain.failures import ClassifiedError
+from pretrain.failures import ClassifiedError, classify
 from pretrain.faults import FaultInjector
 from pretrain.loop import TrainState
 from resiliency.checkpoint import rank_state as state_io
@@ -418,6 +418,10 @@ class Checkpointer:
         # Any rank that sees the failure removes the dir: an async failure reaches ranks at
         # different points, and the launcher may stop the others before they get here.
         shutil.rmtree(tmp, ignore_errors=True)
+        if classify(exc).kind == "infrastructure":
+            # A peer lost in the save's collectives (it was killed, or hung and torn down):
+            # not a storage problem, and retried like any other lost peer.
+            raise exc
         raise CheckpointSaveError(
             f"checkpoint save into {tmp} failed: {exc}. {space} The tmp dir was "
             f"removed; earlier published steps in {self.layout.steps_dir} are untouched."
@@ -438,6 +442,7 @@ class Checkpointer:
     # ------------------------------------------------------------- restore
     def restore(self, step_dir: Path, manifest: Manifest, same_layout: bool) -> int:
         """Load a step chosen, topology-validated and re-hashed by restore_plan.py."""
+        self.faults.at_checkpoint("restore", manifest.step)
         loaded = self._load_shards(step_dir / MODEL_DIR, manifest)
         rank_state = state_io.load_rank_state(step_dir, self.rank) if same_layout else None
         self.apply_loaded(
