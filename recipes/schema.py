@@ -360,27 +360,33 @@ class CheckpointConfig:
 class FtConfig:
     """Hang detection by nvidia-resiliency-ext rank monitors (launch.backend=ft_launcher)."""
 
-    # Section timeouts in seconds. "step" and the out-of-section timeout are replaced by learned
-    # values (multiplier x the slowest observed, at least the floor) once learned.
-    setup_timeout_s: float = 900.0
+    # Timeouts before a section has been observed (resiliency/monitor/timeouts.py). Setup
+    # (model build, data, restore) and checkpointing also get this rank's checkpoint bytes at
+    # min_io_mb_per_s on top: a bound from what is known rather than one fixed 15 minutes.
+    setup_timeout_s: float = 600.0
     step_timeout_s: float = 600.0
-    checkpointing_timeout_s: float = 900.0
+    eval_timeout_s: float = 600.0
+    checkpointing_timeout_s: float = 60.0
     out_of_section_timeout_s: float = 600.0
+    min_io_mb_per_s: float = 50.0  # conservative per-rank checkpoint write/read bandwidth
+    # Once observed: timeout_multiplier x the section's p99, never below timeout_floor_s. With
+    # 3 x p99 and 30 s a hung rank is torn down within max(3 x p99, 30 s) + a check interval.
     learn_timeouts: bool = True
-    learn_after_steps: int = 10
-    timeout_multiplier: float = 5.0
-    # Learned ~1 s timeouts were too tight on a noisy machine: never go below this.
-    timeout_floor_s: float = 10.0
+    learn_after_steps: int = 10  # steps (and out-of-section gaps) before those two are learned
+    timeout_multiplier: float = 3.0
+    timeout_floor_s: float = 30.0
     check_interval_s: float = 1.0
-    # Dump every rank's Python stacks shortly before its section times out (evidence: which
-    # rank hung and which ones were only waiting for it in a collective).
+    # Dump every rank's Python stacks shortly before its section times out, and keep a
+    # per-rank liveness heartbeat (evidence: which rank hung or stopped, which only waited).
     stack_dumps: bool = True
 
     def __post_init__(self) -> None:
         for key in (
             "setup_timeout_s",
             "step_timeout_s",
+            "eval_timeout_s",
             "checkpointing_timeout_s",
+            "min_io_mb_per_s",
             "out_of_section_timeout_s",
             "timeout_floor_s",
             "check_interval_s",

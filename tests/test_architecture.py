@@ -101,7 +101,10 @@ def test_request_stop_is_how_a_hook_ends_the_run() -> None:
 class _FakeRankMonitor:
     def __init__(self) -> None:
         self.calls: list[str] = []
-        self.section_timeouts = SimpleNamespace(section={})
+        self.timeouts: list[dict] = []  # what the hook sent as it learned
+
+    def load_state_dict(self, state: dict) -> None:
+        self.timeouts.append(state["current_timeouts"]["section"]["section"])
 
     def start_section(self, name: str) -> None:
         self.calls.append(f"start {name}")
@@ -126,3 +129,4 @@ def test_fault_tolerance_gives_checkpoint_work_its_own_section(tmp_path: Path) -
         "end checkpointing",
         "start step",
     ]
+    assert monitor.timeouts[-1]["checkpointing"] == FtConfig().timeout_floor_s  # learned

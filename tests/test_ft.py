@@ -14,7 +14,7 @@ from launch.local import launcher_command
 from pretrain.failures import classify
 from pretrain.hooks import StepResult
 from recipes.schema import WatchConfig
-from resiliency.monitor.fault_tolerance import TIMEOUTS_FILE, launcher_config, load_timeouts
+from resiliency.monitor.fault_tolerance import TIMEOUTS_FILE, launcher_config
 from resiliency.monitor.stacks import StackWatchdog, read_stack_dump
 from resiliency.monitor.watch import RestoreDivergedError, jumps
 from tests.ft_helpers import (
@@ -36,7 +36,13 @@ def test_launcher_config_uses_sections_not_heartbeats(
 ) -> None:
     run = plan_launch([*base_overrides(tiny_overrides, tmp_path, "cfg")]).run
     ft = launcher_config(run)["fault_tolerance"]
-    assert ft["rank_section_timeouts"] == {"setup": 900.0, "step": 600.0, "checkpointing": 900.0}
+    # Unobserved bounds; every rank replaces them with learned ones (test_hangs.py).
+    assert ft["rank_section_timeouts"] == {
+        "setup": 600.0,
+        "step": 600.0,
+        "eval": 600.0,
+        "checkpointing": 60.0,
+    }
     assert ft["rank_out_of_section_timeout"] == 600.0
     assert ft["initial_rank_heartbeat_timeout"] is None and ft["rank_heartbeat_timeout"] is None
     assert ft["enable_nic_monitor"] is False  # CPU: no RDMA counters to watch
@@ -52,22 +58,6 @@ def test_launcher_command_per_backend(tiny_overrides: list[str], tmp_path: Path)
     # torchrun never restarts by itself: the wrapper decides from the attempt records.
     assert Path(tr_cmd[0]).name == "torchrun" and "--max-restarts=0" in tr_cmd
     assert tr_cmd[-4:] == ["-m", "pretrain", "--config", str(tmp_path / "c.yaml")]
-
-
-def test_persisted_timeouts_are_floored(tmp_path: Path) -> None:
-    section = {
-        "section": {"setup": 900.0, "step": 1.2, "checkpointing": 900.0},
-        "out_of_section": 0.5,
-        "calculated_sections": ["step"],
-        "is_out_of_section_calculated": True,
-    }
-    (tmp_path / TIMEOUTS_FILE).write_text(
-        json.dumps({"client_state": {"current_timeouts": {"section": section}}})
-    )
-    loaded = load_timeouts(tmp_path, floor_s=10.0)["current_timeouts"]["section"]
-    assert loaded["section"] == {"setup": 900.0, "step": 10.0, "checkpointing": 900.0}
-    assert loaded["out_of_section"] == 10.0
-    assert load_timeouts(tmp_path / "missing", floor_s=10.0) is None
 
 
 def test_stack_watchdog_dumps_before_the_timeout_and_forgets_false_alarms(tmp_path: Path) -> None:
@@ -134,5 +124,4 @@ def test_hang_is_detected_restarted_and_resumes_exactly(
     assert losses(run_dir) == losses(clean)
 
     learned = json.loads((run_dir / TIMEOUTS_FILE).read_text())
-    step_timeout = learned["client_state"]["current_timeouts"]["section"]["section"]["step"]
-    assert step_timeout >= FLOOR_S
+    assert learned["timeouts"]["step"] >= FLOOR_S and len(learned["samples"]["step"]) >= 3

@@ -1,21 +1,19 @@
 """Hang detection under nvidia-resiliency-ext's ft_launcher: rank sections and their timeouts.
 
 Every rank reports sections to its rank monitor (a process ft_launcher runs per rank):
-``setup`` (connect -> first step: model build, restore), ``step`` (one training step) and
-``checkpointing`` (saves, async commits, the final and emergency saves); anything else is
-"out of section". A section open longer than its timeout gets the rank SIGKILLed, ft_launcher
-tears the whole worker group down and restarts it, and the new group resumes from the newest
-verified checkpoint.
+``setup`` (connect -> first step: model build, restore), ``step``, ``eval`` and
+``checkpointing`` (sync saves, async commits, local-tier saves, the final and emergency saves);
+anything else is "out of section". A section open longer than its timeout gets the rank
+SIGKILLed, ft_launcher tears the whole worker group down and restarts it, and the new group
+resumes from the newest verified checkpoint.
 
-Timeouts start from ``resiliency.ft.*``; after ``learn_after_steps`` steps the ``step`` and
-out-of-section timeouts are learned (``timeout_multiplier`` x the slowest observed on any rank,
-never below ``timeout_floor_s``) and persisted in ``<run_dir>/ft_timeouts.json``, which later
-attempts load before their first section.
+Every section's timeout is learned from its observed durations and bounded before the first
+observation (:mod:`resiliency.monitor.timeouts`); observations persist in
+``<run_dir>/ft_timeouts.json``, which later attempts load before their first section.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -29,7 +27,15 @@ from pretrain import exit_codes
 from pretrain.failures import classify
 from pretrain.hooks import StepResult, TrainHook
 from resiliency.monitor.stacks import STACKS_DIR, StackWatchdog, stack_path
+from resiliency.monitor.timeouts import (
+    BYTES_PER_PARAM,
+    OUT_OF_SECTION,
+    SECTIONS,
+    SectionTimeouts,
+    moved,
+)
 from resiliency.storage.layout import RunLayout, atomic_write_json
+from resiliency.storage.manifest import ManifestError, read_manifest
 
 if TYPE_CHECKING:
     from pretrain.distributed import DistEnv
@@ -38,7 +44,6 @@ if TYPE_CHECKING:
     from resiliency.checkpoint.hook import CheckpointHook
 
 log = logging.getLogger(__name__)
-SECTIONS = ("setup", "step", "checkpointing")
 TIMEOUTS_FILE = "ft_timeouts.json"
 LAUNCHER_CONFIG_FILE = "ft_launcher.yaml"
 MONITOR_SOCKET_ENV = "FT_RANK_MONITOR_IPC_SOCKET"  # set by ft_launcher for its ranks
@@ -50,7 +55,8 @@ def under_ft_launcher() -> bool:
 
 # ------------------------------------------------------------------ launcher side
 def launcher_config(run: "RunConfig") -> dict[str, Any]:
-    """ft_launcher's ``fault_tolerance`` section: sections only, heartbeats off."""
+    """ft_launcher's ``fault_tolerance`` section: sections only, heartbeats off. These are the
+    unobserved bounds; each rank replaces them with its learned ones once it connects."""
     ft = run.resiliency.ft
     return {
         "fault_tolerance": {
@@ -60,6 +66,7 @@ def launcher_config(run: "RunConfig") -> dict[str, Any]:
             "rank_section_timeouts": {
                 "setup": ft.setup_timeout_s,
                 "step": ft.step_timeout_s,
+                "eval": ft.eval_timeout_s,
                 "checkpointing": ft.checkpointing_timeout_s,
             },
             "rank_out_of_section_timeout": ft.out_of_section_timeout_s,
@@ -80,28 +87,26 @@ def write_launcher_config(run: "RunConfig", run_dir: Path) -> Path:
 
 
 # ------------------------------------------------------------------ learned timeouts
-def load_timeouts(run_dir: Path, floor_s: float) -> dict[str, Any] | None:
-    """RankMonitorClient state persisted by an earlier attempt, floored (None: nothing saved)."""
+def load_timeouts(run_dir: Path) -> dict[str, Any] | None:
+    """Observations persisted by an earlier attempt (None: nothing saved, or an old format)."""
     try:
         saved = json.loads((run_dir / TIMEOUTS_FILE).read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    state = saved.get("client_state", {})
-    section = state.get("current_timeouts", {}).get("section")
-    if section:
-        section.update(_floor_section(section, floor_s))
-    return state
+    return saved if isinstance(saved, dict) and "samples" in saved else None
 
 
-def _floor_section(section: dict[str, Any], floor_s: float) -> dict[str, Any]:
-    timeouts = dict(section["section"])
-    for name in section.get("calculated_sections", []):
-        if timeouts.get(name) is not None:
-            timeouts[name] = max(timeouts[name], floor_s)
-    oos = section.get("out_of_section")
-    if section.get("is_out_of_section_calculated") and oos is not None:
-        oos = max(oos, floor_s)
-    return {"section": timeouts, "out_of_section": oos}
+def newest_rank_bytes(run_dir: Path, world_size: int) -> tuple[int, bool]:
+    """(bytes per rank of the newest published checkpoint, whether there is one to restore)."""
+    layout = RunLayout.from_run_dir(run_dir)
+    steps = layout.published_steps()
+    if not steps:
+        return 0, False
+    try:
+        total = read_manifest(layout.step_dir(steps[-1])).total_bytes
+    except (OSError, ManifestError, ValueError):
+        return 0, True
+    return total // max(world_size, 1), True
 
 
 # ------------------------------------------------------------------ rank side
@@ -113,12 +118,14 @@ class FaultToleranceHook(TrainHook):
     ) -> None:
         self.cfg, self.env, self.run_dir, self.checkpoint = cfg, env, run_dir, checkpoint
         self.client: Any = None
-        self.open: list[str] = []
+        self.open: dict[str, float] = {}  # open section -> when it opened
         self.paused: list[str] = []  # sections closed while a checkpoint runs
-        self.steps_done = 0
+        self.idle_since: float | None = None  # out of every section since (None: not timed)
         self.step = 0
         self.stacks: StackWatchdog | None = None
         self.heartbeats_only = False
+        self.timeouts = SectionTimeouts(cfg)
+        self.sent: dict[str, float] = {}  # the timeouts the rank monitor has
 
     # -- lifecycle
     def configure(self, run: "RunConfig", dp: int) -> "RunConfig":
@@ -139,22 +146,26 @@ class FaultToleranceHook(TrainHook):
             )
             self.heartbeats_only = True
             return run
-        state = load_timeouts(self.run_dir, self.cfg.timeout_floor_s)
-        if state:
-            self.client.load_state_dict(state)  # learned by an earlier attempt
+        self.timeouts = SectionTimeouts(self.cfg, load_timeouts(self.run_dir))
+        self.timeouts.set_checkpoint_bytes(*newest_rank_bytes(self.run_dir, self.env.world_size))
+        self._send(persist=False)
         if self.cfg.stack_dumps:
             stacks = RunLayout.from_run_dir(self.run_dir).attempts_dir / STACKS_DIR
             path = stack_path(stacks, self.env.rank, os.getpid())
             self.stacks = StackWatchdog(path, self.env.rank)
-        if self.env.rank == 0:
-            log.info("ft: rank monitors connected; %s", self.client.section_timeouts)
         self._open("setup")
         return run
 
     def on_start(self, trainer: "Trainer") -> None:
         if self.stacks is not None and self.checkpoint is not None:
-            self.stacks.context["attempt"] = self.checkpoint.ownership.attempt
+            self.stacks.update(attempt=self.checkpoint.ownership.attempt)
         self.step = trainer.state.step
+        if self.heartbeats_only:
+            return
+        params = sum(p.numel() for chunk in trainer.parts.ddp for p in chunk.parameters())
+        restore_bytes = self.timeouts.rank_bytes
+        self.timeouts.set_checkpoint_bytes(max(restore_bytes, params * BYTES_PER_PARAM))
+        self._send(persist=False)
 
     def before_step(self, trainer: "Trainer") -> None:
         self.step = trainer.state.step + 1
@@ -162,16 +173,13 @@ class FaultToleranceHook(TrainHook):
             self.client.send_heartbeat()
             return
         if "setup" in self.open:
-            self._close("setup")
+            self._close("setup", restored=self._restored())
         self._open("step")
 
     def after_step(self, trainer: "Trainer", result: StepResult) -> None:
         if self.heartbeats_only:
             return
         self._close("step")
-        self.steps_done += 1
-        if self.cfg.learn_timeouts and self.steps_done == self.cfg.learn_after_steps:
-            self._learn(result.step)
 
     def on_end(self, trainer: "Trainer") -> None:
         if trainer.exit_code in exit_codes.DO_NOT_RETRY:
@@ -193,74 +201,76 @@ class FaultToleranceHook(TrainHook):
 
     # -- sections
     def _open(self, section: str) -> None:
+        now = time.time()
+        if not self.open and self.idle_since is not None:
+            self.timeouts.observe(OUT_OF_SECTION, now - self.idle_since)
         self.client.start_section(section)
-        self.open.append(section)
+        self.open[section] = now
         if self.stacks is not None:
-            timeout = self.client.section_timeouts.section.get(section)
-            self.stacks.arm(section, timeout, step=self.step)
+            self.stacks.arm(section, self.sent.get(section), step=self.step)
 
-    def _close(self, section: str) -> None:
+    def _close(self, section: str, observe: bool = True, restored: bool = False) -> None:
         if self.stacks is not None:
             self.stacks.disarm()
         self.client.end_section(section)
-        self.open.remove(section)
+        opened = self.open.pop(section)
+        now = time.time()
+        self.idle_since = now if not self.open else None
+        if observe:
+            self.timeouts.observe(section, now - opened, restored=restored)
+            self._send()
 
     def on_checkpoint_begin(self, trainer: "Trainer", what: str) -> None:
         # Saves happen inside other sections (after a step, before one for an async commit,
-        # in the preemption hook, at the end); checkpointing has its own, longer timeout.
+        # in the preemption hook, at the end); checkpointing has its own timeout.
         if self.heartbeats_only:
             return
         self.paused = list(self.open)
         for section in self.paused:
-            self._close(section)
+            self._close(section, observe=False)
+        self.idle_since = None  # a pause is not time out of section
         self._open("checkpointing")
 
     def on_checkpoint_end(self, trainer: "Trainer", what: str) -> None:
         if self.heartbeats_only:
             return
         self._close("checkpointing")
+        if self.paused:
+            self.idle_since = None
         for section in self.paused:
             self._open(section)
         self.paused = []
 
+    def _restored(self) -> bool:
+        checkpointer = self.checkpoint.checkpointer if self.checkpoint is not None else None
+        return checkpointer is not None and checkpointer.restored_step is not None
+
     # -- timeouts
-    def _learn(self, step: int) -> None:
-        client = self.client
-        if not client.calculate_and_set_section_timeouts(
-            selected_sections=["step"], calc_out_of_section=True, skip_if_not_ready=True
-        ):
+    def _send(self, persist: bool = True) -> None:
+        """Give the rank monitor the current timeouts when they moved; persist on rank 0."""
+        current = self.timeouts.all()
+        if self.sent and not moved(self.sent, current):
             return
-        current = dataclasses.asdict(client.section_timeouts)
-        current.update(_floor_section(current, self.cfg.timeout_floor_s))
-        client.load_state_dict({"current_timeouts": {"section": current}})
+        learned = {name for name in SECTIONS if self.timeouts.learned(name)}
+        section = {
+            "section": {name: current[name] for name in SECTIONS},
+            "out_of_section": current[OUT_OF_SECTION],
+            "calculated_sections": learned,
+            "is_out_of_section_calculated": self.timeouts.learned(OUT_OF_SECTION),
+        }
+        self.client.load_state_dict({"current_timeouts": {"section": section}})
+        changed = [k for k in current if self.sent.get(k) != current[k]]
+        self.sent = current
         if self.env.rank != 0:
             return
-        observed = client.timeouts_calc
         log.info(
-            "ft: learned timeouts at step %d: step %.1f s (slowest %.2f s x %.0f, floor "
-            "%.0f s), out-of-section %.1f s (slowest %.2f s)",
-            step,
-            client.section_timeouts.section["step"],
-            observed.section_to_max_time["step"],
-            self.cfg.timeout_multiplier,
-            self.cfg.timeout_floor_s,
-            client.section_timeouts.out_of_section,
-            observed.out_of_section_max_time,
+            "ft: timeouts at step %d: %s",
+            self.step,
+            "; ".join(f"{k} {current[k]:.1f} s ({self.timeouts.rule(k)})" for k in changed),
         )
-        atomic_write_json(
-            self.run_dir / TIMEOUTS_FILE,
-            {
-                "client_state": client.state_dict(),
-                "learned_at_step": step,
-                "time": time.time(),
-                "observed_max_s": {
-                    "step": observed.section_to_max_time["step"],
-                    "out_of_section": observed.out_of_section_max_time,
-                },
-                "multiplier": self.cfg.timeout_multiplier,
-                "floor_s": self.cfg.timeout_floor_s,
-            },
-        )
+        if persist:
+            state = {**self.timeouts.state(), "step": self.step, "time": time.time()}
+            atomic_write_json(self.run_dir / TIMEOUTS_FILE, state)
 
     def _request_shutdown(self, reason: str) -> None:
         # nvrx: loaded only where the feature runs
