@@ -8,7 +8,12 @@ first failing rank is the earliest non-victim, not the last timeout. The launche
 the result into ``attempts/attempt-NN.json`` once the attempt's processes are gone, so the retry
 decision (:mod:`launch.retry_policy`) reads the root cause.
 
-RTO of a failed attempt, from timestamps: detection (failure -> launcher notices), teardown
+A hang (a rank monitor fired, nobody raised) is attributed by :mod:`resiliency.monitor.attribution`
+from liveness heartbeats and stacks; the record keeps its reasoning under ``hang``, and says
+``"undetermined"`` where the evidence cannot tell.
+
+RTO of a failed attempt, from timestamps: detection (the failing rank's last progress -> the
+launcher notices; for a hang, its last heartbeat or section start), teardown
 (-> old group gone), restart (-> new trainer configured), init (-> restore starts), load
 (-> first step starts), first step.
 """
@@ -24,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from pretrain import exit_codes
+from resiliency.monitor.attribution import UNDETERMINED, attribute_hang, last_progress
 from resiliency.monitor.stacks import STACKS_DIR, read_stack_dump
 from resiliency.storage.layout import RunLayout, atomic_write_json
 
@@ -141,11 +147,23 @@ def rank_failures(layout: RunLayout, attempt: int) -> dict[int, dict[str, Any]]:
     return found
 
 
-def rank_stacks(layout: RunLayout, attempt: int) -> dict[int, dict[str, Any]]:
+def rank_stacks(
+    layout: RunLayout, attempt: int, window: tuple[float, float]
+) -> dict[int, dict[str, Any]]:
+    """rank -> its stack file of this attempt (heartbeat, and the dump if one was made).
+
+    A file armed before the attempt number was known (early setup) belongs to the attempt whose
+    window holds its arm time.
+    """
     found = {}
     for path in (layout.attempts_dir / STACKS_DIR).glob("rank-*.txt"):
         dump = read_stack_dump(path)
-        if dump and dump.get("dumped") and dump.get("attempt") == attempt:
+        if not dump:
+            continue
+        mine = dump.get("attempt") == attempt or (
+            "attempt" not in dump and window[0] <= dump.get("opened_at", 0.0) <= window[1]
+        )
+        if mine:
             found[int(dump["rank"])] = dump
     return found
 
@@ -238,8 +256,9 @@ def collect_evidence(
     by_rank = {
         rank: _from_exit(rank, event) for rank, event in rank_exits(record, events, window).items()
     }
-    for rank, dump in rank_stacks(layout, attempt).items():
-        by_rank[rank] = _from_stack(dump)
+    for rank, dump in rank_stacks(layout, attempt, window).items():
+        if dump.get("dumped"):
+            by_rank[rank] = _from_stack(dump)
     for rank, data in rank_failures(layout, attempt).items():
         by_rank[rank] = _from_failure_file(data)
     return sorted(by_rank.values(), key=lambda e: e["time"])
@@ -309,10 +328,45 @@ def summarize(
     if record.get("status") in ("finished", "preempted"):
         return summary  # a planned exit (rank 0 got through on_end): no root cause to find
     first = first_failure(evidence)
+    if _is_hang(evidence, monitor):
+        dumps = rank_stacks(layout, attempt, (start, end))
+        summary["hang"] = attribute_hang(dumps)
+        first = _hang_culprit(summary["hang"], dumps, evidence)
     summary.update(_failure_fields(record, first, evidence))
     if first is not None and following is not None:
         summary["rto"] = recovery_times(first["time"], end, events, following.get("startup", {}))
     return summary
+
+
+def _is_hang(evidence: list[dict[str, Any]], monitor: list[dict[str, Any]]) -> bool:
+    """A rank monitor fired, or stacks were dumped, and no rank failed on its own."""
+    raised = any(e["source"] == "rank" and not e["victim"] for e in evidence)
+    return not raised and (bool(monitor) or any(e["source"] == "stack" for e in evidence))
+
+
+def _hang_culprit(
+    hang: dict[str, Any], dumps: dict[int, dict[str, Any]], evidence: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The failure the attempt record names for a hang; marks the other ranks as victims."""
+    rank = hang["rank"]
+    for entry in evidence:
+        entry["victim"] = entry["rank"] != rank
+    section = dumps.get(rank, {}).get("section") if rank != UNDETERMINED else None
+    at = hang.get("last_progress_at") or last_progress(dumps)
+    return {
+        "rank": rank,
+        "time": at if at is not None else min((e["time"] for e in evidence), default=time.time()),
+        "source": "hang",
+        "failure_class": "infrastructure",
+        "exit_code": exit_codes.INFRASTRUCTURE,
+        "cause": (
+            f"hang in section {section} ({hang['rule']})"
+            if rank != UNDETERMINED
+            else "hang: the hung rank is undetermined"
+        ),
+        "victim": False,
+        "detail": hang["reason"],
+    }
 
 
 def _exit_codes(

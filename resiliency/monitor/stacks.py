@@ -7,7 +7,13 @@ of the section it is in; the main thread of a victim is inside ``torch.distribut
 culprit's is not. The dump is written by a C thread, so it works even while the main thread is
 stuck in C code, and before the rank monitor SIGKILLs the rank.
 
-File layout: a fixed-size JSON header (what was armed, when) followed by the dump, if any.
+A stopped rank (SIGSTOP, a frozen node) dumps nothing: every thread stops, the dump thread too.
+So each rank also keeps a liveness heartbeat: a thread stamps the file every ``BEAT_S`` with the
+time and the longest stall it saw between two beats. A stopped rank's beats end (or, if it is
+continued before it is killed, show one long stall) while its victims beat on until they are
+killed: that tells the stopped rank apart even where every stack looks alike.
+
+File layout: a fixed-size JSON header (what was armed, when), the heartbeat slot, then the dump.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from typing import Any, BinaryIO
 
 STACKS_DIR = "stacks"  # below <run_dir>/attempts
 HEADER_BYTES = 1024
+ARM_BYTES = 864  # the arm header; the heartbeat slot is the rest of HEADER_BYTES
+BEAT_S = 0.5
 DUMP_FRACTION = 0.9  # of the section timeout: dump before the monitor's SIGKILL
 COLLECTIVE_MARKERS = ("torch/distributed/", "torch\\distributed\\")
 _THREAD_RE = re.compile(r"^(?:Current thread|Thread) 0x([0-9a-f]+)", re.MULTILINE)
@@ -35,7 +43,7 @@ def stack_path(stacks_dir: Path, rank: int, pid: int) -> Path:
 
 class StackWatchdog:
     """Per-rank dump file, re-armed at every section start; a dump in a section that then
-    finished was a false alarm and is discarded at the next arm."""
+    finished was a false alarm and is discarded at the next arm. Also the liveness heartbeat."""
 
     def __init__(self, path: Path, rank: int) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -49,6 +57,32 @@ class StackWatchdog:
             "pid": os.getpid(),
             "main_thread": f"{threading.main_thread().ident:016x}",
         }
+        self.progress_at = time.time()  # the last section start or end: the rank's progress
+        self._stop = threading.Event()
+        self._write_beat(self.progress_at, 0.0, None)  # alive from the start, even if stopped now
+        self._beater = threading.Thread(target=self._beat, name="stack-heartbeat", daemon=True)
+        self._beater.start()
+
+    def _beat(self) -> None:
+        last, stall, stall_from = time.time(), 0.0, None
+        while not self._stop.wait(BEAT_S):
+            now = time.time()
+            if now - last - BEAT_S > stall:
+                stall, stall_from = now - last - BEAT_S, last
+            last = now
+            try:
+                self._write_beat(now, stall, stall_from)
+            except (OSError, ValueError):
+                return  # closed under us: the rank is exiting
+
+    def _write_beat(self, now: float, stall: float, stall_from: float | None) -> None:
+        beat = {
+            "beat_at": round(now, 3),
+            "stall_s": round(stall, 3),
+            "stall_from": stall_from and round(stall_from, 3),
+            "progress_at": round(self.progress_at, 3),
+        }
+        os.pwrite(self.fd, _slot(beat, HEADER_BYTES - ARM_BYTES), ARM_BYTES)
 
     def arm(self, section: str, timeout_s: float | None, **context: Any) -> None:
         self.disarm()
@@ -56,44 +90,65 @@ class StackWatchdog:
             os.ftruncate(self.fd, HEADER_BYTES)
             os.lseek(self.fd, HEADER_BYTES, os.SEEK_SET)
         self.context.update(context)
-        header = {
+        self.progress_at = time.time()
+        self.header = {
             **self.context,
             "section": section,
-            "opened_at": time.time(),
+            "opened_at": self.progress_at,
             "timeout_s": timeout_s,
         }
-        os.pwrite(
-            self.fd,
-            json.dumps(header).encode()[: HEADER_BYTES - 1].ljust(HEADER_BYTES - 1) + b"\n",
-            0,
-        )
+        os.pwrite(self.fd, _slot(self.header, ARM_BYTES), 0)
         if timeout_s:
             faulthandler.dump_traceback_later(
                 timeout_s * DUMP_FRACTION, repeat=False, file=self.file
             )
 
-    @staticmethod
-    def disarm() -> None:
+    def update(self, **context: Any) -> None:
+        """Add context (e.g. the attempt, known only after setup opened) to the armed header."""
+        self.context.update(context)
+        if getattr(self, "header", None) is not None:
+            self.header.update(context)
+            os.pwrite(self.fd, _slot(self.header, ARM_BYTES), 0)
+
+    def disarm(self) -> None:
         faulthandler.cancel_dump_traceback_later()
+        self.progress_at = time.time()
 
     def close(self) -> None:
         """Stop watching; keep the file only if it holds a dump."""
         self.disarm()
+        self._stop.set()
+        self._beater.join(timeout=2 * BEAT_S)
         dumped = os.lseek(self.fd, 0, os.SEEK_END) > HEADER_BYTES
         self.file.close()
         if not dumped:
             self.path.unlink(missing_ok=True)
 
 
+def _slot(record: dict[str, Any], size: int) -> bytes:
+    return json.dumps(record).encode()[: size - 1].ljust(size - 1) + b"\n"
+
+
+def _read_slot(raw: bytes) -> Any:
+    try:
+        return json.loads(raw.decode(errors="replace").strip() or "null")
+    except json.JSONDecodeError:
+        return None
+
+
 def read_stack_dump(path: Path) -> dict[str, Any] | None:
-    """Header plus, when a dump exists, its time and whether the main thread waited on peers."""
+    """Header and last heartbeat plus, when a dump exists, its time and whether the main thread
+    waited on peers."""
     try:
         raw = path.read_bytes()
-        header = json.loads(raw[:HEADER_BYTES].decode(errors="replace").strip() or "null")
-    except (OSError, json.JSONDecodeError):
+    except OSError:
         return None
+    header = _read_slot(raw[:ARM_BYTES])
     if not isinstance(header, dict):
         return None
+    beat = _read_slot(raw[ARM_BYTES:HEADER_BYTES])
+    if isinstance(beat, dict):
+        header = {**header, **beat}
     body = raw[HEADER_BYTES:].decode(errors="replace")
     if not body.strip():
         return {**header, "dumped": False}
