@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -147,6 +148,8 @@ def test_exact_resume_from_the_local_tier(
     _killed_run(tiny_overrides, tmp_path, "own")
     log = _ok(run_two_nodes(_overrides(tiny_overrides, tmp_path, "own")))
     assert f"newer than persistent step {PERSISTENT_STEP}" in log
+    assert f"local tier: step {LOCAL_STEP} from rank 0: own copy, " in log
+    assert "; rank 1: own copy, " in log
     assert _attempt(tmp_path, "own", 2)["restored_tier"] == "local"
     assert _attempt(tmp_path, "own", 2)["restored_step"] == LOCAL_STEP
     _assert_exact_from(tmp_path, "own", reference, LOCAL_STEP + 1)
@@ -156,10 +159,11 @@ def test_node_loss_restores_from_the_peer_replica(
     tmp_path: Path, tiny_overrides: list[str], reference: Path
 ) -> None:
     _killed_run(tiny_overrides, tmp_path, "lost")
-    import shutil
-
     shutil.rmtree(tmp_path / "local" / "node-001")  # node 1 and its disk are gone
-    _ok(run_two_nodes(_overrides(tiny_overrides, tmp_path, "lost")))
+    log = _ok(run_two_nodes(_overrides(tiny_overrides, tmp_path, "lost")))
+    # Each rank says which copy it loaded: rank 1's own node is gone, node 0 held its replica.
+    assert f"local tier: step {LOCAL_STEP} from rank 0: own copy, " in log
+    assert "; rank 1: replica held by rank 0 on node-000" in log
     assert _attempt(tmp_path, "lost", 2)["restored_step"] == LOCAL_STEP
     _assert_exact_from(tmp_path, "lost", reference, LOCAL_STEP + 1)
     listing = subprocess.run(

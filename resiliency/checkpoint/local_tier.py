@@ -132,6 +132,14 @@ class LocalTier:
     def restore(self, step: int) -> None:
         """Collective: load ``step`` (own files, missing shards from peers' replicas)."""
         self.manager.mark_restoring(step, self.checkpointer.attempt)
+        self.checkpointer.faults.at_checkpoint("restore", step)
+        source = self.copy_used(step)
+        sources = gather(source)
+        self._info(
+            "local tier: step %d from %s",
+            step,
+            "; ".join(f"rank {r}: {text}" for r, text in enumerate(sources)),
+        )
         started = time.perf_counter()
         tasd, _ = self.manager.load()
         sharded = sharded_training_state(
@@ -146,11 +154,28 @@ class LocalTier:
             loaded,
             loaded["train_state"],
             loaded["rank_state"],
-            f"local step {step} ({self.manager.rank_dir.parent})",
+            f"local step {step} ({source})",
             restored=(step, "local"),
         )
         self.manager.clear_restoring()
         self._info("local tier: restored step %d in %.2f s", step, time.perf_counter() - started)
+
+    def copy_used(self, step: int) -> str:
+        """Which copy of this rank's shard ``step`` loads: its own, or a peer's replica (and on
+        which node). From what ``choose`` gathered: every rank's verified local files."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        held = getattr(self.manager, "globally_available_ids", None) or []
+
+        def holds(holder: int) -> bool:
+            return any(i[0] == step and i[1] == rank for i in held[holder])
+
+        per_node = ranks_per_node(world)
+        if rank < len(held) and holds(rank):
+            return f"own copy, {self.manager.rank_dir}"
+        holders = [r for r in range(len(held)) if holds(r)]
+        if not holders:
+            return "no verified copy found"
+        return f"replica held by rank {holders[0]} on node-{holders[0] // per_node:03d}"
 
     def discard_after(self, step: int) -> None:
         """Drop local files newer than the step training continues from (every rank)."""
