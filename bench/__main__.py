@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import signal
 import statistics
@@ -303,21 +304,9 @@ def bench_restore(config: str, work: Path, data: str, reps: int) -> dict[str, An
 
 
 # ---------------------------------------------------------------- P4, P5
-def bench_hang(work: Path, data: str, reps: int) -> dict[str, Any]:
-    results = []
-    for rep in range(reps):
-        rep_dir = work / f"hang-{rep}"
-        args = argparse.Namespace(steps=10, floor=4.0, check_interval=0.5, hang_step=7)
-        proc = hang_detection.run_job(args, rep_dir, data)
-        record = rep_dir / "runs" / "hang" / "attempts" / "attempt-01.json"
-        if not record.exists():
-            raise RuntimeError(f"hang run left no attempt record:\n{proc.stderr[-4000:]}")
-        results.append(hang_detection.report(json.loads(record.read_text()), proc.returncode))
-    return {
-        "monitor_ratio": stats([r["monitor_ratio"] for r in results]),
-        "detection_ratio": stats([r["detection_ratio"] for r in results]),
-        "timeout_s": stats([r["timeout_s"] for r in results]),
-    }
+def bench_hang(work: Path, data: str, reps: int, stops: int) -> dict[str, Any]:
+    seed = random.SystemRandom().randrange(1 << 30)  # in the result: rerun the same stops
+    return hang_detection.bench(work, data, reps, stops, seed)
 
 
 def bench_overhead(config: str, work: Path, data: str, reps: int) -> dict[str, Any]:
@@ -362,6 +351,10 @@ def fmt(s: dict[str, float] | None, digits: int = 3) -> tuple[str, str, str]:
     if not s:
         return ("n/a", "", "")
     return (f"{s['median']:.{digits}f}", f"{s['min']:.{digits}f}", f"{s['max']:.{digits}f}")
+
+
+def _one(value: float | None) -> dict[str, float] | None:
+    return None if value is None else {"median": value, "min": value, "max": value}
 
 
 def table(results: dict[str, Any]) -> str:
@@ -424,16 +417,29 @@ def table(results: dict[str, Any]) -> str:
             f"{r['read_GiBps']['median']:.2f} GiB/s, {r['bytes'] / GIB:.3f} GiB; "
             + ", ".join(f"{k} {v:.1f}" for k, v in r.get("phases_s", {}).items()),
         )
-    if "hang" in results:
-        r = results["hang"]
+    hang = results.get("hang", {})
+    for name, r in hang.get("sections", {}).items():
         row(
-            "P4 hang detection ÷ step timeout",
+            f"P4 hang detection, {name}",
             "tiny",
-            r["detection_ratio"],
-            "report",
-            None,
-            note=f"timeout {r['timeout_s']['median']:.1f} s; rank monitor fired at "
-            f"{r['monitor_ratio']['median']:.3f}× the timeout",
+            _one(r["detection_s"]),
+            f"≤ {r['goal_s']:.1f} s",
+            r["goal_met"],
+            1,
+            note=f"section {r['section']}, timeout {r['timeout_s']:.1f} s; stopped rank "
+            f"named {r['named_right']} ({', '.join(r['rules'])})",
+        )
+    if "random" in hang:
+        r = hang["random"]
+        row(
+            "P4 random SIGSTOPs: stopped rank named",
+            "tiny",
+            _one(r["named_right"]),
+            f"{r['stops']}/{r['stops']}",
+            r["named_right"] == r["stops"],
+            0,
+            note=f"of {r['stops']} (undetermined {r['undetermined']}); sections "
+            + ", ".join(f"{k} {v}" for k, v in sorted(r["sections"].items())),
         )
     for config, r in results.get("overhead", {}).items():
         row(
@@ -479,7 +485,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="add the 1.5 GiB model and P4")
     parser.add_argument("--reps", type=int, default=5, help="repetitions per figure (>= 5)")
-    parser.add_argument("--hang-reps", type=int, default=5, help="P4 runs (~40 s each)")
+    parser.add_argument("--hang-reps", type=int, default=1, help="P4 runs per section (~40 s)")
+    parser.add_argument("--hang-stops", type=int, default=10, help="P4 random SIGSTOPs")
     parser.add_argument("--only", default="", help="comma-separated sections, e.g. P1,P5")
     parser.add_argument(
         "--configs",
@@ -533,7 +540,9 @@ def main(argv: list[str]) -> int:
                     f"P3 {config}", lambda c=config: bench_restore(c, work, data, args.reps)
                 )
         if "P4" in only:
-            results["hang"] = section("P4", lambda: bench_hang(work, data, args.hang_reps))
+            results["hang"] = section(
+                "P4", lambda: bench_hang(work, data, args.hang_reps, args.hang_stops)
+            )
         if "P5" in only:
             results.setdefault("overhead", {})["tiny"] = section(
                 "P5 tiny", lambda: bench_overhead("tiny", work, data, args.reps)

@@ -1,16 +1,21 @@
-"""How fast does ft_launcher notice a hung rank, relative to the configured timeout?
+"""P4: how fast a hung rank is caught in each section, and whether the record names it.
 
-Runs gpt_tiny on 2 CPU ranks under ``python -m launch local`` (launch.backend=ft_launcher) with
-rank 1 blocking forever in step ``--hang-step`` of the first launcher round, then reads the
-failed attempt's record and prints a JSON report:
+Runs gpt_tiny on 2 CPU ranks under ``python -m launch local`` (launch.backend=ft_launcher) and
+SIGSTOPs a random rank (the whole process freezes, as a stuck node does) in one section per
+scenario:
 
-* ``timeout_s``: the step-section timeout in force (learned from the first steps, floored);
-* ``monitor_open_s`` / ``monitor_ratio``: how long the section had been open when the rank
-  monitor fired, and that over the timeout (>= 1; the excess is the monitor's check interval);
-* ``detection_s`` / ``detection_ratio``: hang start -> the launcher saw the group fail;
-* the rest of the RTO breakdown (teardown, restart, init, load, first step) and the culprit.
+* ``step``: before a training step; ``sync save``: at the save point of step 8;
+* ``async commit``: the same point of an async save, reached in the commit before step 9;
+* ``restore``: round 0 is killed at step 6, round 1 stops while it restores step 4;
+* ``alive hang``: the rank blocks forever without stopping (stacks, not heartbeats, name it).
 
-    python bench/hang_detection.py [--floor 4] [--check-interval 0.5] [--keep DIR]
+Per scenario: the section timeout in force, detection (the hung rank's last progress -> the
+launcher saw the group fail), the goal max(3 x p99, floor) + 5 s from the section's persisted
+observations, and whether ``first_failing_rank`` is the rank that was stopped. ``random`` stops
+a random rank at a random moment from outside, ``--stops`` times in one run.
+
+    python -m bench.hang_detection [--reps 1] [--stops 10] [--keep DIR]
+    python -m bench P4 --full           # the same, in the benchmark table
 """
 
 from __future__ import annotations
@@ -18,104 +23,215 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import signal
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 from typing import Any
 
+import psutil
+
+from pretrain.prepare import dataset_prefix, stdlib_documents
+from pretrain.prepare import prepare_corpus as prepare
+from pretrain.tokenizer import build_tokenizer
+from resiliency.monitor.timeouts import p99
+
 REPO = Path(__file__).resolve().parents[1]
+FLOOR_S, CHECK_S = 4.0, 0.5
+# scenario -> (section the monitor must fire in, fault spec with {r} for the rank, overrides)
+SCENARIOS: dict[str, tuple[str, str, list[str]]] = {
+    "step": ("step", "stop@7:{r}/0", []),
+    "sync save": ("checkpointing", "stop_save@8:{r}/0", []),
+    "async commit": ("checkpointing", "stop_save@8:{r}/0", ["checkpoint.async_save=true"]),
+    "restore": ("setup", "kill@6:0/0;stop_restore@4:{r}/1", []),
+    "alive hang": ("step", "hang@7:{r}/0", []),
+}
 
 
 def prepare_corpus(workdir: Path) -> str:
     warnings.simplefilter("ignore")  # library import chatter; the report is the output
-    sys.path.insert(0, str(REPO))  # also run as a script (its own process, see run_job)
-    # project imports after the path is set: this file also runs as a script
-    from pretrain.prepare import dataset_prefix, stdlib_documents
-    from pretrain.prepare import prepare_corpus as prepare
-    from pretrain.tokenizer import build_tokenizer
-
     prefix = str(workdir / "corpus" / "stdlib")
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     prepare(stdlib_documents(1 << 20), prefix, build_tokenizer("byte"))
     return dataset_prefix(prefix)
 
 
-def run_job(args: argparse.Namespace, workdir: Path, data: str) -> subprocess.CompletedProcess:
+def job_command(workdir: Path, data: str, steps: int, extra: list[str], restarts: int) -> list:
     overrides = [
         "recipe=gpt_tiny",
         f"data.paths=[{data}]",
         f"output_dir={workdir / 'runs'}",
         "run_id=hang",
-        f"train.train_steps={args.steps}",
+        f"train.train_steps={steps}",
         "train.micro_batch_size=2",
         "train.global_batch_size=8",
         "checkpoint.save_interval=4",
         "launch.backend=ft_launcher",
         "resiliency.ft.learn_after_steps=3",
-        f"resiliency.ft.timeout_floor_s={args.floor}",
-        f"resiliency.ft.check_interval_s={args.check_interval}",
-        f"train.fault=hang@{args.hang_step}:1/0",
+        f"resiliency.ft.timeout_floor_s={FLOOR_S}",
+        f"resiliency.ft.check_interval_s={CHECK_S}",
+        *extra,
     ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "launch", "local", "--nproc=2", *overrides],
-        cwd=REPO,
-        env=env,
-        text=True,
-        capture_output=True,
-        timeout=600,
-    )
+    launch = [sys.executable, "-m", "launch", "local", "--nproc=2"]
+    return [*launch, f"--max-restarts={restarts}", *overrides]
 
 
-def report(record: dict[str, Any], returncode: int) -> dict[str, Any]:
-    culprit = record.get("first_failing_rank")
-    monitor = [m for m in record.get("monitor_timeouts", []) if m["rank"] == culprit] or record.get(
-        "monitor_timeouts", []
-    )
-    rto = record.get("rto", {})
-    out: dict[str, Any] = {
-        "launcher_exit": returncode,
-        "culprit_rank": culprit,
-        "cause": record.get("failure_cause"),
+def job_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+def judge(record: dict[str, Any], section: str, rank: int, run_dir: Path) -> dict[str, Any]:
+    """One hung attempt: timeout, detection, goal, and whether the right rank was named."""
+    saved = json.loads((run_dir / "ft_timeouts.json").read_text())["samples"][section]
+    goal = max(3 * p99(saved), FLOOR_S) + 5
+    monitor = [m for m in record.get("monitor_timeouts", []) if m["section"] == section]
+    detection = (record.get("rto") or {}).get("detection_s")
+    return {
+        "section": section,
+        "stopped_rank": rank,
+        "named_rank": record.get("first_failing_rank"),
+        "named_right": record.get("first_failing_rank") == rank,
+        "rule": (record.get("hang") or {}).get("rule"),
+        "timeout_s": min((m["timeout_s"] for m in monitor), default=None),
+        "detection_s": detection,
+        "goal_s": round(goal, 3),
+        "goal_met": detection is not None and detection <= goal,
     }
-    if monitor:
-        timeout = monitor[0]["timeout_s"]
-        out.update(
-            timeout_s=timeout,
-            monitor_open_s=monitor[0]["open_s"],
-            monitor_ratio=round(monitor[0]["open_s"] / timeout, 3),
-        )
-        if rto.get("detection_s") is not None:
-            out["detection_ratio"] = round(rto["detection_s"] / timeout, 3)
-    out["rto"] = {k: v for k, v in rto.items() if k.endswith("_s")}
-    out["lost_steps"] = record.get("lost_steps")
+
+
+def run_scenario(name: str, workdir: Path, data: str, rng: random.Random) -> dict[str, Any]:
+    section, faults, extra = SCENARIOS[name]
+    rank = rng.randrange(2)
+    spec = faults.format(r=rank)
+    cmd = job_command(workdir, data, 12, [*extra, f'train.fault="{spec}"'], restarts=2)
+    proc = subprocess.run(cmd, cwd=REPO, env=job_env(), text=True, capture_output=True, timeout=600)
+    run_dir = workdir / "runs" / "hang"
+    records = _records(run_dir)
+    hung = [r for r in records if r.get("monitor_timeouts")]
+    if proc.returncode != 0 or not hung:
+        raise RuntimeError(f"{name}: launcher exit {proc.returncode}\n{proc.stderr[-4000:]}")
+    return judge(hung[0], section, rank, run_dir)
+
+
+def _records(run_dir: Path) -> list[dict[str, Any]]:
+    paths = sorted((run_dir / "attempts").glob("attempt-[0-9][0-9].json"))
+    return [json.loads(p.read_text()) for p in paths]
+
+
+# ---------------------------------------------------------------- stops from outside
+def workers(root: Path, restart: int) -> dict[int, psutil.Process]:
+    """rank -> worker process of launcher round ``restart`` (from the workers' environment)."""
+    found = {}
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if "pretrain" not in cmdline or not any(str(root) in part for part in cmdline):
+            continue
+        try:
+            environ = proc.environ()
+        except psutil.Error:
+            continue
+        if environ.get("TORCHELASTIC_RESTART_COUNT") == str(restart) and "RANK" in environ:
+            found[int(environ["RANK"])] = proc
+    return found
+
+
+def stop_a_random_rank(
+    root: Path, restart: int, steps: Path, rng: random.Random, nproc: int = 2
+) -> int:
+    """Once round ``restart`` trains, wait a random moment and SIGSTOP a random rank."""
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        found = workers(root, restart)
+        if len(found) == nproc and steps.exists():
+            before = len(steps.read_text().splitlines())
+            time.sleep(1.0)
+            if len(steps.read_text().splitlines()) > before:  # this round is training
+                break
+        time.sleep(0.2)
+    else:
+        raise RuntimeError(f"round {restart} never started training")
+    time.sleep(rng.uniform(0.0, 1.5))  # a step, a save or a commit: wherever it lands
+    rank = rng.randrange(nproc)
+    found[rank].send_signal(signal.SIGSTOP)
+    return rank
+
+
+def run_random(workdir: Path, data: str, stops: int, rng: random.Random) -> dict[str, Any]:
+    extra = ["checkpoint.async_save=true", "checkpoint.save_interval=3"]
+    cmd = job_command(workdir, data, 20 + 12 * stops, extra, restarts=stops)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=job_env(), text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    run_dir = workdir / "runs" / "hang"
+    try:
+        stopped = [
+            stop_a_random_rank(workdir, r, run_dir / "metrics" / "steps.jsonl", rng)
+            for r in range(stops)
+        ]
+        _, stderr = proc.communicate(timeout=60 * stops + 300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    if proc.returncode != 0:
+        raise RuntimeError(f"random stops: launcher exit {proc.returncode}\n{stderr[-4000:]}")
+    records = _records(run_dir)[:stops]
+    sections = [(r.get("monitor_timeouts") or [{}])[0].get("section") for r in records]
+    return {
+        "named_right": sum(r.get("first_failing_rank") == s for r, s in zip(records, stopped)),
+        "stops": stops,
+        "sections": {s: sections.count(s) for s in set(sections)},
+        "detection_s": [(r.get("rto") or {}).get("detection_s") for r in records],
+        "undetermined": sum(r.get("first_failing_rank") == "undetermined" for r in records),
+    }
+
+
+def summarize(per_scenario: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    out = {}
+    for name, runs in per_scenario.items():
+        detections = [r["detection_s"] for r in runs if r["detection_s"] is not None]
+        out[name] = {
+            "section": runs[0]["section"],
+            "timeout_s": statistics.median(r["timeout_s"] for r in runs if r["timeout_s"]),
+            "detection_s": statistics.median(detections) if detections else None,
+            "goal_s": max(r["goal_s"] for r in runs),
+            "goal_met": all(r["goal_met"] for r in runs),
+            "named_right": f"{sum(r['named_right'] for r in runs)}/{len(runs)}",
+            "rules": sorted({str(r["rule"]) for r in runs}),
+        }
     return out
+
+
+def bench(workdir: Path, data: str, reps: int, stops: int, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    per_scenario: dict[str, list[dict[str, Any]]] = {name: [] for name in SCENARIOS}
+    for rep in range(reps):
+        for index, name in enumerate(SCENARIOS):
+            rep_dir = workdir / f"hang-{rep}-{index}"
+            per_scenario[name].append(run_scenario(name, rep_dir, data, rng))
+    result: dict[str, Any] = {"seed": seed, "sections": summarize(per_scenario)}
+    if stops:
+        result["random"] = run_random(workdir / "hang-random", data, stops, rng)
+    return result
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--floor", type=float, default=4.0, help="resiliency.ft.timeout_floor_s")
-    parser.add_argument(
-        "--check-interval",
-        type=float,
-        default=0.5,
-        help="resiliency.ft.check_interval_s (rank monitor and launcher)",
-    )
-    parser.add_argument("--hang-step", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=1, help="runs per scenario")
+    parser.add_argument("--stops", type=int, default=10, help="random stops from outside")
+    parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--keep", type=Path, default=None, help="work dir to keep (default: temp)")
     args = parser.parse_args(argv)
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
     with tempfile.TemporaryDirectory() as tmp:
         workdir = args.keep or Path(tmp)
-        proc = run_job(args, workdir, prepare_corpus(workdir))
-        path = workdir / "runs" / "hang" / "attempts" / "attempt-01.json"
-        if not path.exists():
-            sys.stderr.write(proc.stderr[-4000:])
-            return 1
-        print(json.dumps(report(json.loads(path.read_text()), proc.returncode), indent=2))
-    return 0 if proc.returncode == 0 else 1
+        result = bench(workdir, prepare_corpus(workdir), args.reps, args.stops, seed)
+    print(json.dumps(result, indent=2))
+    return 0
 
 
 if __name__ == "__main__":

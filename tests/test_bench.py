@@ -39,7 +39,26 @@ def test_table_has_one_well_formed_row_per_figure():
     results = {
         "save": {"tiny": save},
         "restore": {"tiny": restore},
-        "hang": {"detection_ratio": _s(1.2), "monitor_ratio": _s(1.1), "timeout_s": _s(10)},
+        "hang": {
+            "sections": {
+                name: {
+                    "section": section,
+                    "timeout_s": 4.0,
+                    "detection_s": 5.1,
+                    "goal_s": 9.0,
+                    "goal_met": True,
+                    "named_right": "1/1",
+                    "rules": ["heartbeat"],
+                }
+                for name, section in (("step", "step"), ("restore", "setup"))
+            },
+            "random": {
+                "named_right": 10,
+                "stops": 10,
+                "undetermined": 0,
+                "sections": {"step": 7, "checkpointing": 3},
+            },
+        },
         "overhead": {
             "tiny": {
                 "P5": _s(1.0),
@@ -53,11 +72,12 @@ def test_table_has_one_well_formed_row_per_figure():
         },
     }
     lines = table(results).strip().splitlines()
-    assert len(lines) == 2 + 6
+    assert len(lines) == 2 + 8
     assert all(
         line.startswith("|") and line.endswith("|") and len(line.split("|")) == 10 for line in lines
     )
-    assert [line.split(" | ")[0][2:4] for line in lines[2:]] == ["P1", "P2", "P2", "P3", "P4", "P5"]
+    figures = [line.split(" | ")[0][2:4] for line in lines[2:]]
+    assert figures == ["P1", "P2", "P2", "P3", "P4", "P4", "P4", "P5"]
 
 
 def test_bench_command_parses_its_options():
