@@ -357,6 +357,33 @@ def _one(value: float | None) -> dict[str, float] | None:
     return None if value is None else {"median": value, "min": value, "max": value}
 
 
+def _hang_rows(hang: dict[str, Any], row: Callable[..., None]) -> None:
+    """P4: one row per section, then the attribution rate of random stops."""
+    for name, r in hang.get("sections", {}).items():
+        row(
+            f"P4 hang detection, {name}",
+            "tiny",
+            _one(r["detection_s"]),
+            f"≤ {r['goal_s']:.1f} s",
+            r["goal_met"],
+            1,
+            note=f"section {r['section']}, timeout {r['timeout_s']:.1f} s; stopped rank "
+            f"named {r['named_right']} ({', '.join(r['rules'])})",
+        )
+    if "random" in hang:
+        r = hang["random"]
+        row(
+            "P4 random SIGSTOPs: stopped rank named",
+            "tiny",
+            _one(r["named_right"]),
+            f"{r['stops']}/{r['stops']}",
+            r["named_right"] == r["stops"],
+            0,
+            note=f"of {r['stops']} (undetermined {r['undetermined']}); sections "
+            + ", ".join(f"{k} {v}" for k, v in sorted(r["sections"].items())),
+        )
+
+
 def table(results: dict[str, Any]) -> str:
     rows = []
 
@@ -417,30 +444,7 @@ def table(results: dict[str, Any]) -> str:
             f"{r['read_GiBps']['median']:.2f} GiB/s, {r['bytes'] / GIB:.3f} GiB; "
             + ", ".join(f"{k} {v:.1f}" for k, v in r.get("phases_s", {}).items()),
         )
-    hang = results.get("hang", {})
-    for name, r in hang.get("sections", {}).items():
-        row(
-            f"P4 hang detection, {name}",
-            "tiny",
-            _one(r["detection_s"]),
-            f"≤ {r['goal_s']:.1f} s",
-            r["goal_met"],
-            1,
-            note=f"section {r['section']}, timeout {r['timeout_s']:.1f} s; stopped rank "
-            f"named {r['named_right']} ({', '.join(r['rules'])})",
-        )
-    if "random" in hang:
-        r = hang["random"]
-        row(
-            "P4 random SIGSTOPs: stopped rank named",
-            "tiny",
-            _one(r["named_right"]),
-            f"{r['stops']}/{r['stops']}",
-            r["named_right"] == r["stops"],
-            0,
-            note=f"of {r['stops']} (undetermined {r['undetermined']}); sections "
-            + ", ".join(f"{k} {v}" for k, v in sorted(r["sections"].items())),
-        )
+    _hang_rows(results.get("hang", {}), row)
     for config, r in results.get("overhead", {}).items():
         row(
             "P5 framework step ÷ bare megatron-core step",
@@ -553,10 +557,10 @@ def main(argv: list[str]) -> int:
         else:
             print(f"[bench] work dir kept: {work}", file=sys.stderr)
     results["wall_s"] = time.perf_counter() - began
+    if args.json:  # before the table: a figure the table cannot show must not be lost
+        args.json.write_text(json.dumps(results, indent=1))
     text = table(results)
     print(text, end="")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
     if args.md:
         args.md.write_text(text)
     return 0

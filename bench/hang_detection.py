@@ -164,35 +164,49 @@ def stop_a_random_rank(
 def run_random(workdir: Path, data: str, stops: int, rng: random.Random) -> dict[str, Any]:
     extra = ["checkpoint.async_save=true", "checkpoint.save_interval=3"]
     cmd = job_command(workdir, data, 20 + 12 * stops, extra, restarts=stops)
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=job_env(), text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
     run_dir = workdir / "runs" / "hang"
-    try:
-        stopped = [
-            stop_a_random_rank(workdir, r, run_dir / "metrics" / "steps.jsonl", rng)
-            for r in range(stops)
-        ]
-        _, stderr = proc.communicate(timeout=60 * stops + 300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    log = workdir / "launcher.log"  # a file, not a pipe: an unread pipe stalls the launcher
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as sink:
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=job_env(), text=True, stdout=subprocess.DEVNULL, stderr=sink
+        )
+        try:
+            stopped = [
+                stop_a_random_rank(workdir, r, run_dir / "metrics" / "steps.jsonl", rng)
+                for r in range(stops)
+            ]
+            proc.wait(timeout=60 * stops + 300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
     if proc.returncode != 0:
-        raise RuntimeError(f"random stops: launcher exit {proc.returncode}\n{stderr[-4000:]}")
+        raise RuntimeError(
+            f"random stops: launcher exit {proc.returncode}\n{log.read_text()[-4000:]}"
+        )
     records = _records(run_dir)[:stops]
-    sections = [(r.get("monitor_timeouts") or [{}])[0].get("section") for r in records]
+    # The section whose timeout fired; "none" where the group failed before any did (a peer
+    # that lost the stopped rank exited first).
+    sections = [str((r.get("monitor_timeouts") or [{}])[0].get("section", "none")) for r in records]
     return {
         "named_right": sum(r.get("first_failing_rank") == s for r, s in zip(records, stopped)),
         "stops": stops,
         "sections": {s: sections.count(s) for s in set(sections)},
         "detection_s": [(r.get("rto") or {}).get("detection_s") for r in records],
         "undetermined": sum(r.get("first_failing_rank") == "undetermined" for r in records),
+        "misnamed": [
+            {"stopped": s, **{k: r.get(k) for k in ("attempt", "first_failing_rank", "hang")}}
+            for r, s in zip(records, stopped)
+            if r.get("first_failing_rank") != s
+        ],
     }
 
 
 def summarize(per_scenario: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     out = {}
     for name, runs in per_scenario.items():
+        if not runs:
+            continue
         detections = [r["detection_s"] for r in runs if r["detection_s"] is not None]
         out[name] = {
             "section": runs[0]["section"],

@@ -273,25 +273,27 @@ def test_random_stops_from_outside_name_the_stopped_rank(
         "checkpoint.async_save=true",
         "checkpoint.save_interval=3",
     ]
-    proc = subprocess.Popen(
-        launch_cmd(overrides, max_restarts=stops),
-        cwd=REPO,
-        env=env(),
-        text=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    log = tmp_path / "launcher.log"  # a file, not a pipe: an unread pipe stalls the launcher
     run_dir = tmp_path / "random"
-    try:
-        stopped = [
-            stop_a_random_rank(tmp_path, r, run_dir / "metrics" / "steps.jsonl", rng)
-            for r in range(stops)
-        ]
-        _, stderr = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, stderr[-6000:]
+    with log.open("w") as sink:
+        proc = subprocess.Popen(
+            launch_cmd(overrides, max_restarts=stops),
+            cwd=REPO,
+            env=env(),
+            text=True,
+            stdout=subprocess.DEVNULL,
+            stderr=sink,
+        )
+        try:
+            stopped = [
+                stop_a_random_rank(tmp_path, r, run_dir / "metrics" / "steps.jsonl", rng)
+                for r in range(stops)
+            ]
+            proc.wait(timeout=400)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 0, log.read_text()[-6000:]
     records = attempts(run_dir)
     assert [r["status"] for r in records] == ["failed"] * stops + ["finished"]
     named = [r["first_failing_rank"] for r in records[:stops]]

@@ -60,6 +60,24 @@ _MONITOR = re.compile(
 )
 
 
+# torchelastic and nvrx 0.4: "[2026-12-01 18:33:48,003] [WARNING] ..."; nvrx 0.7:
+# "2026-12-01 18:38:19,835 [WARNING] ..." (local time of the launcher's host: this host).
+_STAMP = re.compile(r"^\[?(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})\]? ")
+
+
+def _stamp(line: str) -> float | None:
+    match = _STAMP.match(line)
+    if match is None:
+        return None
+    try:
+        return (
+            time.mktime(time.strptime(match.group(1), "%Y-%m-%d %H:%M:%S"))
+            + int(match.group(2)) / 1e3
+        )
+    except ValueError:
+        return None
+
+
 def failure_path(layout: RunLayout, attempt: int, rank: int) -> Path:
     return layout.attempts_dir / FAILURES_DIR / f"attempt-{attempt:02d}.rank-{rank}.failure.json"
 
@@ -76,6 +94,9 @@ class LauncherEvents:
     launches: list[list[float]] = field(default_factory=list)  # [start, end] per launcher run
 
     def feed(self, line: str, now: float) -> None:
+        # The launcher's own stamp where the line has one: a reader that falls behind (a full
+        # pipe downstream) must not move the events in time.
+        now = _stamp(line) or now
         if _JOIN.search(line):
             self.joins.append(now)
         elif _DETECT.search(line):
