@@ -15,6 +15,9 @@ from recipes.checks import one_of, positive, require
 from recipes.launch_schema import K8sConfig as K8sConfig
 from recipes.launch_schema import LaunchConfig
 from recipes.launch_schema import SlurmConfig as SlurmConfig
+from recipes.logging_schema import LoggingConfig
+from recipes.logging_schema import WandbConfig as WandbConfig
+from recipes.perf_schema import PerfConfig
 
 
 @dataclass(kw_only=True)
@@ -244,6 +247,11 @@ class DataConfig:
             f"data.split={self.split!r} must be three comma-separated weights (train,valid,test)",
         )
 
+    @property
+    def split_weights(self) -> tuple[float, float, float]:
+        train, valid, test = (float(p) for p in self.split.split(","))
+        return train, valid, test
+
 
 @dataclass(kw_only=True)
 class TrainConfig:
@@ -253,6 +261,13 @@ class TrainConfig:
     seed: int = 1234
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16
+    # Validation on the held-out split every eval_interval steps (None: never) and once at the
+    # end, eval_iters global batches each time; the test split too at the end if data.split
+    # gives it any weight.
+    eval_interval: Optional[int] = None
+    eval_iters: int = 10
+    # Dense peak TFLOP/s per device for MFU; None: looked up for A100/H100/H200, n/a elsewhere.
+    peak_tflops: Optional[float] = None
     # A test-only fault hook ("<kind>@<step>[:rank]"); empty in every shipped recipe.
     fault: str = ""
 
@@ -262,6 +277,9 @@ class TrainConfig:
             train_steps=self.train_steps,
             micro_batch_size=self.micro_batch_size,
             global_batch_size=self.global_batch_size,
+            eval_interval=self.eval_interval,
+            eval_iters=self.eval_iters,
+            peak_tflops=self.peak_tflops,
         )
         require(
             self.global_batch_size % self.micro_batch_size == 0,
@@ -465,16 +483,6 @@ class ResiliencyConfig:
 
 
 @dataclass(kw_only=True)
-class LoggingConfig:
-    level: str = "INFO"
-    log_interval: int = 1
-
-    def __post_init__(self) -> None:
-        one_of("logging", "level", self.level, ("DEBUG", "INFO", "WARNING", "ERROR"))
-        positive("logging", log_interval=self.log_interval)
-
-
-@dataclass(kw_only=True)
 class RunConfig:
     # None: each launch starts a new run, named by recipes.validate.resolve_run_id; continuing a
     # run needs its run_id (README "Resume").
@@ -489,6 +497,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resiliency: ResiliencyConfig = field(default_factory=ResiliencyConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    perf: PerfConfig = field(default_factory=PerfConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     def __post_init__(self) -> None:
@@ -526,6 +535,16 @@ class RunConfig:
                 model.num_experts % par.ep == 0,
                 f"parallel.ep={par.ep} must divide model.num_experts={model.num_experts}",
             )
+        require(
+            self.train.eval_interval is None or self.data.split_weights[1] > 0,
+            f"train.eval_interval={self.train.eval_interval} needs a validation split, but "
+            f"data.split={self.data.split!r} gives it no weight; e.g. data.split=98,2,0",
+        )
+        require(
+            not self.perf.overlap_param_gather or self.optimizer.use_distributed_optimizer,
+            "perf.overlap_param_gather=true needs optimizer.use_distributed_optimizer=true "
+            "(it overlaps the distributed optimizer's parameter all-gather)",
+        )
         if model.is_moe and par.tp > 1:
             require(
                 par.sequence_parallel,

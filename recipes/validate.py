@@ -25,6 +25,11 @@ def validate_runtime(run: RunConfig, world_size: int, device: str) -> int:
             f"parallel.cp={par.cp} needs CUDA: context parallelism in megatron-core is implemented "
             "only by Transformer Engine's TEDotProductAttention. Use parallel.cp=1 on CPU."
         )
+    if run.perf.needs_cuda and device != "cuda":
+        raise ConfigError(
+            f"{', '.join(run.perf.needs_cuda)} needs Transformer Engine on a CUDA GPU; on "
+            "CPU leave perf.fp8=null and perf.tp_comm_overlap=false"
+        )
     if train.precision == "bf16" and device != "cuda":
         raise ConfigError("train.precision=bf16 is supported on CUDA only; use fp32 or auto on CPU")
     dp = par.data_parallel_size(world_size)

@@ -20,8 +20,8 @@ MUST_MATCH = {
     "model.moe_router_topk", "model.name", "model.normalization", "model.num_attention_heads",
     "model.num_experts", "model.num_layers", "model.num_query_groups",
     "model.position_embedding_type", "model.rotary_base", "model.seq_length",
-    "model.share_embeddings_and_output_weights", "optimizer.name", "train.precision",
-    "train.seed",
+    "model.share_embeddings_and_output_weights", "optimizer.name", "perf.fp8", "perf.fp8_recipe",
+    "train.precision", "train.seed",
 }  # fmt: skip
 
 

@@ -54,6 +54,15 @@ RULES: tuple[tuple[str, KeyClass], ...] = (
     ("data.cache_dir", "free"),
     ("train.fault", "free"),
     ("train.device", "free"),
+    # Validation and reporting move no training state (tests/test_training.py).
+    ("train.eval_interval", "free"),
+    ("train.eval_iters", "free"),
+    ("train.peak_tflops", "free"),
+    # FP8 changes the numerics like train.precision does; the other knobs trade memory or
+    # overlap for time and train the same losses (tests/test_perf_knobs.py).
+    ("perf.fp8", "must_match"),
+    ("perf.fp8_recipe", "must_match"),
+    ("perf.", "free"),
     ("run_id", "free"),
     ("output_dir", "free"),
     ("checkpoint.", "free"),
