@@ -7,6 +7,7 @@ scenario:
 * ``step``: before a training step; ``sync save``: at the save point of step 8;
 * ``async commit``: the same point of an async save, reached in the commit before step 9;
 * ``restore``: round 0 is killed at step 6, round 1 stops while it restores step 4;
+* ``eval``: in the validation after step 6 (validations at 2 and 4 taught its timeout);
 * ``alive hang``: the rank blocks forever without stopping (stacks, not heartbeats, name it).
 
 Per scenario: the section timeout in force, detection (the hung rank's last progress -> the
@@ -49,6 +50,7 @@ SCENARIOS: dict[str, tuple[str, str, list[str]]] = {
     "sync save": ("checkpointing", "stop_save@8:{r}/0", []),
     "async commit": ("checkpointing", "stop_save@8:{r}/0", ["checkpoint.async_save=true"]),
     "restore": ("setup", "kill@6:0/0;stop_restore@4:{r}/1", []),
+    "eval": ("eval", "stop_eval@6:{r}/0", ["train.eval_interval=2", "train.eval_iters=2"]),
     "alive hang": ("step", "hang@7:{r}/0", []),
 }
 

@@ -50,9 +50,11 @@ def _setup(overrides: list[str], with_hooks: bool) -> tuple[Any, Any, list[Any]]
     run_dir.mkdir(parents=True, exist_ok=True)
     hooks: list[Any] = []
     if with_hooks:
+        from pretrain.reporting import reporting_hooks
         from resiliency.hooks import build_hooks
 
-        hooks = build_hooks(run, env, run_dir)
+        # Every hook a run has by default, TensorBoard included (as pretrain/session.py).
+        hooks = build_hooks(run, env, run_dir) + reporting_hooks(run, env.rank, run_dir)
         for hook in hooks:
             run = hook.configure(run, dp)
     trainer = Trainer(run, env, dp, run_dir, hooks)

@@ -39,10 +39,11 @@ class BatchPlan:
         return range(start, start + self.micro_batch_size)
 
 
-def build_train_dataset(
-    cfg: DataConfig, tokenizer: Any, seq_length: int, num_samples: int, cache_dir: Path
-) -> Any:
-    """Build the train split on every rank (rank 0 first, so it writes the index cache)."""
+def build_datasets(
+    cfg: DataConfig, tokenizer: Any, seq_length: int, sizes: list[int], cache_dir: Path
+) -> tuple[Any, Any, Any]:
+    """Train, valid and test splits of ``sizes`` samples (a split of size 0: None), built on
+    every rank (rank 0 first, so it writes the index cache)."""
     # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
@@ -69,15 +70,16 @@ def build_train_dataset(
         mmap_bin_files=True,
     )
     dataset_cls = MockGPTDataset if cfg.kind == "mock" else GPTDataset
-    train, _, _ = BlendedMegatronDatasetBuilder(
-        dataset_cls, [num_samples, 0, 0], lambda: True, dataset_config
-    ).build()
-    if train is None or len(train) < num_samples:
-        raise ValueError(
-            f"the train split has {0 if train is None else len(train)} samples but "
-            f"{num_samples} are needed; add data or lower train.train_steps"
-        )
-    return train
+    built = BlendedMegatronDatasetBuilder(dataset_cls, sizes, lambda: True, dataset_config).build()
+    for name, want, split in zip(("train", "valid", "test"), sizes, built):
+        if want and (split is None or len(split) < want):
+            raise ValueError(
+                f"the {name} split has {0 if split is None else len(split)} samples but "
+                f"{want} are needed; add data, change data.split, or lower "
+                + ("train.train_steps" if name == "train" else "train.eval_iters")
+            )
+    train, valid, test = built
+    return train, valid if sizes[1] else None, test if sizes[2] else None
 
 
 def _check_prefixes(prefixes: list[str]) -> None:

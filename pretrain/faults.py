@@ -4,12 +4,12 @@ Kinds: kill (SIGKILL self before the step), hang (block forever), raise (determi
 exception), nan (poison gradients after backward), kill_save (SIGKILL once this step's shards
 are written, before the commit), kill_publish (SIGKILL after COMMITTED is written, before the
 rename), kill_writer (SIGKILL this rank's checkpoint writer process once this step's async
-save is handed to it), stop / stop_save / stop_restore (SIGSTOP this rank: before the step, at
-the save point, at the start of restoring this step; the process freezes as a stuck node does,
-every thread with it), slow (from this step on, this rank's step burns ``factor`` times its
-CPU time: "slow@<step>:<rank>:<factor>", a straggler). A "/<round>" suffix limits an entry to
-one launcher round (TORCHELASTIC_RESTART_COUNT), so a fault can hit once and the restarted
-group run clean.
+save is handed to it), stop / stop_save / stop_restore / stop_eval (SIGSTOP this rank: before
+the step, at the save point, at the start of restoring this step, in the validation after it;
+the process freezes as a stuck node does, every thread with it), slow (from this step on,
+this rank's step burns ``factor`` times its CPU time: "slow@<step>:<rank>:<factor>", a
+straggler). A "/<round>" suffix limits an entry to one launcher round
+(TORCHELASTIC_RESTART_COUNT), so a fault can hit once and the restarted group run clean.
 Empty in every shipped recipe.
 """
 
@@ -35,6 +35,7 @@ KINDS = (
     "stop",
     "stop_save",
     "stop_restore",
+    "stop_eval",
 )
 ROUND_ENV = "TORCHELASTIC_RESTART_COUNT"
 
@@ -88,8 +89,9 @@ class FaultInjector:
             raise InjectedFault(f"injected failure before step {step}")
 
     def at_checkpoint(self, phase: str, step: int, pid: int | None = None) -> None:
-        """Called by the checkpointer at its ``save`` / ``publish`` / ``writer`` / ``restore``
-        points; kills ``pid`` (the writer process) or this rank, or stops this rank."""
+        """Called at the checkpointer's ``save`` / ``publish`` / ``writer`` / ``restore`` points
+        and in a validation (``eval``); kills ``pid`` (the writer process) or this rank, or stops
+        this rank."""
         for fault in self._due(step, (f"kill_{phase}", f"stop_{phase}")):
             log.warning("fault injection: %s at step %d", fault.kind, step)
             if fault.kind.startswith("stop"):

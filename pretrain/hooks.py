@@ -37,6 +37,18 @@ class StepResult:
     step_time_s: float
     tokens_per_s: float
     stop_asked: bool = False  # some rank's hook asked to stop (TrainHook.wants_stop)
+    # Throughput (pretrain/progress.py): model TFLOP/s per device, MFU (None: no known peak)
+    tflops_per_device: float = 0.0
+    mfu: float | None = None
+    memory_gib: dict[str, float] | None = None  # on logged steps only
+
+
+@dataclass
+class EvalResult:
+    split: str  # "valid" | "test"
+    step: int  # the training step it evaluated
+    loss: float  # mean over eval_iters global batches
+    seconds: float
 
 
 class TrainHook:
@@ -67,6 +79,15 @@ class TrainHook:
 
     def on_checkpoint_end(self, trainer: Trainer, what: str) -> None:
         """The checkpoint work that ``on_checkpoint_begin`` announced is over (or failed)."""
+
+    def on_eval_begin(self, trainer: Trainer, split: str) -> None:
+        """A validation (or test) pass starts; forward only, it may take several steps' time."""
+
+    def on_eval_end(self, trainer: Trainer, result: EvalResult) -> None:
+        """The pass ``on_eval_begin`` announced is over; its mean loss is the same on every rank."""
+
+    def on_resumed(self, trainer: Trainer, load_s: float) -> None:
+        """The loop continues from a restored checkpoint that took ``load_s`` to load."""
 
     def on_end(self, trainer: Trainer) -> None:
         pass

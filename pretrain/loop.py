@@ -7,11 +7,11 @@ import gc
 import json
 import logging
 import math
+import os
 import random
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +19,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pretrain import data, optim
+from pretrain import data, flops, optim
 from pretrain import model as model_lib
 from pretrain.compat import fix_uninitialised_tp_attributes
 from pretrain.distributed import DistEnv, init_model_parallel
+from pretrain.evaluate import eval_loss, params_synced
 from pretrain.failures import NonFiniteError
 from pretrain.faults import FaultInjector
-from pretrain.hooks import StepResult, TrainHook
+from pretrain.hooks import EvalResult, StepResult, TrainHook
+from pretrain.progress import Progress
+from pretrain.schedule import run_schedule
 from pretrain.tokenizer import build_tokenizer
 from recipes.schema import RunConfig
 from recipes.validate import num_microbatches
@@ -53,6 +56,7 @@ class Components:
     tokenizer: Any
     plan: data.BatchPlan
     padded_vocab: int
+    eval_data: dict[str, Any]  # held-out splits by name ("valid", "test"); empty: no eval
 
 
 def seed_everything(seed: int) -> None:
@@ -81,7 +85,7 @@ def build_components(run: RunConfig, env: DistEnv, dp: int, run_dir: Path) -> Co
     bf16 = run.train.precision == "bf16" or (run.train.precision == "auto" and env.device == "cuda")
     tokenizer = build_tokenizer(run.data.tokenizer, run.data.tokenizer_path)
     padded = model_lib.padded_vocab_size(run.model, tokenizer.vocab_size, run.parallel.tp)
-    tcfg = model_lib.transformer_config(run.model, run.parallel, env.device, bf16)
+    tcfg = model_lib.transformer_config(run.model, run.parallel, env.device, bf16, run.perf)
     chunks = model_lib.build_chunks(
         run.model, run.parallel, tcfg, padded, use_te=env.device == "cuda" and _have_te()
     )
@@ -91,8 +95,8 @@ def build_components(run: RunConfig, env: DistEnv, dp: int, run_dir: Path) -> Co
         fix_uninitialised_tp_attributes(chunks)
     for chunk in chunks:
         chunk.to(env.torch_device)
-    ddp = model_lib.wrap_ddp(chunks, tcfg, run.optimizer.use_distributed_optimizer, bf16)
-    optimizer = optim.build_optimizer(run.optimizer, ddp, tcfg, bf16)
+    ddp = model_lib.wrap_ddp(chunks, tcfg, run.optimizer.use_distributed_optimizer, bf16, run.perf)
+    optimizer = optim.build_optimizer(run.optimizer, ddp, tcfg, bf16, run.perf)
     scheduler = optim.build_scheduler(
         run.scheduler, run.optimizer, optimizer, run.train.train_steps
     )
@@ -100,13 +104,10 @@ def build_components(run: RunConfig, env: DistEnv, dp: int, run_dir: Path) -> Co
         run.train.micro_batch_size, num_microbatches(run, dp), dp, ps.get_data_parallel_rank()
     )
     cache = Path(run.data.cache_dir) if run.data.cache_dir else run_dir / "data-cache"
-    dataset = data.build_train_dataset(
-        run.data,
-        tokenizer,
-        run.model.seq_length,
-        run.train.train_steps * plan.global_batch_size,
-        cache,
+    train, valid, test = data.build_datasets(
+        run.data, tokenizer, run.model.seq_length, split_sizes(run, plan), cache
     )
+    eval_data = {name: split for name, split in (("valid", valid), ("test", test)) if split}
     log.info(
         "model: %s, %d params on this rank (padded vocab %d), %s, %d microbatches x %d",
         run.model.name,
@@ -116,7 +117,17 @@ def build_components(run: RunConfig, env: DistEnv, dp: int, run_dir: Path) -> Co
         plan.num_microbatches,
         plan.micro_batch_size,
     )
-    return Components(tcfg, chunks, ddp, optimizer, scheduler, dataset, tokenizer, plan, padded)
+    return Components(
+        tcfg, chunks, ddp, optimizer, scheduler, train, tokenizer, plan, padded, eval_data
+    )
+
+
+def split_sizes(run: RunConfig, plan: data.BatchPlan) -> list[int]:
+    """Samples per split: the whole training run; eval_iters global batches to validate on
+    (and to test on at the end, when data.split gives the test split any weight)."""
+    per_eval = run.train.eval_iters * plan.global_batch_size if run.train.eval_interval else 0
+    test = per_eval if run.data.split_weights[2] > 0 else 0
+    return [run.train.train_steps * plan.global_batch_size, per_eval, test]
 
 
 def _have_te() -> bool:
@@ -125,21 +136,6 @@ def _have_te() -> bool:
     except ImportError:
         return False
     return True
-
-
-def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    losses = output.float().view(-1)
-    mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
-    return loss, {"lm loss": loss.detach().clone()}
-
-
-def _forward_step(device: torch.device, batches: Iterator[dict], model: Any) -> tuple:
-    batch = data.to_device(next(batches), device)
-    output = model(
-        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
-    )
-    return output, partial(_loss_func, batch["loss_mask"])
 
 
 class Trainer:
@@ -161,6 +157,10 @@ class Trainer:
         self.exit_code = 0  # non-zero for planned exits (request_stop: preemption, straggler)
         self._checkpointing: str | None = None
         self.metrics_path = run_dir / "metrics" / "steps.jsonl"
+        self.progress = self._progress()
+        self.saves: dict[str, int] = {}  # checkpoint work done this attempt, by kind
+        self.last_result: StepResult | None = None
+        self.last_eval: dict[str, float] = {}  # split -> its latest loss
 
     def rebuild(self, run: RunConfig) -> None:
         """(Re)build model, optimizer and data for ``run`` from the seed, as a fresh start would
@@ -193,9 +193,29 @@ class Trainer:
             log.info("stop requested at step %d (exit %d): %s", self.state.step, exit_code, reason)
         self.stop_requested, self.exit_code = True, exit_code
 
-    def resume_from(self, state: TrainState) -> None:
-        """Continue from a restored loop position (a checkpoint's train state)."""
+    def resume_from(self, state: TrainState, load_s: float | None = None) -> None:
+        """Continue from a restored loop position (a checkpoint's train state); ``load_s``:
+        how long the restore took (hooks see it in ``on_resumed``)."""
         self.state = state
+        if load_s is not None:
+            for hook in self.hooks:
+                hook.on_resumed(self, load_s)
+
+    def _progress(self) -> Progress:
+        plan, train = self.parts.plan, self.run.train
+        precision = "bf16" if self.parts.tcfg.bf16 else "fp32"
+        device_name = torch.cuda.get_device_name() if self.env.device == "cuda" else "cpu"
+        peak = train.peak_tflops or flops.peak_tflops(
+            device_name, "fp8" if self.run.perf.fp8 else precision
+        )
+        return Progress(
+            flops.flops_per_step(self.run.model, plan.global_batch_size, self.parts.padded_vocab),
+            self.env.world_size,
+            self.tokens_per_step,
+            train.train_steps,
+            peak,
+            self.env.device,
+        )
 
     @contextlib.contextmanager
     def checkpointing(self, what: str) -> Iterator[None]:
@@ -205,10 +225,12 @@ class Trainer:
             yield
             return
         self._checkpointing = what
+        self.saves[what] = self.saves.get(what, 0) + 1
         for hook in self.hooks:
             hook.on_checkpoint_begin(self, what)
         try:
-            yield
+            with params_synced(self.parts.ddp, self.run.perf.overlap_param_gather):
+                yield
         finally:
             self._checkpointing = None
             for hook in self.hooks:
@@ -218,9 +240,52 @@ class Trainer:
         for hook in self.hooks:
             hook.on_start(self)
         self._loop()
+        if not self.stop_requested and self.run.train.eval_interval:
+            self._final_evaluation()
         for hook in self.hooks:
             hook.on_end(self)
+        self._summary()
         return self.state
+
+    def evaluate(self, split: str = "valid") -> EvalResult:
+        """A forward-only pass over ``split`` (collective); moves no training state."""
+        for hook in self.hooks:
+            hook.on_eval_begin(self, split)
+        started = time.perf_counter()
+        with params_synced(self.parts.ddp, self.run.perf.overlap_param_gather):
+            self.faults.at_checkpoint("eval", self.state.step)
+            loss = eval_loss(self, self.parts.eval_data[split])
+        result = EvalResult(split, self.state.step, loss, time.perf_counter() - started)
+        self.last_eval[split] = loss
+        if self.env.rank == 0:
+            log.info(
+                "%s at step %d | loss %.6f | perplexity %.3f | %d batches in %.2f s",
+                "validation" if split == "valid" else split,
+                result.step,
+                loss,
+                math.exp(min(loss, 80.0)),
+                self.run.train.eval_iters,
+                result.seconds,
+            )
+            self._append_metrics("eval.jsonl", {**asdict(result), "time": time.time()})
+        for hook in self.hooks:
+            hook.on_eval_end(self, result)
+        return result
+
+    def _final_evaluation(self) -> None:
+        interval = self.run.train.eval_interval
+        if interval and self.state.step % interval:  # not just validated by the loop
+            self.evaluate("valid")
+        if "test" in self.parts.eval_data:
+            self.evaluate("test")
+
+    def _summary(self) -> None:
+        if self.env.rank != 0:
+            return
+        log.info("%s", self.progress.summary(self.last_result, self.last_eval.get("valid")))
+        saves = ", ".join(f"{n} {what}" for what, n in sorted(self.saves.items())) or "none"
+        restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
+        log.info("run summary: checkpoint work this attempt: %s; restarts %s", saves, restarts)
 
     def _loop(self) -> None:
         while self.state.step < self.run.train.train_steps:
@@ -238,11 +303,11 @@ class Trainer:
                 )
             for hook in self.hooks:
                 hook.after_step(self, result)
+            interval = self.run.train.eval_interval
+            if interval and result.step % interval == 0:
+                self.evaluate("valid")
 
     def train_step(self) -> StepResult:
-        # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         parts, start = self.parts, time.perf_counter()
         for chunk in parts.ddp:
             chunk.zero_grad_buffer()
@@ -250,15 +315,8 @@ class Trainer:
         # lr for step s is the scheduler's value at s: advance before the update, not after.
         parts.scheduler.step(increment=1)
         batches = data.microbatches(parts.dataset, parts.plan, self.state.consumed_samples)
-        iterators = [iter(batches) for _ in parts.ddp]
-        losses = get_forward_backward_func()(
-            forward_step_func=partial(_forward_step, self.env.torch_device),
-            data_iterator=iterators if len(iterators) > 1 else iterators[0],
-            model=parts.ddp if len(parts.ddp) > 1 else parts.ddp[0],
-            num_microbatches=parts.plan.num_microbatches,
-            seq_length=self.run.model.seq_length,
-            micro_batch_size=parts.plan.micro_batch_size,
-            forward_only=False,
+        losses = run_schedule(
+            parts, self.env.torch_device, self.run.model.seq_length, batches, forward_only=False
         )
         self.faults.after_backward(self.state.step + 1, parts.ddp)
         _, grad_norm, _ = parts.optimizer.step()
@@ -293,19 +351,23 @@ class Trainer:
         return loss_sum / last_stage_ranks, stop_votes > 0
 
     def _log(self, result: StepResult) -> None:
+        """Throughput on every rank's result (hooks read it); the line and steps.jsonl on 0."""
+        extra = self.progress.add(result)
+        result.tflops_per_device, result.mfu = extra["tflops_per_device"], extra["mfu"]
+        self.last_result = result
         if self.env.rank != 0:
             return
-        if result.step % self.run.logging.log_interval == 0 or result.step == 1:
-            log.info(
-                "step %6d/%d | loss %.6f | lr %.3e | grad norm %.4f | %.0f tokens/s | %.3f s",
-                result.step,
-                self.run.train.train_steps,
-                result.loss,
-                result.lr,
-                result.grad_norm,
-                result.tokens_per_s,
-                result.step_time_s,
-            )
-        self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.metrics_path.open("a") as stream:
-            stream.write(json.dumps({**asdict(result), "time": time.time()}) + "\n")
+        interval = self.run.logging.log_interval
+        if result.step % interval == 0 or result.step == 1:
+            line = self.progress.line(result)
+            result.memory_gib = self.progress.last_memory
+            log.info("%s", line)
+        record = {**asdict(result), "consumed_tokens": extra["consumed_tokens"]}
+        self._append_metrics(self.metrics_path.name, {**record, "time": time.time()})
+
+    def _append_metrics(self, name: str, record: dict[str, Any]) -> None:
+        """One JSON line in <run_dir>/metrics/<name> (rank 0: steps.jsonl, eval.jsonl)."""
+        path = self.metrics_path.with_name(name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as stream:
+            stream.write(json.dumps(record) + "\n")

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from recipes.schema import ModelConfig, ParallelConfig
+from recipes.schema import ModelConfig, ParallelConfig, PerfConfig
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,27 @@ def padded_vocab_size(model: ModelConfig, vocab_size: int, tp: int) -> int:
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
-def transformer_config(model: ModelConfig, par: ParallelConfig, device: str, bf16: bool) -> Any:
+def perf_settings(perf: PerfConfig) -> dict[str, Any]:
+    """TransformerConfig fields for recompute and FP8 (megatron-core's names)."""
+    settings: dict[str, Any] = {}
+    if perf.recompute == "selective":
+        settings["recompute_granularity"] = "selective"
+    elif perf.recompute == "full":
+        settings.update(
+            recompute_granularity="full",
+            recompute_method=perf.recompute_method,
+            recompute_num_layers=perf.recompute_num_layers,
+        )
+    if perf.fp8 is not None:
+        settings.update(fp8=perf.fp8, fp8_recipe=perf.fp8_recipe)
+    if perf.tp_comm_overlap:
+        settings["tp_comm_overlap"] = True
+    return settings
+
+
+def transformer_config(
+    model: ModelConfig, par: ParallelConfig, device: str, bf16: bool, perf: PerfConfig
+) -> Any:
     # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -81,6 +101,7 @@ def transformer_config(model: ModelConfig, par: ParallelConfig, device: str, bf1
         # and gloo matches them by order, swapping activations and gradients under VPP.
         batch_p2p_comm=on_gpu,
         **moe,
+        **perf_settings(perf),
     )
 
 
@@ -167,7 +188,11 @@ def _is_output_projection(key: str) -> bool:
 
 
 def wrap_ddp(
-    chunks: list[torch.nn.Module], tcfg: Any, use_distributed_optimizer: bool, bf16: bool
+    chunks: list[torch.nn.Module],
+    tcfg: Any,
+    use_distributed_optimizer: bool,
+    bf16: bool,
+    perf: PerfConfig,
 ) -> list[Any]:
     # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -175,8 +200,8 @@ def wrap_ddp(
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        overlap_param_gather=False,
+        overlap_grad_reduce=perf.overlap_grad_reduce,
+        overlap_param_gather=perf.overlap_param_gather,
         use_distributed_optimizer=use_distributed_optimizer,
         check_for_nan_in_grad=True,
     )

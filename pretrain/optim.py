@@ -6,10 +6,12 @@ from typing import Any
 
 import torch
 
-from recipes.schema import OptimizerConfig, SchedulerConfig
+from recipes.schema import OptimizerConfig, PerfConfig, SchedulerConfig
 
 
-def build_optimizer(cfg: OptimizerConfig, ddp_chunks: list[Any], tcfg: Any, bf16: bool) -> Any:
+def build_optimizer(
+    cfg: OptimizerConfig, ddp_chunks: list[Any], tcfg: Any, bf16: bool, perf: PerfConfig
+) -> Any:
     # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
@@ -33,9 +35,17 @@ def build_optimizer(cfg: OptimizerConfig, ddp_chunks: list[Any], tcfg: Any, bf16
     # The pipeline schedules call these hooks from the model config, as in Megatron-LM.
     tcfg.finalize_model_grads_func = finalize_model_grads
     tcfg.grad_scale_func = optimizer.scale_loss
-    no_sync = [chunk.no_sync for chunk in ddp_chunks]
-    tcfg.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    tcfg.no_sync_func = _per_chunk([chunk.no_sync for chunk in ddp_chunks])
+    if perf.overlap_grad_reduce:  # Megatron-LM's align_grad_reduce: the schedule starts them
+        tcfg.grad_sync_func = _per_chunk([chunk.start_grad_sync for chunk in ddp_chunks])
+    if perf.overlap_param_gather:  # and align_param_gather
+        tcfg.param_sync_func = _per_chunk([chunk.start_param_sync for chunk in ddp_chunks])
     return optimizer
+
+
+def _per_chunk(funcs: list[Any]) -> Any:
+    """One function for a single model chunk, a list under virtual pipelining (megatron)."""
+    return funcs[0] if len(funcs) == 1 else funcs
 
 
 def build_scheduler(

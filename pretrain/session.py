@@ -11,6 +11,7 @@ from pretrain.failures import Failure, classify
 from pretrain.hooks import TrainHook, build_hooks
 from pretrain.logs import setup_logging
 from pretrain.loop import Trainer
+from pretrain.reporting import reporting_hooks
 from recipes import ConfigError, RunConfig, to_yaml
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,8 @@ def train(run: RunConfig, device: str, dp: int) -> int:
         shutdown()  # every rank agreed: leave together (a live group aborts at interpreter exit)
         return exit_codes.CONFIG_ERROR
     try:
-        hooks = build_hooks(run, env, run_dir)
+        # Resiliency first (restore happens in its on_start), then what reports the run.
+        hooks = build_hooks(run, env, run_dir) + reporting_hooks(run, env.rank, run_dir)
     except ConfigError as exc:
         log.error("config error: %s", exc)
         shutdown()

@@ -17,7 +17,7 @@ from pretrain.distributed import DistEnv
 from pretrain.hooks import TrainHook
 from pretrain.loop import Trainer
 from recipes import ConfigError, load_config
-from recipes.schema import FtConfig
+from recipes.schema import FtConfig, PerfConfig
 from resiliency.monitor.fault_tolerance import FaultToleranceHook
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,6 +74,8 @@ def _bare_trainer(hooks: list[TrainHook]) -> Trainer:
     trainer.hooks, trainer.env, trainer._checkpointing = hooks, ENV, None
     trainer.state = SimpleNamespace(step=4)
     trainer.stop_requested, trainer.exit_code = False, 0
+    trainer.saves, trainer.parts = {}, SimpleNamespace(ddp=[])
+    trainer.run = SimpleNamespace(perf=PerfConfig())
     return trainer
 
 

@@ -2,8 +2,8 @@
 liveness heartbeats, RTO measured from the hung rank's last progress.
 
 The end-to-end tests SIGSTOP a random rank (a real stop: the whole process freezes, every thread
-with it) in a step, a sync save, an async commit and a restore, under ft_launcher on 2 CPU
-ranks, and one SIGSTOPs random ranks at random moments from outside.
+with it) in a step, a sync save, an async commit, a restore and a validation, under ft_launcher
+on 2 CPU ranks, and one SIGSTOPs random ranks at random moments from outside.
 """
 
 from __future__ import annotations
@@ -210,29 +210,39 @@ def _leftovers(root: Path) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.current_stack
-def test_stops_in_a_step_a_sync_save_and_a_restore_are_caught_and_resume_exactly(
+def test_stops_in_a_step_a_save_a_restore_and_an_eval_are_caught_and_resume_exactly(
     tiny_overrides: list[str], tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     clean = clean_run(tiny_overrides, tmp_path_factory.getbasetemp())
     rng = _rng("phases")
-    ranks = [rng.randrange(2) for _ in range(3)]
+    ranks = [rng.randrange(2) for _ in range(4)]
     # Round 0 stops before step 6, round 1 in the save of step 8 (so 4 stays the newest
-    # verified step), round 2 while it restores step 4; round 3 runs clean to the end.
-    faults = f"stop@6:{ranks[0]}/0;stop_save@8:{ranks[1]}/1;stop_restore@4:{ranks[2]}/2"
+    # verified step), round 2 while it restores step 4, round 3 in the validation at step 5;
+    # round 4 runs clean to the end. Validation moves no training state: the clean run has none.
+    faults = (
+        f"stop@6:{ranks[0]}/0;stop_save@8:{ranks[1]}/1;stop_restore@4:{ranks[2]}/2;"
+        f"stop_eval@5:{ranks[3]}/3"
+    )
     proc = launch_local(
-        [*base_overrides(tiny_overrides, tmp_path, "stops"), f'train.fault="{faults}"'],
-        max_restarts=3,
-        timeout=300,
+        [
+            *base_overrides(tiny_overrides, tmp_path, "stops"),
+            "train.eval_interval=5",
+            "train.eval_iters=2",
+            f'train.fault="{faults}"',
+        ],
+        max_restarts=4,
+        timeout=360,
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
     run_dir = tmp_path / "stops"
     records = attempts(run_dir)
-    assert [r["status"] for r in records] == ["failed", "failed", "failed", "finished"]
-    for record, rank, section in zip(records, ranks, ("step", "checkpointing", "setup")):
+    assert [r["status"] for r in records] == ["failed"] * 4 + ["finished"]
+    sections = ("step", "checkpointing", "setup", "eval")
+    for record, rank, section in zip(records, ranks, sections):
         assert record["first_failing_rank"] == rank, record.get("hang")
         assert record["hang"]["rule"] == "heartbeat" and section in record["failure_cause"]
         _assert_caught_within_goal(record, section, run_dir)
-    assert [r.get("restored_step") for r in records] == [None, 4, None, 4]
+    assert [r.get("restored_step") for r in records] == [None, 4, None, 4, 4]
     assert losses(run_dir) == losses(clean)
     assert _leftovers(tmp_path) == []
 

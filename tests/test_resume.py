@@ -26,6 +26,7 @@ LAYOUTS = {
 FORMATS = ["fully_reshardable", "dp_reshardable"]
 MODES = {"sync": "checkpoint.async_save=false", "async": "checkpoint.async_save=true"}
 CASES = list(itertools.product(LAYOUTS, FORMATS, MODES))
+EVAL = ["train.eval_interval=2", "train.eval_iters=2"]
 # The cases the second CI leg (megatron-core 0.19) also runs: both formats, sync and async.
 CURRENT_STACK = {("tp2", "fully_reshardable", "async"), ("dp2", "dp_reshardable", "sync")}
 
@@ -79,7 +80,8 @@ def test_sigkill_resumes_bit_exact(
         tiny_overrides,
         tmp_path,
         layout,
-        [f"checkpoint.optim_format={fmt}", MODES[mode]],
+        # Validation on: the baseline runs without it, so this also shows eval moves nothing.
+        [f"checkpoint.optim_format={fmt}", MODES[mode], *EVAL],
         f"kill@{kill_step}:1",
     )
     assert losses(run_dir) == baselines[layout]

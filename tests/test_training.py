@@ -1,12 +1,14 @@
 """Real multi-process gloo training on the stdlib corpus, for every parallel layout.
 
-Each layout runs once (module-scoped); the loss must fall, and the first steps must equal
-the single-rank TP=1 run: with layout-invariant init and a fixed padded vocab, any wiring
-error in TP/PP/VPP/DP/EP shows up as a loss difference.
+Each layout runs once (module-scoped), validating every 5 steps; the loss must fall, and the
+first steps and every validation loss must equal the single-rank TP=1 run: with
+layout-invariant init and a fixed padded vocab, any wiring error in TP/PP/VPP/DP/EP shows up as
+a loss difference. The TP=1 run once more without validation gives the same losses bit for bit.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,12 @@ LAYOUTS = {
 }
 EQUIVALENT_STEPS = 6
 TOLERANCE = 2e-5
+EVAL = ["train.eval_interval=5", "train.eval_iters=2"]
+
+
+def eval_losses(run_dir: Path) -> list[tuple[str, int, float]]:
+    lines = (run_dir / "metrics" / "eval.jsonl").read_text().splitlines()
+    return [(r["split"], r["step"], r["loss"]) for r in map(json.loads, lines)]
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +38,29 @@ def trained(tmp_path_factory: pytest.TempPathFactory, tiny_overrides: list[str])
     root = tmp_path_factory.mktemp("train")
     results = {}
     base = [*tiny_overrides, f"output_dir={root}", "checkpoint.enabled=false"]
-    run_pretrain(1, [*base, "run_id=tp1", "parallel.tp=1"])
-    results["tp1"] = losses(root / "tp1")
+    run_pretrain(1, [*base, "run_id=tp1", "parallel.tp=1", *EVAL])
+    run_pretrain(1, [*base, "run_id=tp1-no-eval", "parallel.tp=1"])
     for name, overrides in LAYOUTS.items():
-        run_pretrain(2, [*base, f"run_id={name}", *overrides])
+        run_pretrain(2, [*base, f"run_id={name}", *overrides, *EVAL])
+    for name in ["tp1", "tp1-no-eval", *LAYOUTS]:
         results[name] = losses(root / name)
+        if name != "tp1-no-eval":
+            results[f"{name}-eval"] = eval_losses(root / name)
     return results
+
+
+def test_validation_moves_no_training_state(trained: dict) -> None:
+    assert trained["tp1"] == trained["tp1-no-eval"]  # bit for bit: no data cursor, no RNG
+    splits = [(split, step) for split, step, _ in trained["tp1-eval"]]
+    assert splits == [("valid", 5), ("valid", 10)]  # the last step validated: no repeat
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_validation_matches_single_rank(trained: dict, layout: str) -> None:
+    reference = [loss for _, _, loss in trained["tp1-eval"]]
+    ours = [loss for _, _, loss in trained[f"{layout}-eval"]]
+    assert ours[:1] == pytest.approx(reference[:1], abs=TOLERANCE), (layout, ours, reference)
+    assert len(ours) == len(reference) and all(4.0 < loss < 6.5 for loss in ours)
 
 
 @pytest.mark.parametrize("layout", ["tp1", *LAYOUTS])
@@ -76,12 +101,16 @@ def test_moe_expert_parallel(tiny_overrides: list[str], tmp_path: Path) -> None:
         "recipe=gpt_tiny_moe",
         f"output_dir={tmp_path}",
         "checkpoint.enabled=false",
+        *EVAL,
     ]
     run_pretrain(2, [*base, "run_id=ep2", "parallel.ep=2"])
     run_pretrain(1, [*base, "run_id=ep1", "parallel.ep=1"])
     ep2, ep1 = losses(tmp_path / "ep2"), losses(tmp_path / "ep1")
     assert ep2[-1] < ep2[0] - 0.5, ep2
     assert ep2[:EQUIVALENT_STEPS] == pytest.approx(ep1[:EQUIVALENT_STEPS], abs=TOLERANCE)
+    valid2, valid1 = eval_losses(tmp_path / "ep2"), eval_losses(tmp_path / "ep1")
+    assert [v[:2] for v in valid2] == [("valid", 5), ("valid", 10)]
+    assert valid2[0][2] == pytest.approx(valid1[0][2], abs=TOLERANCE)  # experts split over EP
 
 
 @pytest.mark.gpu

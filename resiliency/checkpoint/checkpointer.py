@@ -443,6 +443,7 @@ class Checkpointer:
     def restore(self, step_dir: Path, manifest: Manifest, same_layout: bool) -> int:
         """Load a step chosen, topology-validated and re-hashed by restore_plan.py."""
         self.faults.at_checkpoint("restore", manifest.step)
+        started = time.perf_counter()
         loaded = self._load_shards(step_dir / MODEL_DIR, manifest)
         rank_state = state_io.load_rank_state(step_dir, self.rank) if same_layout else None
         self.apply_loaded(
@@ -451,6 +452,7 @@ class Checkpointer:
             rank_state,
             step_dir.name,
             restored=(manifest.step, "persistent"),
+            started=started,
         )
         return manifest.step
 
@@ -461,6 +463,7 @@ class Checkpointer:
         rank_state: dict[str, Any] | None,
         source: str,
         restored: tuple[int, str],
+        started: float | None = None,
     ) -> None:
         """Put loaded shards, loop state and RNG (None: topology changed, reseed) in place;
         ``restored``: the (step, tier) this run now continues from."""
@@ -488,7 +491,8 @@ class Checkpointer:
         trainer.resume_from(
             TrainState(
                 train_state["step"], train_state["consumed_samples"], train_state["consumed_tokens"]
-            )
+            ),
+            load_s=None if started is None else time.perf_counter() - started,
         )
         if rank_state is not None:
             state_io.restore_rng(rank_state, trainer.env.device)

@@ -156,6 +156,7 @@ class LocalTier:
             loaded["rank_state"],
             f"local step {step} ({source})",
             restored=(step, "local"),
+            started=started,
         )
         self.manager.clear_restoring()
         self._info("local tier: restored step %d in %.2f s", step, time.perf_counter() - started)

@@ -39,6 +39,7 @@ from resiliency.storage.manifest import ManifestError, read_manifest
 
 if TYPE_CHECKING:
     from pretrain.distributed import DistEnv
+    from pretrain.hooks import EvalResult
     from pretrain.loop import Trainer
     from recipes.schema import FtConfig, RunConfig
     from resiliency.checkpoint.hook import CheckpointHook
@@ -223,22 +224,35 @@ class FaultToleranceHook(TrainHook):
     def on_checkpoint_begin(self, trainer: "Trainer", what: str) -> None:
         # Saves happen inside other sections (after a step, before one for an async commit,
         # in the preemption hook, at the end); checkpointing has its own timeout.
+        self._enter("checkpointing")
+
+    def on_checkpoint_end(self, trainer: "Trainer", what: str) -> None:
+        self._leave("checkpointing")
+
+    def on_eval_begin(self, trainer: "Trainer", split: str) -> None:
+        self._enter("eval")
+
+    def on_eval_end(self, trainer: "Trainer", result: "EvalResult") -> None:
+        self._leave("eval")
+
+    def _enter(self, section: str) -> None:
+        """Pause whatever is open and time ``section`` under its own timeout."""
         if self.heartbeats_only:
             return
         self.paused = list(self.open)
-        for section in self.paused:
-            self._close(section, observe=False)
+        for name in self.paused:
+            self._close(name, observe=False)
         self.idle_since = None  # a pause is not time out of section
-        self._open("checkpointing")
+        self._open(section)
 
-    def on_checkpoint_end(self, trainer: "Trainer", what: str) -> None:
+    def _leave(self, section: str) -> None:
         if self.heartbeats_only:
             return
-        self._close("checkpointing")
+        self._close(section)
         if self.paused:
             self.idle_since = None
-        for section in self.paused:
-            self._open(section)
+        for name in self.paused:
+            self._open(name)
         self.paused = []
 
     def _restored(self) -> bool:
