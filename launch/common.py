@@ -39,6 +39,19 @@ def plan_launch(overrides: Sequence[str]) -> LaunchPlan:
     return LaunchPlan(run, list(overrides), Path(run.output_dir) / run.run_id, device, dp)
 
 
+def rank_env(run: RunConfig) -> dict[str, str]:
+    """Environment megatron-core expects on every rank for this layout.
+
+    With tensor or context parallelism (sequence parallelism implies TP) megatron-core overlaps
+    its TP/CP communication with compute only if the GPU runs one hardware queue:
+    CUDA_DEVICE_MAX_CONNECTIONS=1, as Megatron-LM asserts and Megatron-Bridge sets.
+    """
+    par = run.parallel
+    if par.tp > 1 or par.cp > 1 or par.sequence_parallel:
+        return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    return {}
+
+
 def check_run_dir_free(plan: LaunchPlan) -> None:
     """Refuse to submit a second job onto a run whose lease a live job holds."""
     layout = RunLayout(plan.run_dir.parent, plan.run.run_id)

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from launch.common import LaunchPlan
+from launch.common import LaunchPlan, rank_env
 from recipes import ConfigError, RunConfig, to_yaml
 from recipes.schema import K8sConfig
 
@@ -263,6 +263,7 @@ def _env(
     shutdown_s = max(k8s.termination_grace_s - GRACE_MARGIN_S, 0)
     values["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(shutdown_s)
     values["PYTHONUNBUFFERED"] = "1"
+    values.update(rank_env(run))
     values.update({str(key): str(value) for key, value in k8s.env.items()})
     return [{"name": key, "value": value} for key, value in values.items()]
 

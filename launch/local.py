@@ -34,7 +34,13 @@ from pathlib import Path
 from types import FrameType
 from typing import IO
 
-from launch.common import LaunchPlan, check_run_dir_free, plan_launch, write_resolved_config
+from launch.common import (
+    LaunchPlan,
+    check_run_dir_free,
+    plan_launch,
+    rank_env,
+    write_resolved_config,
+)
 from launch.retry_policy import STOP, Decision, decide, newest_attempt, read_outcome
 from pretrain import exit_codes
 from resiliency.monitor.fault_tolerance import write_launcher_config
@@ -142,7 +148,7 @@ class LocalSupervisor:
     def _launch(self, restarts: int) -> int:
         cmd = launcher_command(self.plan, self.config, restarts)
         log.info("launch local: %s", " ".join(cmd))
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **rank_env(self.plan.run)}
         started = time.time()
         with open(self.plan.run_dir / LOG_NAME, "a") as keep:
             self.child = subprocess.Popen(

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
+from launch.common import rank_env
 from recipes import ConfigError, RunConfig
 from resiliency.monitor.fault_tolerance import LAUNCHER_CONFIG_FILE
 
@@ -61,6 +62,8 @@ def render_sbatch(run: RunConfig, inputs: ScriptInputs) -> str:
         "code_commit": _q(inputs.code_commit or ""),
         "image_digest": _q(inputs.image_digest or ""),
         "launcher_signals": LAUNCHER_SIGNALS,
+        "rank_env": "\n".join(f"export {k}={v}" for k, v in rank_env(run).items())
+        or "# (no layout-specific environment)",
         "shutdown_timeout": str(math.ceil(run.resiliency.emergency_save_timeout_s) + STEP_SLACK_S),
         "passthrough": _passthrough_lines(slurm.env_passthrough),
         "srun_args": _srun_args(run),
@@ -215,6 +218,7 @@ export MCORE_RECIPES_CODE_COMMIT=@@{code_commit}
 export MCORE_RECIPES_IMAGE_DIGEST=@@{image_digest}
 export OMP_NUM_THREADS=1
 export PYTHONUNBUFFERED=1
+@@{rank_env}
 # The launcher ignores TERM/USR1 (see "train"), so it must not install handlers for them
 # (torchrun reads PET_SIGNALS_TO_HANDLE; older releases TORCHELASTIC_SIGNALS_TO_HANDLE). When
 # a rank exits it stops the node's other ranks, giving them the emergency-save timeout (plus a

@@ -239,6 +239,10 @@ def test_render_gpus_container_and_ft_launcher(stdlib_corpus: str, tmp_path: Pat
     ), script
     assert (tmp_path / "gpu" / "ft_launcher.yaml").is_file(), "the launcher config is written"
     assert "torchrun --nnodes" not in script
+    # gpt_tiny is TP=2: megatron-core wants one hardware queue per GPU for its TP overlap
+    assert "\nexport CUDA_DEVICE_MAX_CONNECTIONS=1\n" in script
+    assert _dry_run([*_base(stdlib_corpus, tmp_path, "tp1"), "parallel.tp=1"]) == 0
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in _script(tmp_path, "tp1")
 
 
 def test_render_pins_an_absolute_output_dir(
