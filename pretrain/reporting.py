@@ -3,8 +3,8 @@ loss), one curve per run across restarts and requeues.
 
 TensorBoard: event files in ``<run_dir>/tensorboard``. A restarted attempt starts its file with
 TensorBoard's purge marker at the restored step + 1, so TensorBoard drops the steps the failed
-attempt logged after that checkpoint: the curve has each step once. W&B: the run id is the W&B run id
-(``resume="allow"``), so a restart continues the same run; ``mode=offline`` by default.
+attempt logged after that checkpoint: the curve has each step once. W&B: the run id is the W&B
+run id (``resume="allow"``), so a restart continues the same run; ``mode=offline`` by default.
 """
 
 from __future__ import annotations
