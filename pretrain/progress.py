@@ -65,7 +65,6 @@ class Progress:
     steps: int = 0
     seconds: float = 0.0
     started: float = field(default_factory=time.time)
-    last: dict[str, Any] = field(default_factory=dict)
     last_memory: dict[str, float] = field(default_factory=dict)
 
     def tflops(self, step_time_s: float) -> float:
@@ -81,12 +80,11 @@ class Progress:
         self.steps += 1
         self.seconds += result.step_time_s
         tflops = self.tflops(result.step_time_s)
-        self.last = {
+        return {
             "tflops_per_device": tflops,
             "mfu": self.mfu(tflops),
             "consumed_tokens": result.step * self.tokens_per_step,
         }
-        return self.last
 
     def line(self, result: StepResult) -> str:
         """The step line, averaged over the interval; resets the interval."""
