@@ -62,6 +62,8 @@ def test_table_has_one_well_formed_row_per_figure():
         "overhead": {
             "tiny": {
                 "P5": _s(1.0),
+                "P5_without_reporting": _s(1.0),
+                "reporting_share": _s(1.0),
                 "bare_step_s": _s(0.1),
                 "framework_step_s": _s(0.1),
                 "shim_calls_per_step": 10,
