@@ -12,7 +12,9 @@ config, mounted at /etc/mcore-recipes) plus a ``kubeflow.org/v1`` PyTorchJob, va
 the operator's CRD (see launch.k8s_schema) and written to ``<output_dir>/<run_id>/k8s/NAME.yaml``
 (or ``--out``). ``--dry-run`` prints it; without, the run dir is checked for a live owner and
 both objects are created with the kubernetes client (in-cluster credentials in a pod, else
-$KUBECONFIG or ~/.kube/config). Inside the pods ``output_dir`` is ``launch.k8s.shared_mount``.
+$KUBECONFIG or ~/.kube/config), and the job is made the ConfigMap's owner, so deleting the job
+(``k8s delete`` or kubectl) deletes its ConfigMap. Inside the pods ``output_dir`` is
+``launch.k8s.shared_mount``.
 ``--namespace`` (default: ``default``) applies to status/logs/delete; a submission uses
 ``launch.k8s.namespace``.
 """

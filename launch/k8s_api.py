@@ -9,7 +9,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from launch.k8s_render import API_VERSION, CONTAINER, Rendered, config_map_name
+from launch.k8s_pod import CONTAINER
+from launch.k8s_render import API_VERSION, JOB_NAME_LABEL, KIND, Rendered
 
 log = logging.getLogger(__name__)
 
@@ -73,21 +74,48 @@ def _status_message(exc: Any) -> str:
 
 
 def submit(api: Any, rendered: Rendered) -> dict[str, Any]:
-    """Create the ConfigMap, then the PyTorchJob; returns the job as the server stored it."""
+    """Create the ConfigMap, then the PyTorchJob, then make the job the ConfigMap's owner;
+    returns the job as the server stored it."""
     # optional k8s extra
     from kubernetes import client
 
     core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    # The ConfigMap first: pods that start before their config volume exists sit in
+    # ContainerCreating, and the owner's uid exists only once the job does.
     with _api_errors(f"creating ConfigMap {rendered.namespace}/{rendered.config_map_name}"):
         core.create_namespaced_config_map(rendered.namespace, rendered.config_map)
     try:
         with _api_errors(f"creating PyTorchJob {rendered.namespace}/{rendered.name}"):
-            return custom.create_namespaced_custom_object(
+            created = custom.create_namespaced_custom_object(
                 GROUP, VERSION, rendered.namespace, PLURAL, rendered.job
             )
     except K8sError:
         _delete_config_map(core, rendered.namespace, rendered.config_map_name)
         raise
+    _set_owner(core, rendered, created.get("metadata", {}).get("uid"))
+    return created
+
+
+def _set_owner(core: Any, rendered: Rendered, uid: str | None) -> None:
+    """Owned by the job, the ConfigMap goes with it however the job is deleted (garbage
+    collector). Only metadata changes: allowed on an immutable ConfigMap."""
+    where = f"ConfigMap {rendered.namespace}/{rendered.config_map_name}"
+    hint = f"it outlives the job; `python -m launch k8s delete {rendered.name}` removes both"
+    if not uid:
+        log.warning(
+            "the API server returned the PyTorchJob without a uid: %s not owned; %s", where, hint
+        )
+        return
+    # Neither controller (the operator controls nothing here) nor blockOwnerDeletion: that
+    # needs update rights on pytorchjobs/finalizers, which users who may create jobs often lack.
+    owner = {"apiVersion": API_VERSION, "kind": KIND, "name": rendered.name, "uid": uid}
+    # A JSON Patch (a list body): every supported client version sends it as one.
+    patch = [{"op": "add", "path": "/metadata/ownerReferences", "value": [owner]}]
+    try:
+        with _api_errors(f"setting the owner of {where}"):
+            core.patch_namespaced_config_map(rendered.config_map_name, rendered.namespace, patch)
+    except K8sError as exc:
+        log.warning("%s; %s", exc, hint)
 
 
 def get_job(api: Any, namespace: str, name: str) -> dict[str, Any]:
@@ -125,7 +153,8 @@ def replica_logs(
 
 
 def delete(api: Any, namespace: str, name: str) -> None:
-    """Delete the job (its pods go with it) and the ConfigMap rendered alongside."""
+    """Delete the job (its pods and owned ConfigMap go with it) and any ConfigMap rendered for
+    a job of this name that is not owned (its owner could not be set)."""
     # optional k8s extra
     from kubernetes import client
 
@@ -133,7 +162,14 @@ def delete(api: Any, namespace: str, name: str) -> None:
         client.CustomObjectsApi(api).delete_namespaced_custom_object(
             GROUP, VERSION, namespace, PLURAL, name, propagation_policy="Background"
         )
-    _delete_config_map(client.CoreV1Api(api), namespace, config_map_name(name))
+    selector = f"{JOB_NAME_LABEL}={name}"
+    try:
+        with _api_errors(f"deleting ConfigMaps {namespace}/{selector}"):
+            client.CoreV1Api(api).delete_collection_namespaced_config_map(
+                namespace, label_selector=selector
+            )
+    except K8sError as exc:
+        log.warning("%s", exc)
 
 
 def _delete_config_map(core: Any, namespace: str, name: str) -> None:

@@ -37,6 +37,7 @@ from pretrain import exit_codes
 from pretrain.logs import setup_logging
 from pretrain.run import LAUNCHERS, SIGNAL_BASE, Outcome, run_launcher
 from recipes.load import load_config_file
+from resiliency.health import describe, preflight
 from resiliency.monitor.fault_tolerance import write_launcher_config
 from resiliency.storage.layout import atomic_write_json
 
@@ -142,6 +143,20 @@ def with_ft_config(launcher_args: list[str], state_dir: Path) -> list[str]:
     return [f"--ft-cfg-path={path}", *launcher_args]
 
 
+def node_healthy(launcher_args: list[str], state_dir: Path) -> bool:
+    """The node's health check before torchrun starts (every pod start, so after every
+    restart); the reports of the job's pods go where rank 0 records them."""
+    if "--config" not in launcher_args:
+        return True
+    run = load_config_file(launcher_args[launcher_args.index("--config") + 1])
+    job = os.environ.get("MCORE_RECIPES_JOB_ID", "job")
+    report = preflight(run, state_dir / job / "health")
+    if report is None:
+        return True
+    (log.info if report.ok else log.error)("%s", describe(report))
+    return report.ok
+
+
 def main(argv: list[str]) -> int:
     setup_logging("INFO")
     args = _parse(argv)
@@ -152,6 +167,9 @@ def main(argv: list[str]) -> int:
         return exit_codes.RETRY_BUDGET_EXHAUSTED
     if args.launcher == "ft_launcher":
         args.launcher_args = with_ft_config(args.launcher_args, args.state_dir)
+    if not node_healthy(args.launcher_args, args.state_dir):
+        budget.finish(counted=True)  # retried by the operator like any infrastructure failure
+        return exit_codes.INFRASTRUCTURE
     try:
         outcome = run_launcher(args.launcher, args.launcher_args)
     except _Stopped as exc:

@@ -14,14 +14,13 @@ from typing import Any
 import yaml
 
 from launch.common import LaunchPlan, rank_env
+from launch.k8s_pod import CONFIG_FILE, check_pod, pod_spec
 from recipes import ConfigError, RunConfig, to_yaml
 from recipes.schema import K8sConfig
 
 API_VERSION, KIND = "kubeflow.org/v1", "PyTorchJob"
-CONTAINER = "pytorch"  # the operator reads exit codes (and injects PET_* env) for this name only
-CONFIG_DIR = "/etc/mcore-recipes"
-CONFIG_FILE = "launch-config.yaml"
 LABEL = "mcore-recipes/"
+JOB_NAME_LABEL = f"{LABEL}job-name"  # on the ConfigMap: `k8s delete` finds it by this
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 # The wrapper needs this long after torchrun's workers stop to record the outcome and exit.
 GRACE_MARGIN_S = 15
@@ -62,10 +61,13 @@ def render(plan: LaunchPlan, submission: str, code_commit: str | None) -> Render
     _check_env(k8s)
     name = job_name(plan.run)
     pod_run = pod_paths(plan.run, k8s)
+    check_pod(pod_run, name)
     labels = run_labels(plan.run, submission)
-    config_map = render_config_map(config_map_name(name), k8s.namespace, labels, to_yaml(pod_run))
+    cm_name = config_map_name(name, submission)
+    cm_labels = {**labels, JOB_NAME_LABEL: name}
+    config_map = render_config_map(cm_name, k8s.namespace, cm_labels, to_yaml(pod_run))
     env = _env(pod_run, name, submission, code_commit)
-    job = render_job(pod_run, name, labels, config_map_name(name), env)
+    job = render_job(pod_run, name, labels, cm_name, env)
     return Rendered(name, k8s.namespace, pod_run, config_map, job)
 
 
@@ -79,8 +81,11 @@ def pod_paths(run: RunConfig, k8s: K8sConfig) -> RunConfig:
     return dataclasses.replace(run, output_dir=k8s.shared_mount, checkpoint=checkpoint)
 
 
-def config_map_name(job: str) -> str:
-    return f"{job}-config"
+def config_map_name(job: str, submission: str) -> str:
+    """Unique per submission: a resubmit never collides with a ConfigMap that is still there
+    (garbage collection of a deleted job's ConfigMap is asynchronous)."""
+    suffix = re.sub(r"[^a-z0-9]+", "-", submission.lower()).strip("-") or "0"
+    return f"{job}-config-{suffix}"[:253].rstrip("-")
 
 
 def _check_grace(run: RunConfig) -> None:
@@ -145,7 +150,9 @@ def render_config_map(
 ) -> dict[str, Any]:
     # Why a ConfigMap and not the file on the PVC: the pods must not depend on the submitting
     # host seeing the claim, and an immutable per-submission object cannot be rewritten by a
-    # later submission of the same run while this one is still restarting pods from it.
+    # later submission of the same run while this one is still restarting pods from it. Once
+    # the job exists the ConfigMap gets an ownerReference to it (launch.k8s_api.submit), so
+    # deleting the job by any means deletes the ConfigMap too.
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -162,9 +169,9 @@ def render_job(
     # Kueue admits the job as one workload; the label on its pods would have Kueue's pod
     # integration (where enabled) queue each pod a second time.
     pod_labels = {k: v for k, v in labels.items() if k != KUEUE_QUEUE_LABEL}
-    replicas = {"Master": _replica(1, run, pod_labels, config_map, env)}
+    replicas = {"Master": _replica(1, run, name, pod_labels, config_map, env)}
     if launch.nodes > 1:
-        replicas["Worker"] = _replica(launch.nodes - 1, run, pod_labels, config_map, env)
+        replicas["Worker"] = _replica(launch.nodes - 1, run, name, pod_labels, config_map, env)
     return {
         "apiVersion": API_VERSION,
         "kind": KIND,
@@ -196,57 +203,23 @@ def _run_policy(run: RunConfig) -> dict[str, Any]:
 
 
 def _replica(
-    count: int, run: RunConfig, labels: dict[str, str], config_map: str, env: list[dict[str, Any]]
+    count: int,
+    run: RunConfig,
+    name: str,
+    labels: dict[str, str],
+    config_map: str,
+    env: list[dict[str, Any]],
 ) -> dict[str, Any]:
     # ExitCode: the operator recreates a pod whose container exited 128-255 (on another node if
     # need be) and fails the job for 1-127. launch.k8s_entry maps trainer exit codes onto that.
     return {
         "replicas": count,
         "restartPolicy": "ExitCode",
-        "template": {"metadata": {"labels": dict(labels)}, "spec": _pod_spec(run, config_map, env)},
+        "template": {
+            "metadata": {"labels": dict(labels)},
+            "spec": pod_spec(run, name, config_map, env),
+        },
     }
-
-
-def _pod_spec(run: RunConfig, config_map: str, env: list[dict[str, Any]]) -> dict[str, Any]:
-    k8s = run.launch.k8s
-    volumes, mounts = _volumes(k8s, config_map)
-    spec: dict[str, Any] = {
-        "terminationGracePeriodSeconds": k8s.termination_grace_s,
-        "containers": [
-            {
-                "name": CONTAINER,
-                "image": k8s.image,
-                "command": entry_command(run),
-                "env": [dict(var) for var in env],
-                "resources": _resources(run),
-                "volumeMounts": mounts,
-            }
-        ],
-        "volumes": volumes,
-    }
-    if k8s.priority_class:
-        spec["priorityClassName"] = k8s.priority_class
-    return spec
-
-
-def entry_command(run: RunConfig) -> list[str]:
-    state_dir = f"{run.output_dir}/{run.run_id}/k8s/retries"
-    return [
-        "python",
-        "-m",
-        "launch.k8s_entry",
-        "--launcher",
-        run.launch.backend,
-        "--retries",
-        str(run.launch.k8s.backoff_limit),
-        "--state-dir",
-        state_dir,
-        "--",
-        "-m",
-        "pretrain",
-        "--config",
-        f"{CONFIG_DIR}/{CONFIG_FILE}",
-    ]
 
 
 def _env(
@@ -266,37 +239,6 @@ def _env(
     values.update(rank_env(run))
     values.update({str(key): str(value) for key, value in k8s.env.items()})
     return [{"name": key, "value": value} for key, value in values.items()]
-
-
-def _resources(run: RunConfig) -> dict[str, Any]:
-    launch, k8s = run.launch, run.launch.k8s
-    limits: dict[str, Any] = {}
-    requests: dict[str, Any] = {}
-    if launch.gpus_per_node > 0:
-        limits["nvidia.com/gpu"] = launch.gpus_per_node
-    for key, value in (("cpu", k8s.cpu), ("memory", k8s.memory)):
-        if value is not None:
-            limits[key] = requests[key] = str(value)
-    return {key: value for key, value in (("limits", limits), ("requests", requests)) if value}
-
-
-def _volumes(k8s: K8sConfig, config_map: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    local: dict[str, Any] = {"emptyDir": {}}
-    if k8s.local_volume == "hostPath":
-        local = {"hostPath": {"path": k8s.local_host_path, "type": "DirectoryOrCreate"}}
-    volumes = [
-        {"name": "local-ckpt", **local},
-        {"name": "shared-ckpt", "persistentVolumeClaim": {"claimName": k8s.shared_pvc}},
-        {"name": "dshm", "emptyDir": {"medium": "Memory"}},  # NCCL and dataloader IPC
-        {"name": "run-config", "configMap": {"name": config_map}},
-    ]
-    mounts = [
-        {"name": "local-ckpt", "mountPath": k8s.local_mount},
-        {"name": "shared-ckpt", "mountPath": k8s.shared_mount},
-        {"name": "dshm", "mountPath": "/dev/shm"},
-        {"name": "run-config", "mountPath": CONFIG_DIR, "readOnly": True},
-    ]
-    return volumes, mounts
 
 
 class _Dumper(yaml.SafeDumper):

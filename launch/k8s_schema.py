@@ -7,6 +7,12 @@ int32/int64 are range-checked, ``x-kubernetes-list-type: map`` keys must be uniq
 (``x-kubernetes-validations``) are not evaluated. The CRD embeds the full PodTemplateSpec schema,
 so the pod template is checked to the same depth.
 
+The CRD ships in this package (``launch/schemas/kubeflow.org_pytorchjobs.yaml``): the
+training-operator's ``manifests/base/crds/`` file, unchanged, from kubeflow/training-operator
+branch ``release-1.9`` (commit 078ec30ff26649a07d2e28893c332d4cef70e233), Apache-2.0; the last
+release line that defines PyTorchJob. ``$MCORE_RECIPES_PYTORCHJOB_CRD`` points at another copy,
+e.g. the one a cluster serves (``kubectl get crd pytorchjobs.kubeflow.org -o yaml``).
+
 On top run the checks the schema cannot express but the operator's webhook
 (``ValidateV1PyTorchJob``) and the pod API make: a job that passed the CRD but fails those is
 accepted and then never starts a pod, so they belong before submission too.
@@ -18,6 +24,7 @@ import functools
 import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +34,7 @@ from recipes import ConfigError
 
 CRD_ENV = "MCORE_RECIPES_PYTORCHJOB_CRD"
 CRD_FILE = "kubeflow.org_pytorchjobs.yaml"
-REPO_ROOT = Path(__file__).resolve().parents[1]
+CRD_RESOURCE = ("schemas", CRD_FILE)  # package data of ``launch`` (pyproject package-data)
 
 REPLICA_TYPES = ("Master", "Worker")
 RESTART_POLICIES = ("Always", "OnFailure", "Never", "ExitCode")
@@ -47,11 +54,17 @@ _LIST_MAP_KEYS = "x-kubernetes-list-map-keys"
 
 
 def crd_path() -> Path:
-    """The PyTorchJob CRD: $MCORE_RECIPES_PYTORCHJOB_CRD, else ../shared/k8s/ next to the repo."""
+    """The PyTorchJob CRD: $MCORE_RECIPES_PYTORCHJOB_CRD, else the copy shipped in the package."""
     env = os.environ.get(CRD_ENV)
-    path = Path(env) if env else REPO_ROOT.parent / "shared" / "k8s" / CRD_FILE
+    if env:
+        path = Path(env)
+        source = f"${CRD_ENV}"
+    else:
+        shipped = resources.files("launch").joinpath(*CRD_RESOURCE)
+        # A wheel installs unpacked, so this is a real file; a zipped install is not supported.
+        path = shipped if isinstance(shipped, Path) else Path(str(shipped))
+        source = "shipped with the package; reinstall mcore-recipes"
     if not path.is_file():
-        source = f"${CRD_ENV}" if env else "the default location"
         raise ConfigError(
             f"PyTorchJob CRD not found at {path} ({source}); manifests are validated against it "
             f"before submission. Point {CRD_ENV} at a copy, e.g. "

@@ -10,9 +10,11 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
+import urllib.request
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -23,9 +25,12 @@ import pytest
 import yaml
 
 from launch import k8s
+from launch.__main__ import main as launch_main
 from launch.k8s_entry import Outcome, RetryBudget, classify
 from launch.k8s_render import render
 from launch.k8s_schema import (
+    CRD_ENV,
+    CRD_FILE,
     crd_path,
     crd_schema,
     operator_errors,
@@ -40,24 +45,46 @@ from resiliency.storage.layout import RunLayout
 from resiliency.storage.lease import RunLease
 from tests.helpers import REPO
 
-try:
-    crd_path()
-except ConfigError as exc:
-    pytest.skip(f"PyTorchJob CRD unavailable: {exc}", allow_module_level=True)
+pytest.importorskip("jsonschema", reason="the k8s extra validates manifests with jsonschema")
 
 GOLDEN = Path(__file__).parent / "golden" / "k8s"
+SHARED_CRD = REPO.parent / "shared" / "k8s" / CRD_FILE  # where the shipped copy was taken from
 IMAGE = "registry.example/mcore-recipes@sha256:0123456789abcdef"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 TOKEN = "test-token-123"
 BASE = [f"launch.k8s.image={IMAGE}", "launch.k8s.shared_pvc=ckpt-rwx"]
+# The recipes' data paths are relative (for local runs); in a pod they must be on a volume.
+STDLIB_ON_CLAIM = "data.paths=[/checkpoints/data/stdlib_text_document]"
+GPU_NODE = ["launch.k8s.cpu=96", "launch.k8s.memory=1600Gi"]  # Guaranteed QoS on GPU pods
+
+
+def _hf_data(name: str) -> list[str]:
+    return [
+        f"data.paths=[/checkpoints/data/{name}_text_document]",
+        f"data.tokenizer_path=/checkpoints/tokenizers/{name}",
+    ]
+
+
 RECIPES = {
     # Each names its run (as a user continuing one would): the goldens are stable across launches.
-    "gpt_125m": ["recipe=gpt_125m", "run_id=gpt_125m"],
-    "llama3_70b": ["recipe=llama3_70b", "run_id=llama3_70b"],
-    "mixtral_8x7b": ["recipe=mixtral_8x7b", "run_id=mixtral_8x7b"],
+    "gpt_125m": ["recipe=gpt_125m", "run_id=gpt_125m", STDLIB_ON_CLAIM, *GPU_NODE],
+    "llama3_70b": [
+        "recipe=llama3_70b",
+        "run_id=llama3_70b",
+        *_hf_data("llama3"),
+        *GPU_NODE,
+        # An InfiniBand cluster: RDMA devices from the device plugin, memory pinning for NCCL,
+        # the local checkpoint tier on its default node-local hostPath.
+        "+launch.k8s.extended_resources={rdma/ib: 1}",
+        "launch.k8s.capabilities=[IPC_LOCK]",
+        "checkpoint.local.interval=50",
+        "checkpoint.local.dir=/nvme/ckpt",
+    ],
+    "mixtral_8x7b": ["recipe=mixtral_8x7b", "run_id=mixtral_8x7b", *_hf_data("mixtral"), *GPU_NODE],
     "gpt_tiny": [
         "recipe=gpt_tiny",
         "run_id=gpt_tiny",
+        STDLIB_ON_CLAIM,
         "launch.nodes=2",
         "launch.nproc_per_node=1",
         "launch.k8s.cpu=4",
@@ -67,8 +94,15 @@ RECIPES = {
         "+launch.k8s.env.NCCL_DEBUG=WARN",
         "launch.k8s.local_volume=hostPath",
         "launch.k8s.local_host_path=/mnt/nvme",
+        "checkpoint.local.interval=10",
+        "checkpoint.local.dir=/ignored/in/pods",
+        "launch.k8s.tolerations=[{key: dedicated, operator: Equal, value: training, "
+        "effect: NoSchedule}]",
+        "+launch.k8s.node_selector={node.kubernetes.io/instance-type: c7i.4xlarge}",
+        "launch.k8s.image_pull_secrets=[registry-creds]",
     ],
 }
+GPT = RECIPES["gpt_125m"]
 
 
 @pytest.fixture(autouse=True)
@@ -140,21 +174,106 @@ def test_optional_knobs_render() -> None:
         "hostPath": {"path": "/mnt/nvme", "type": "DirectoryOrCreate"},
     } in master(job)["template"]["spec"]["volumes"]
     assert {"name": "NCCL_DEBUG", "value": "WARN"} in container(job)["env"]
+    pod = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    assert pod["tolerations"] == [
+        {"key": "dedicated", "operator": "Equal", "value": "training", "effect": "NoSchedule"}
+    ]
+    assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "c7i.4xlarge"}
+    assert pod["imagePullSecrets"] == [{"name": "registry-creds"}]
+
+
+def test_toleration_values_render_as_the_pod_api_types() -> None:
+    tol = "launch.k8s.tolerations=[{key: gen, value: 5, effect: NoExecute, tolerationSeconds: 60}]"
+    _, rendered = k8s.render_run(GPT + [tol] + BASE)
+    assert master(rendered.job)["template"]["spec"]["tolerations"] == [
+        {"key": "gen", "value": "5", "effect": "NoExecute", "tolerationSeconds": 60}
+    ]
+    assert schema_errors(rendered.job) == []
+
+
+def test_gpu_pods_are_guaranteed_qos_with_rdma() -> None:
+    _, rendered = k8s.render_run(RECIPES["llama3_70b"] + BASE)
+    assert schema_errors(rendered.job) == []
+    for replica in rendered.job["spec"]["pytorchReplicaSpecs"].values():
+        pod = replica["template"]["spec"]
+        resources = pod["containers"][0]["resources"]
+        # Guaranteed: cpu and memory requested = limited; device-plugin resources likewise.
+        assert (
+            resources["requests"]
+            == resources["limits"]
+            == {
+                "cpu": "96",
+                "memory": "1600Gi",
+                "nvidia.com/gpu": 8,
+                "rdma/ib": 1,
+            }
+        )
+        assert pod["containers"][0]["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+        assert "tolerations" not in pod and "nodeSelector" not in pod
+
+
+def test_gpu_pods_without_cpu_and_memory_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"launch.k8s.memory must be set for GPU pods") as info:
+        k8s.render_run(["recipe=gpt_125m", STDLIB_ON_CLAIM, "launch.k8s.cpu=96"] + BASE)
+    assert "\n" not in str(info.value) and "Guaranteed" in str(info.value)
+
+
+def test_cpu_pods_without_cpu_and_memory_warn(caplog: pytest.LogCaptureFixture) -> None:
+    _, rendered = k8s.render_run(["recipe=gpt_tiny", STDLIB_ON_CLAIM] + BASE)
+    assert "launch.k8s.cpu and launch.k8s.memory not set" in caplog.text
+    assert container(rendered.job)["resources"] == {}
 
 
 def test_local_tier_writes_to_the_node_local_volume() -> None:
-    _, rendered = k8s.render_run(
-        RECIPES["gpt_tiny"]
-        + BASE
-        + ["checkpoint.local.interval=10", "checkpoint.local.dir=/ignored/in/pods"]
-    )
+    _, rendered = k8s.render_run(RECIPES["gpt_tiny"] + BASE)
     assert rendered.pod_run.checkpoint.local.dir == "/local-ckpt"
     mounts = container(rendered.job)["volumeMounts"]
     assert {"name": "local-ckpt", "mountPath": "/local-ckpt"} in mounts
 
 
+def test_local_tier_defaults_to_a_host_path_per_job(caplog: pytest.LogCaptureFixture) -> None:
+    tier = ["checkpoint.local.interval=10", "checkpoint.local.dir=/x", "launch.k8s.namespace=ml"]
+    _, rendered = k8s.render_run(GPT + tier + BASE)
+    volumes = master(rendered.job)["template"]["spec"]["volumes"]
+    # Survives the operator recreating the pod on the same node, unlike an emptyDir.
+    assert volumes[0] == {
+        "name": "local-ckpt",
+        "hostPath": {"path": "/var/lib/mcore-recipes/ml/gpt-125m", "type": "DirectoryOrCreate"},
+    }
+    assert "emptyDir" not in caplog.text
+    _, rendered = k8s.render_run(GPT + tier + ["launch.k8s.local_volume=emptyDir"] + BASE)
+    volumes = master(rendered.job)["template"]["spec"]["volumes"]
+    assert volumes[0] == {"name": "local-ckpt", "emptyDir": {}}
+    assert "local checkpoint tier is deleted with its pod" in caplog.text
+    # Without the tier there is no node-local volume at all (no hostPath to be allowed).
+    _, rendered = k8s.render_run(GPT + BASE)
+    names = [v["name"] for v in master(rendered.job)["template"]["spec"]["volumes"]]
+    assert names == ["shared-ckpt", "dshm", "run-config"]
+
+
+def test_data_paths_must_be_on_a_mounted_volume(caplog: pytest.LogCaptureFixture) -> None:
+    with pytest.raises(ConfigError) as info:
+        k8s.render_run(["recipe=gpt_125m", *GPU_NODE] + BASE)
+    message = str(info.value)
+    assert message.startswith("data.paths[0]='data/stdlib_text_document' is relative")
+    assert "/checkpoints (claim ckpt-rwx)" in message and "\n" not in message
+    assert "data.paths=[/checkpoints/data/stdlib_text_document]" in message
+    with pytest.raises(ConfigError, match=r"data.tokenizer_path='tokenizers/llama3' is relative"):
+        k8s.render_run(["recipe=llama3_8b", "data.paths=[/checkpoints/d]", *GPU_NODE] + BASE)
+    with pytest.raises(ConfigError, match=r"data.cache_dir='cache' is relative"):
+        k8s.render_run(GPT + ["data.cache_dir=cache"] + BASE)
+    # Absolute but on no volume: may be baked into the image, so only a warning.
+    k8s.render_run(GPT + ["data.paths=[/opt/data/stdlib_text_document]"] + BASE)
+    assert "data.paths[0]=/opt/data/stdlib_text_document is on none of" in caplog.text
+    caplog.clear()
+    k8s.render_run(GPT + BASE)  # on the claim: nothing to say
+    k8s.render_run(["recipe=gpt_125m", "data.kind=mock", *GPU_NODE] + BASE)  # paths unused
+    assert "is on none of" not in caplog.text
+
+
 def test_job_name_is_a_dns_label_that_leaves_room_for_pod_names() -> None:
-    _, rendered = k8s.render_run(["recipe=mixtral_8x7b", "run_id=" + "Run_" * 30] + BASE)
+    long_name = ["recipe=mixtral_8x7b", "run_id=" + "Run_" * 30, *_hf_data("mixtral"), *GPU_NODE]
+    _, rendered = k8s.render_run(long_name + BASE)
     assert rendered.name.startswith("run-run-run") and len(rendered.name + "-worker-6") <= 63
     with pytest.raises(ConfigError, match="launch.k8s.job_name='Bad_Name'"):
         k8s.render_run(["recipe=gpt_125m", "launch.k8s.job_name=Bad_Name"] + BASE)
@@ -201,7 +320,7 @@ C0_PATH = "spec.pytorchReplicaSpecs.Master.template.spec.containers[0]"
         (_mutate("spec/pytorchReplicaSpecs/Master/restartPolicy", "Sometimes"), "restartPolicy"),
         (_mutate(f"{C0}/volumeMounts/0/name", "nope"), "no volume named 'nope'"),
         (_mutate(f"{C0}/volumeMounts/1/mountPath", "ckpt"), "mountPath: 'ckpt' is not absolute"),
-        (_mutate(f"{C0}/volumeMounts/1/mountPath", "/dev/shm"), "duplicate entry"),
+        (_mutate(f"{C0}/volumeMounts/0/mountPath", "/dev/shm"), "duplicate entry"),
     ],
     ids=[
         "unknown-field",
@@ -295,17 +414,72 @@ def test_golden_manifest(recipe: str) -> None:
             ["recipe=gpt_125m", "launch.k8s.termination_grace_s=60"] + BASE,
             "termination_grace_s=60 is too short",
         ),
+        (["recipe=gpt_125m"] + BASE, "launch.k8s.cpu and launch.k8s.memory must be set"),
+        (["recipe=gpt_125m", *GPU_NODE] + BASE, "data.paths[0]='data/stdlib_text_document'"),
+        (GPT + ["launch.k8s.cpu=lots"] + BASE, "launch.k8s.cpu='lots' is not a Kubernetes"),
+        (GPT + ["launch.k8s.capabilities=[CAP_IPC_LOCK]"] + BASE, "no CAP_ prefix"),
+        (
+            GPT + ["launch.k8s.tolerations=[{key: gpu, efect: NoSchedule}]"] + BASE,
+            "launch.k8s.tolerations[0]: unknown field(s) ['efect']",
+        ),
+        (
+            GPT + ["launch.k8s.tolerations=[{key: gpu, effect: NoExecut}]"] + BASE,
+            "launch.k8s.tolerations[0].effect='NoExecut' is not one of",
+        ),
+        (
+            GPT + ["+launch.k8s.node_selector={gpu: a b}"] + BASE,
+            "launch.k8s.node_selector: 'gpu': 'a b' is not a node label",
+        ),
+        (
+            GPT + ["launch.k8s.image_pull_secrets=[Regcred]"] + BASE,
+            "launch.k8s.image_pull_secrets: 'Regcred' is not a Secret name",
+        ),
+        (
+            GPT + ["+launch.k8s.extended_resources={rdma: 1}"] + BASE,
+            "launch.k8s.extended_resources: 'rdma' is not an extended resource name",
+        ),
+        (
+            GPT + ["+launch.k8s.extended_resources={nvidia.com/gpu: 8}"] + BASE,
+            "nvidia.com/gpu comes from launch.gpus_per_node",
+        ),
+        (
+            GPT + ["launch.k8s.local_volume=emptyDir", "launch.k8s.local_host_path=/mnt"] + BASE,
+            "launch.k8s.local_host_path='/mnt' needs launch.k8s.local_volume=hostPath",
+        ),
     ],
-    ids=["no-image", "layout", "unknown-key", "no-pvc", "grace"],
+    ids=[
+        "no-image",
+        "layout",
+        "unknown-key",
+        "no-pvc",
+        "grace",
+        "gpu-no-cpu-memory",
+        "relative-data",
+        "bad-quantity",
+        "capability-prefix",
+        "toleration-field",
+        "toleration-effect",
+        "node-selector",
+        "pull-secret",
+        "extended-resource-name",
+        "extended-resource-gpu",
+        "host-path-with-empty-dir",
+    ],
 )
 def test_bad_input_refused_before_submit(
     overrides: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A kubeconfig that does not exist: reaching the API step would fail differently.
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-such-kubeconfig"))
-    with pytest.raises(ConfigError, match=re.escape(message)):
+    with pytest.raises(ConfigError, match=re.escape(message)) as info:
         cli(overrides + [f"output_dir={tmp_path}"])
+    assert "\n" not in str(info.value)  # one actionable line
     assert not list(tmp_path.rglob("*.yaml"))
+
+
+def test_bad_key_exits_2_through_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    argv = ["k8s", *GPT, "launch.k8s.capabilities=[ipc_lock]", f"output_dir={tmp_path}"]
+    assert launch_main([*argv, *BASE, "--dry-run"]) == exit_codes.CONFIG_ERROR == 2
 
 
 def test_invalid_env_name_refused() -> None:
@@ -323,14 +497,9 @@ def test_live_lease_refuses_submit(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     lease.acquire()
     try:
         with pytest.raises(ConfigError, match="owned by a live job"):
-            cli(["recipe=gpt_125m", "run_id=gpt_125m", f"output_dir={tmp_path}"] + BASE)
+            cli(GPT + [f"output_dir={tmp_path}"] + BASE)
         # A dry run only renders, so it still works while the job runs.
-        assert (
-            cli(
-                ["recipe=gpt_125m", "run_id=gpt_125m", f"output_dir={tmp_path}", "--dry-run"] + BASE
-            )
-            == 0
-        )
+        assert cli(GPT + [f"output_dir={tmp_path}", "--dry-run"] + BASE) == 0
     finally:
         lease.release()
 
@@ -338,13 +507,29 @@ def test_live_lease_refuses_submit(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 # --- the API calls, against a loopback stand-in -----------------------------------------------
 
 
+def _status(code: int, message: str = "") -> dict[str, Any]:
+    failed = code >= 400
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "status": "Failure" if failed else "Success",
+        "metadata": {},
+        **({"message": message, "code": code} if failed else {}),
+    }
+
+
 class FakeApiServer:
-    """Answers the handful of API-server routes the adapter uses; records every request."""
+    """Answers the handful of API-server routes the adapter uses; records every request.
+    Keeps ConfigMaps and jobs by name (a second create of one is 409 AlreadyExists), and
+    collects a deleted job's owned ConfigMaps at once, as the garbage collector would later."""
 
     def __init__(self, fail_job_create: bool = False) -> None:
         self.requests: list[dict[str, Any]] = []
         self.jobs: dict[str, dict[str, Any]] = {}
+        self.config_maps: dict[str, dict[str, Any]] = {}
         self.fail_job_create = fail_job_create
+        self.fail_patch = False
+        self.uids = iter(f"u-{i}" for i in range(1, 100))
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
 
@@ -368,6 +553,7 @@ class FakeApiServer:
                     "path": url.path,
                     "query": parse_qs(url.query),
                     "auth": self.headers.get("Authorization"),
+                    "content_type": self.headers.get("Content-Type"),
                     "body": json.loads(raw) if raw else None,
                 }
                 fake.requests.append(request)
@@ -381,36 +567,35 @@ class FakeApiServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-            do_GET = do_POST = do_DELETE = _serve
+            do_GET = do_POST = do_DELETE = do_PATCH = _serve
 
         return Handler
 
     def answer(self, req: dict[str, Any]) -> tuple[int, Any]:
         parts = req["path"].strip("/").split("/")
-        if req["method"] == "POST" and parts[-1] == "configmaps":
-            return 201, req["body"]
+        if "configmaps" in parts:
+            return self._config_maps(req, parts)
         if req["method"] == "POST" and parts[-1] == "pytorchjobs":
             if self.fail_job_create:
-                return 422, {
-                    "kind": "Status",
-                    "apiVersion": "v1",
-                    "status": "Failure",
-                    "message": "admission webhook denied the request",
-                    "code": 422,
-                }
-            created = {**req["body"], "metadata": {**req["body"]["metadata"], "uid": "u-1"}}
-            self.jobs[created["metadata"]["name"]] = created
+                return 422, _status(422, "admission webhook denied the request")
+            name = req["body"]["metadata"]["name"]
+            if name in self.jobs:
+                return 409, _status(409, f'pytorchjobs.kubeflow.org "{name}" already exists')
+            uid = next(self.uids)
+            created = {**req["body"], "metadata": {**req["body"]["metadata"], "uid": uid}}
+            self.jobs[name] = created
             return 201, created
+        if req["method"] == "DELETE" and "pytorchjobs" in parts:
+            job = self.jobs.pop(parts[-1])
+            uid = job["metadata"]["uid"]
+            for name, cm in list(self.config_maps.items()):
+                if uid in [o["uid"] for o in cm["metadata"].get("ownerReferences", [])]:
+                    del self.config_maps[name]
+            return 200, _status(200)
         if req["method"] == "GET" and "pytorchjobs" in parts:
             job = self.jobs.get(parts[-1])
             if job is None:
-                return 404, {
-                    "kind": "Status",
-                    "apiVersion": "v1",
-                    "status": "Failure",
-                    "message": f'pytorchjobs "{parts[-1]}" not found',
-                    "code": 404,
-                }
+                return 404, _status(404, f'pytorchjobs "{parts[-1]}" not found')
             return 200, {
                 **job,
                 "status": {
@@ -451,9 +636,34 @@ class FakeApiServer:
             }
         if req["method"] == "GET" and parts[-1] == "log":
             return 200, "step 1 loss 10.9\nstep 2 loss 10.7\n"
+        return 404, _status(404, f"no route {req['method']} {req['path']}")
+
+    def _config_maps(self, req: dict[str, Any], parts: list[str]) -> tuple[int, Any]:
+        if req["method"] == "POST":
+            name = req["body"]["metadata"]["name"]
+            if name in self.config_maps:
+                return 409, _status(409, f'configmaps "{name}" already exists')
+            self.config_maps[name] = copy.deepcopy(req["body"])
+            return 201, req["body"]
+        if req["method"] == "PATCH":
+            if self.fail_patch:
+                return 403, _status(403, "configmaps is forbidden: cannot patch")
+            # JSON Patch, the one form the adapter sends: add one field of metadata.
+            assert req["content_type"] == "application/json-patch+json"
+            [op] = req["body"]
+            assert op["op"] == "add" and op["path"] == "/metadata/ownerReferences"
+            self.config_maps[parts[-1]]["metadata"]["ownerReferences"] = op["value"]
+            return 200, self.config_maps[parts[-1]]
+        if req["method"] == "DELETE" and parts[-1] == "configmaps":  # by label selector
+            key, value = req["query"]["labelSelector"][0].split("=")
+            for name, cm in list(self.config_maps.items()):
+                if cm["metadata"]["labels"].get(key) == value:
+                    del self.config_maps[name]
+            return 200, _status(200)
         if req["method"] == "DELETE":
-            return 200, {"kind": "Status", "apiVersion": "v1", "status": "Success", "metadata": {}}
-        return 404, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 404}
+            self.config_maps.pop(parts[-1], None)
+            return 200, _status(200)
+        return 404, _status(404, f"no route {req['method']} {req['path']}")
 
 
 @pytest.fixture
@@ -480,21 +690,22 @@ def api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeApiServ
 
 
 def test_submit_posts_the_rendered_objects(api: FakeApiServer, tmp_path: Path) -> None:
-    argv = [
-        "recipe=llama3_70b",
-        "run_id=llama3_70b",
-        f"output_dir={tmp_path}",
-        "launch.k8s.namespace=team-a",
-    ] + BASE
+    argv = RECIPES["llama3_70b"] + [f"output_dir={tmp_path}", "launch.k8s.namespace=team-a"] + BASE
     _, rendered = k8s.render_run(argv)
     assert cli(argv) == 0
+    cm_path = "/api/v1/namespaces/team-a/configmaps"
     assert [(r["method"], r["path"]) for r in api.requests] == [
-        ("POST", "/api/v1/namespaces/team-a/configmaps"),
+        ("POST", cm_path),
         ("POST", "/apis/kubeflow.org/v1/namespaces/team-a/pytorchjobs"),
+        ("PATCH", f"{cm_path}/llama3-70b-config-test"),
     ]
     assert all(r["auth"] == f"Bearer {TOKEN}" for r in api.requests)
     assert api.requests[0]["body"] == rendered.config_map
     assert api.requests[1]["body"] == rendered.job
+    # Once the job exists it owns the ConfigMap: deleting the job deletes the ConfigMap.
+    assert api.config_maps["llama3-70b-config-test"]["metadata"]["ownerReferences"] == [
+        {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "name": "llama3-70b", "uid": "u-1"}
+    ]
     run_dir = tmp_path / "llama3_70b"
     assert (
         list(yaml.safe_load_all((run_dir / "k8s" / "llama3-70b.yaml").read_text()))
@@ -505,25 +716,53 @@ def test_submit_posts_the_rendered_objects(api: FakeApiServer, tmp_path: Path) -
     assert (record["name"], record["namespace"], record["uid"]) == ("llama3-70b", "team-a", "u-1")
 
 
+def test_resubmit_after_delete_never_collides(
+    api: FakeApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    argv = GPT + [f"output_dir={tmp_path}"] + BASE
+    monkeypatch.setenv(k8s.SUBMISSION_ENV, "first")
+    assert cli(argv) == 0
+    # Deleted behind the adapter's back (kubectl delete pytorchjob): the owner reference lets
+    # the garbage collector take the ConfigMap along.
+    job_url = f"{api.url}/apis/kubeflow.org/v1/namespaces/default/pytorchjobs/gpt-125m"
+    urllib.request.urlopen(urllib.request.Request(job_url, method="DELETE"), timeout=10).close()
+    assert api.config_maps == {}
+    # Even while a collected ConfigMap still lingers, a resubmission gets a name of its own.
+    api.config_maps["gpt-125m-config-first"] = {"metadata": {"labels": {}}}
+    monkeypatch.setenv(k8s.SUBMISSION_ENV, "second")
+    assert cli(argv) == 0
+    assert "gpt-125m-config-second" in api.config_maps
+
+
+def test_unowned_config_map_is_still_deleted_with_its_job(
+    api: FakeApiServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    api.fail_patch = True
+    assert cli(GPT + [f"output_dir={tmp_path}"] + BASE) == 0  # the job runs regardless
+    assert "HTTP 403" in caplog.text and "python -m launch k8s delete gpt-125m" in caplog.text
+    assert "ownerReferences" not in api.config_maps["gpt-125m-config-test"]["metadata"]
+    assert cli(["delete", "gpt-125m"]) == 0
+    assert api.requests[-1]["query"]["labelSelector"] == ["mcore-recipes/job-name=gpt-125m"]
+    assert api.config_maps == {} and api.jobs == {}
+
+
 def test_rejected_job_rolls_back_its_config_map(
     api: FakeApiServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     api.fail_job_create = True
-    assert (
-        cli(["recipe=gpt_125m", "run_id=gpt_125m", f"output_dir={tmp_path}"] + BASE)
-        == exit_codes.INFRASTRUCTURE
-    )
+    assert cli(GPT + [f"output_dir={tmp_path}"] + BASE) == exit_codes.INFRASTRUCTURE
     assert [(r["method"], r["path"]) for r in api.requests][-1] == (
         "DELETE",
-        "/api/v1/namespaces/default/configmaps/gpt-125m-config",
+        "/api/v1/namespaces/default/configmaps/gpt-125m-config-test",
     )
     assert "HTTP 422" in caplog.text and "admission webhook denied" in caplog.text
+    assert api.config_maps == {}
 
 
 def test_status_logs_delete(
     api: FakeApiServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert cli(["recipe=llama3_70b", "run_id=llama3_70b", f"output_dir={tmp_path}"] + BASE) == 0
+    assert cli(RECIPES["llama3_70b"] + [f"output_dir={tmp_path}"] + BASE) == 0
     capsys.readouterr()
     assert cli(["status", "llama3-70b"]) == 0
     out = capsys.readouterr().out
@@ -531,21 +770,22 @@ def test_status_logs_delete(
     assert cli(["logs", "llama3-70b", "--replica", "worker", "--index", "3", "--tail", "5"]) == 0
     assert capsys.readouterr().out == "step 1 loss 10.9\nstep 2 loss 10.7\n"
     assert cli(["delete", "llama3-70b", "--namespace", "default"]) == 0
-    calls = [(r["method"], r["path"]) for r in api.requests[2:]]
+    calls = [(r["method"], r["path"]) for r in api.requests[3:]]
     assert calls == [
         ("GET", "/apis/kubeflow.org/v1/namespaces/default/pytorchjobs/llama3-70b"),
         ("GET", "/api/v1/namespaces/default/pods"),
         ("GET", "/api/v1/namespaces/default/pods/job-master-0/log"),
         ("DELETE", "/apis/kubeflow.org/v1/namespaces/default/pytorchjobs/llama3-70b"),
-        ("DELETE", "/api/v1/namespaces/default/configmaps/llama3-70b-config"),
+        ("DELETE", "/api/v1/namespaces/default/configmaps"),
     ]
-    pods, log_req = api.requests[3], api.requests[4]
+    pods, log_req = api.requests[4], api.requests[5]
     assert pods["query"]["labelSelector"] == [
         "training.kubeflow.org/job-name=llama3-70b,training.kubeflow.org/replica-type=worker,"
         "training.kubeflow.org/replica-index=3"
     ]
     assert log_req["query"]["container"] == ["pytorch"] and log_req["query"]["tailLines"] == ["5"]
     assert all(r["auth"] == f"Bearer {TOKEN}" for r in api.requests)
+    assert api.config_maps == {}
     assert cli(["status", "nope"]) == exit_codes.INFRASTRUCTURE
 
 
@@ -559,6 +799,7 @@ def test_cli_subprocess_dry_run(tmp_path: Path) -> None:
             "launch",
             "k8s",
             "recipe=gpt_tiny",
+            STDLIB_ON_CLAIM,
             "launch.nodes=2",
             "launch.nproc_per_node=1",
             f"output_dir={tmp_path}",
@@ -587,6 +828,68 @@ def test_cli_subprocess_dry_run(tmp_path: Path) -> None:
     )
     assert proc.returncode == exit_codes.CONFIG_ERROR
     assert "launch.k8s.image is required" in proc.stderr
+
+
+# --- the CRD ships with the package -----------------------------------------------------------
+
+
+def test_crd_is_the_shipped_copy_unless_overridden(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(CRD_ENV, raising=False)
+    assert crd_path() == REPO / "launch" / "schemas" / CRD_FILE
+    monkeypatch.setenv(CRD_ENV, str(tmp_path / "crd.yaml"))
+    with pytest.raises(ConfigError, match=r"not found at .*crd.yaml \(\$MCORE_RECIPES_PYTORCHJOB"):
+        crd_path()
+
+
+@pytest.mark.skipif(not SHARED_CRD.is_file(), reason=f"{SHARED_CRD} not present")
+def test_shipped_crd_is_the_shared_copy() -> None:
+    shipped = REPO / "launch" / "schemas" / CRD_FILE
+    assert shipped.read_bytes() == SHARED_CRD.read_bytes()
+
+
+def _install_wheel(tmp_path: Path) -> Path:
+    """Build a wheel from a copy of the sources (building in the checkout would write build/
+    and *.egg-info there) and unpack it into a directory of its own; returns that directory."""
+    src, site = tmp_path / "src", tmp_path / "site"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for package in ("recipes", "pretrain", "resiliency", "launch", "drill", "bench"):
+        shutil.copytree(REPO / package, src / package, ignore=skip)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    wheels = tmp_path / "wheels"
+    build = ["wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(src)]
+    proc = subprocess.run(pip + build, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [wheel] = wheels.glob("mcore_recipes-*.whl")
+    install = ["install", "--no-deps", "--no-index", "--target", str(site), str(wheel)]
+    proc = subprocess.run(pip + install, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return site
+
+
+def test_installed_wheel_renders_and_validates_outside_the_repo(tmp_path: Path) -> None:
+    site = _install_wheel(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(site), k8s.SUBMISSION_ENV: "test"}
+    env.pop(CRD_ENV, None)
+    run = dict(cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120)
+    probe = "import launch, recipes, launch.k8s_schema as s; print(launch.__file__, s.crd_path())"
+    proc = subprocess.run([sys.executable, "-c", probe], **run)
+    assert proc.returncode == 0, proc.stderr
+    shipped = site / "launch" / "schemas" / CRD_FILE
+    assert proc.stdout.split() == [str(site / "launch" / "__init__.py"), str(shipped)]
+    argv = [*RECIPES["llama3_70b"], *BASE, f"output_dir={tmp_path / 'runs'}", "--dry-run"]
+    proc = subprocess.run([sys.executable, "-m", "launch", "k8s", *argv], **run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    config_map, job = yaml.safe_load_all(proc.stdout)
+    assert job["kind"] == "PyTorchJob" and config_map["kind"] == "ConfigMap"
+    assert schema_errors(job, shipped) == [] and operator_errors(job) == []
+    assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 7
 
 
 # --- the in-pod wrapper -----------------------------------------------------------------------
