@@ -36,7 +36,22 @@ def plan_launch(overrides: Sequence[str]) -> LaunchPlan:
             f"launch.nproc_per_node={run.launch.nproc_per_node} = "
             f"{run.launch.world_size} ranks)"
         ) from None
+    _check_shrunk_layout(run, device)
     return LaunchPlan(run, list(overrides), Path(run.output_dir) / run.run_id, device, dp)
+
+
+def _check_shrunk_layout(run: RunConfig, device: str) -> None:
+    """A job allowed to shrink (launch.slurm.min_nodes) must train at every size down to it:
+    refused now, not at a requeue hours later."""
+    low = run.launch.slurm.min_nodes
+    for nodes in range(low or run.launch.nodes, run.launch.nodes):
+        try:
+            validate_runtime(run, nodes * run.launch.nproc_per_node, device)
+        except ConfigError as exc:
+            raise ConfigError(
+                f"launch.slurm.min_nodes={low}: at {nodes} node(s) x "
+                f"{run.launch.nproc_per_node} ranks: {exc}"
+            ) from None
 
 
 def rank_env(run: RunConfig) -> dict[str, str]:

@@ -43,6 +43,7 @@ from launch.common import (
 )
 from launch.retry_policy import STOP, Decision, decide, newest_attempt, read_outcome
 from pretrain import exit_codes
+from resiliency.health import describe, preflight
 from resiliency.monitor.fault_tolerance import write_launcher_config
 from resiliency.monitor.postmortem import LauncherEvents, finalize_attempts
 from resiliency.storage.attempts import recorded_attempts
@@ -114,6 +115,8 @@ class LocalSupervisor:
         try:
             while self.signal is None:
                 used = self._restarts_used(before)
+                if not self._healthy(len(self.events.launches)):
+                    return exit_codes.INFRASTRUCTURE
                 self._launch(max(0, self.max_restarts - used))
                 decision = self._decide(before)
                 if decision.action == STOP:
@@ -125,6 +128,16 @@ class LocalSupervisor:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _healthy(self, launch: int) -> bool:
+        """This machine's health check before every launch (one node: nothing to exclude, so
+        an unhealthy one stops the run with the reason instead of failing minutes later)."""
+        directory = self.plan.run_dir / "health" / f"local-{os.getpid()}-{launch}"
+        report = preflight(self.plan.run, directory)
+        if report is None:
+            return True
+        (log.info if report.ok else log.error)("launch local: %s", describe(report))
+        return report.ok
 
     def _restarts_used(self, before: int) -> int:
         """Group starts so far (attempt records, or launches that left none) minus the first."""

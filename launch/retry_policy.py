@@ -23,11 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from launch.requeues import append_ledger, excluded_so_far, failures_used, plan_exclusion
 from pretrain import exit_codes
+from resiliency.health import unhealthy_nodes
 from resiliency.storage.attempts import recorded_attempts
 from resiliency.storage.layout import RunLayout
 
 REQUEUE, STOP = "requeue", "stop"
+PLANNED, FAILURE = "planned", "failure"
 KILLED_STATUSES = ("starting", "running")
 RETRYABLE_CODES = (exit_codes.INFRASTRUCTURE, exit_codes.REQUEUE)
 
@@ -37,6 +40,7 @@ class Decision:
     action: str  # "requeue" | "stop"
     exit_code: int  # what the batch script exits with (0 after a requeue)
     reason: str
+    kind: str = ""  # a requeue's: "planned" (time limit, preemption) | "failure" (budgeted)
 
     def line(self) -> str:
         return f"{self.action} {self.exit_code} {self.reason}"
@@ -83,15 +87,31 @@ def read_outcome(run_dir: Path, after_attempt: int = 0) -> Outcome:
 
 
 def decide(
-    run_dir: Path, restart_count: int, max_requeues: int, after_attempt: int = 0
+    run_dir: Path,
+    failures_used: int,
+    max_requeues: int,
+    after_attempt: int = 0,
+    unhealthy: tuple[str, ...] = (),
 ) -> Decision:
-    """Requeue planned exits and infrastructure deaths under the budget; stop on the rest."""
+    """Requeue planned exits always, failures under the budget; stop on the rest.
+
+    ``failures_used``: failure requeues this job already had (planned ones do not count);
+    ``unhealthy``: nodes that failed the health check this attempt (a failure, requeued
+    without them when the launcher can exclude them)."""
     outcome = read_outcome(run_dir, after_attempt)
     if outcome.status == "finished":
         return Decision(STOP, outcome.exit_code or exit_codes.OK, f"finished ({outcome.detail})")
     if outcome.status == "preempted" or outcome.exit_code == exit_codes.REQUEUE:
+        # A time-limit or preemption save: planned, not a failure; the budget is for failures.
+        return Decision(
+            REQUEUE,
+            exit_codes.OK,
+            f"planned requeue: preempted after an emergency save ({outcome.detail})",
+            PLANNED,
+        )
+    if unhealthy:
         return _requeue(
-            f"preempted after an emergency save ({outcome.detail})", restart_count, max_requeues
+            f"node(s) {', '.join(unhealthy)} failed the health check", failures_used, max_requeues
         )
     if outcome.exit_code in exit_codes.DO_NOT_RETRY:
         return Decision(
@@ -100,25 +120,28 @@ def decide(
     if outcome.status is None or outcome.status in KILLED_STATUSES:
         return _requeue(
             f"infrastructure: process killed or never recorded ({outcome.detail})",
-            restart_count,
+            failures_used,
             max_requeues,
         )
     if outcome.exit_code is None or outcome.exit_code in RETRYABLE_CODES:
-        return _requeue(f"infrastructure failure ({outcome.detail})", restart_count, max_requeues)
+        return _requeue(f"infrastructure failure ({outcome.detail})", failures_used, max_requeues)
     # An exit code we do not know: retrying blindly could loop on a deterministic bug.
     return Decision(STOP, outcome.exit_code, f"unknown exit code, not retried ({outcome.detail})")
 
 
-def _requeue(reason: str, restart_count: int, max_requeues: int) -> Decision:
-    if restart_count >= max_requeues:
+def _requeue(reason: str, failures_used: int, max_requeues: int) -> Decision:
+    if failures_used >= max_requeues:
         return Decision(
             STOP,
             exit_codes.RETRY_BUDGET_EXHAUSTED,
-            f"retry budget exhausted ({restart_count} of {max_requeues} requeues "
+            f"retry budget exhausted ({failures_used} of {max_requeues} failure requeues "
             f"used); last: {reason}",
         )
     return Decision(
-        REQUEUE, exit_codes.OK, f"requeue {restart_count + 1} of {max_requeues}: {reason}"
+        REQUEUE,
+        exit_codes.OK,
+        f"failure requeue {failures_used + 1} of {max_requeues}: {reason}",
+        FAILURE,
     )
 
 
@@ -133,7 +156,20 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="print the newest attempt id (0 if none) and exit",
     )
     parser.add_argument("--restart-count", type=int, default=0, help="SLURM_RESTART_COUNT")
-    parser.add_argument("--max-requeues", type=int, default=0)
+    parser.add_argument("--max-requeues", type=int, default=0, help="failure requeues allowed")
+    parser.add_argument(
+        "--job-id",
+        default=None,
+        help="count failure requeues and exclusions in the run's ledger for this job "
+        "(without it: every restart counts as a failure)",
+    )
+    parser.add_argument("--health-dir", type=Path, action="append", default=[])
+    parser.add_argument("--job-nodes", type=int, default=0, help="SLURM_NNODES")
+    parser.add_argument("--launch-nodes", type=int, default=0, help="launch.nodes")
+    parser.add_argument("--min-nodes", type=int, default=0, help="launch.slurm.min_nodes")
+    parser.add_argument("--max-excluded", type=int, default=0)
+    parser.add_argument("--partition-nodes", type=int, default=0)
+    parser.add_argument("--cpus-per-task", type=int, default=1, help="SLURM_CPUS_PER_TASK")
     parser.add_argument(
         "--after-attempt",
         type=int,
@@ -148,9 +184,48 @@ def main(argv: list[str]) -> int:
     if args.newest_attempt:
         print(newest_attempt(args.run_dir))
         return 0
-    decision = decide(args.run_dir, args.restart_count, args.max_requeues, args.after_attempt)
+    unhealthy = sorted({n for d in args.health_dir for n in unhealthy_nodes(d)})
+    if args.job_id is None:
+        decision = decide(args.run_dir, args.restart_count, args.max_requeues, args.after_attempt)
+        print(decision.line(), flush=True)
+        return decision.exit_code
+    used = failures_used(args.run_dir, args.job_id)
+    decision = decide(args.run_dir, used, args.max_requeues, args.after_attempt, tuple(unhealthy))
+    update = ""
+    if decision.action == REQUEUE:
+        update = _requeue_update(args, unhealthy, decision)
     print(decision.line(), flush=True)
+    print(update, flush=True)  # the batch script's `scontrol update` arguments ("" = none)
     return decision.exit_code
+
+
+def _requeue_update(args: argparse.Namespace, unhealthy: list[str], decision: Decision) -> str:
+    """Record the requeue in the ledger; the scontrol update that leaves bad nodes out."""
+    already = excluded_so_far(args.run_dir, args.job_id)
+    exclusion = plan_exclusion(
+        unhealthy,
+        already,
+        launch_nodes=args.launch_nodes or args.job_nodes,
+        min_nodes=args.min_nodes or None,
+        partition_nodes=args.partition_nodes or args.job_nodes,
+        max_excluded=args.max_excluded,
+    )
+    if exclusion.note:
+        print(f"nodes: {exclusion.note}", file=sys.stderr, flush=True)
+    append_ledger(
+        args.run_dir,
+        {
+            "job_id": args.job_id,
+            "restart": args.restart_count,
+            "kind": decision.kind,
+            "reason": decision.reason,
+            "unhealthy": unhealthy,
+            "exclude": list(exclusion.exclude),
+            "nodes": exclusion.nodes,
+            "note": exclusion.note,
+        },
+    )
+    return exclusion.scontrol_updates(args.job_nodes, args.cpus_per_task, already)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,9 @@ LAUNCHER_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
 # When one rank exits, torchrun SIGTERMs its other local ranks and SIGKILLs them this long
 # after (default 30 s): they need their emergency-save timeout plus the step in flight.
 STEP_SLACK_S = 60
+# Counts from the allocation, not the submission: a requeued job that shrank (NumNodes
+# update) still carries the submitted task count in its environment.
+ONE_TASK_PER_NODE = ('--nodes="$SLURM_NNODES"', '--ntasks="$SLURM_NNODES"', "--ntasks-per-node=1")
 
 
 class _ScriptTemplate(Template):
@@ -50,6 +53,7 @@ def render_sbatch(run: RunConfig, inputs: ScriptInputs) -> str:
     """The complete batch script for ``run``; ConfigError on values that cannot be rendered."""
     slurm, launch = run.launch.slurm, run.launch
     _check_env_names(slurm.env_passthrough)
+    _check_env_names(list(slurm.env))
     _check_unquoted_paths(inputs)
     values = {
         "run_id": run.run_id,
@@ -57,20 +61,43 @@ def render_sbatch(run: RunConfig, inputs: ScriptInputs) -> str:
         "run_dir": _q(inputs.run_dir),
         "config": _q(inputs.config_path),
         "workdir": _q(inputs.workdir),
-        "python": _q(inputs.bin_dir / "python"),
         "max_requeues": str(slurm.max_requeues),
         "code_commit": _q(inputs.code_commit or ""),
-        "image_digest": _q(inputs.image_digest or ""),
+        "image_digest": _q(inputs.image_digest or slurm.container_image or ""),
         "launcher_signals": LAUNCHER_SIGNALS,
-        "rank_env": "\n".join(f"export {k}={v}" for k, v in rank_env(run).items())
+        "rank_env": "\n".join(
+            f"export {k}={_q(v)}" for k, v in {**rank_env(run), **slurm.env}.items()
+        )
         or "# (no layout-specific environment)",
         "shutdown_timeout": str(math.ceil(run.resiliency.emergency_save_timeout_s) + STEP_SLACK_S),
         "passthrough": _passthrough_lines(slurm.env_passthrough),
-        "srun_args": _srun_args(run),
+        "srun_args": _srun_args(run, inputs),
         "launcher": _launcher(run, inputs),
         "nproc": str(launch.nproc_per_node),
+        **_health_values(run, inputs),
     }
     return _ScriptTemplate(SCRIPT).substitute(values)
+
+
+def _health_values(run: RunConfig, inputs: ScriptInputs) -> dict[str, str]:
+    slurm = run.launch.slurm
+    container = container_args(run, inputs)
+    host_python = _q(inputs.bin_dir / "python")
+    # Inside a container the image's python runs every step; a one-task step on the batch
+    # node runs the retry policy there too.
+    one_task = ["--nodes=1", "--ntasks=1", f"--cpus-per-task={srun_cpus(run)}", *container]
+    health = [*ONE_TASK_PER_NODE, f"--cpus-per-task={srun_cpus(run)}"]
+    health += ["--kill-on-bad-exit=0", "--export=ALL", "--label", *container]
+    return {
+        "policy_runner": f"srun {' '.join(one_task)} python" if container else host_python,
+        "health_runner": "python" if container else host_python,
+        "health_srun_args": " ".join(health),
+        "health_enabled": "1" if run.resiliency.health.enabled else "0",
+        "cpus": srun_cpus(run),
+        "nodes": str(run.launch.nodes),
+        "min_nodes": str(slurm.min_nodes or 0),
+        "max_excluded": str(slurm.max_excluded_nodes),
+    }
 
 
 def _q(value: object) -> str:
@@ -106,6 +133,7 @@ def _sbatch_lines(run: RunConfig, inputs: ScriptInputs) -> str:
     ]
     if launch.gpus_per_node > 0:
         lines.append(f"#SBATCH --gpus-per-node={launch.gpus_per_node}")
+    lines += _resource_lines(run)
     lines.append(f"#SBATCH --time={slurm.time_limit}")
     if slurm.partition:
         lines.append(f"#SBATCH --partition={slurm.partition}")
@@ -130,6 +158,31 @@ def _sbatch_lines(run: RunConfig, inputs: ScriptInputs) -> str:
     return "\n".join(lines)
 
 
+def _resource_lines(run: RunConfig) -> list[str]:
+    """CPUs and memory of each node's one task. Without them a task gets one CPU, and with
+    task binding the node's ranks all share it."""
+    slurm, launch = run.launch.slurm, run.launch
+    lines = []
+    if launch.slurm_exclusive:
+        lines += ["# whole nodes: every CPU and all memory", "#SBATCH --exclusive"]
+    cpus = slurm.cpus_per_task or (None if launch.slurm_exclusive else launch.nproc_per_node)
+    if cpus is not None:
+        lines.append(f"#SBATCH --cpus-per-task={cpus}")
+    mem = slurm.mem if slurm.mem is not None else ("0" if launch.slurm_exclusive else None)
+    if mem is not None:
+        lines.append(f"#SBATCH --mem={mem}")
+    return lines
+
+
+def srun_cpus(run: RunConfig) -> str:
+    """srun's --cpus-per-task: since Slurm 22.05 srun no longer inherits the job's
+    --cpus-per-task (SLURM_CPUS_PER_TASK is ignored), so every step passes it again."""
+    launch = run.launch
+    if launch.slurm.cpus_per_task:
+        return str(launch.slurm.cpus_per_task)
+    return '"$SLURM_CPUS_ON_NODE"' if launch.slurm_exclusive else str(launch.nproc_per_node)
+
+
 def _passthrough_lines(names: list[str]) -> str:
     if not names:
         return "# (launch.slurm.env_passthrough is empty)"
@@ -142,14 +195,53 @@ def _passthrough_lines(names: list[str]) -> str:
     )
 
 
-def _srun_args(run: RunConfig) -> str:
+def _srun_args(run: RunConfig, inputs: ScriptInputs) -> str:
+    # --kill-on-bad-exit: a node whose launcher failed ends the step at once, instead of the
+    # other nodes waiting on collectives for the timeout (ranks exit only after a save's
+    # publish, so this never cuts one short). --wait: the rest get 60 s after the first exits.
+    args = [
+        *ONE_TASK_PER_NODE,
+        f"--cpus-per-task={srun_cpus(run)}",
+        "--kill-on-bad-exit=1",
+        "--wait=60",
+        "--export=ALL",
+        "--label",
+    ]
+    return " ".join(args + container_args(run, inputs))
+
+
+def container_mounts(run: RunConfig, inputs: ScriptInputs) -> list[str]:
+    """The user's mounts plus every host path the job reads or writes, at the same path in the
+    container: the run dir (pinned config, checkpoints, logs), the working directory, the data
+    and tokenizer, the local tier."""
+    given = list(run.launch.slurm.container_mounts)
+    covered = [m.split(":")[1] if ":" in m else m for m in given]
+    paths = [inputs.run_dir.parent, inputs.workdir]
+    paths += [Path(p).parent for p in run.data.paths if Path(p).is_absolute()]
+    for extra in (run.data.tokenizer_path, run.checkpoint.local.dir, run.data.cache_dir):
+        if extra and Path(extra).is_absolute():
+            paths.append(Path(extra))
+    for path in paths:
+        if not any(path == Path(c) or Path(c) in path.parents for c in covered):
+            given.append(f"{path}:{path}")
+            covered.append(str(path))
+    return given
+
+
+def container_args(run: RunConfig, inputs: ScriptInputs) -> list[str]:
+    """pyxis flags for a step; empty without launch.slurm.container_image. Every step of the
+    job (health check, training, retry policy) runs in one named container, imported once."""
     slurm = run.launch.slurm
-    args = ["--ntasks-per-node=1", "--export=ALL", "--label"]
-    if slurm.container_image:
-        args.append(f"--container-image={_q(slurm.container_image)}")
-        if slurm.container_mounts:
-            args.append(f"--container-mounts={_q(','.join(slurm.container_mounts))}")
-    return " ".join(args)
+    if not slurm.container_image:
+        return []
+    workdir = slurm.container_workdir or str(inputs.workdir)
+    return [
+        f"--container-image={_q(slurm.container_image)}",
+        f"--container-name={_q('mcore-recipes-' + str(run.run_id))}",
+        f"--container-mounts={_q(','.join(container_mounts(run, inputs)))}",
+        f"--container-workdir={_q(workdir)}",
+        "--no-container-mount-home",
+    ]
 
 
 def _launcher(run: RunConfig, inputs: ScriptInputs) -> str:
@@ -174,7 +266,6 @@ set -euo pipefail
 
 RUN_DIR=@@{run_dir}
 CONFIG=@@{config}
-PYTHON=@@{python}
 MAX_REQUEUES=@@{max_requeues}
 RESTART=${SLURM_RESTART_COUNT:-0}
 cd @@{workdir}
@@ -239,10 +330,28 @@ MASTER_PORT=$(( 20000 + (SLURM_JOB_ID % 2000) * 16 + RESTART % 16 ))
 echo "[$(date +%T)] job $SLURM_JOB_ID restart $RESTART on $SLURM_JOB_NODELIST;" \
      "rendezvous $MASTER_ADDR:$MASTER_PORT; commit ${MCORE_RECIPES_CODE_COMMIT:-unknown}"
 
+# ---------------------------------------------------------------- node health
+# Every node checks itself (free space, /dev/shm, GPUs, CPUs, the site script) before any
+# rank starts, at every restart; the reports go to the attempt record, and a node that fails
+# is left out of the requeued job. Where the python runs: the host venv, or the container.
+policy() { @@{policy_runner} -m launch.retry_policy "$@"; }
+health() {
+    srun @@{health_srun_args} @@{health_runner} -m resiliency.health --config "$CONFIG" \
+        --cpus @@{cpus} --out "$1"
+}
+HEALTH_DIR="$RUN_DIR/health/$SLURM_JOB_ID-$RESTART"
+export MCORE_RECIPES_HEALTH_DIR="$HEALTH_DIR"
+HEALTHY=1
+if [ @@{health_enabled} = 1 ] && [ -z "$SIGNALED_BY" ]; then
+    health "$HEALTH_DIR" || HEALTHY=0
+    echo "[$(date +%T)] node health: $([ "$HEALTHY" = 1 ] && echo ok || echo FAILED) ($HEALTH_DIR)"
+fi
+
 # ---------------------------------------------------------------- train
 # Attempt records up to this id belong to earlier runs; the decision below ignores them.
-AFTER_ATTEMPT=$("$PYTHON" -m launch.retry_policy "$RUN_DIR" --newest-attempt)
-if [ -z "$SIGNALED_BY" ]; then
+AFTER_ATTEMPT=$(policy "$RUN_DIR" --newest-attempt)
+SRUN_RC=0
+if [ -z "$SIGNALED_BY" ] && [ "$HEALTHY" = 1 ]; then
     # One task per node: a shell that ignores TERM/USR1 and becomes the launcher, which starts
     # @@{nproc} rank(s) on the node. The ignore is inherited: the launcher survives Slurm's
     # signals and so do helper processes the ranks start early; the ranks install their own
@@ -261,13 +370,29 @@ if [ -z "$SIGNALED_BY" ]; then
     if [ -n "$REPEATER_PID" ]; then kill "$REPEATER_PID" 2>/dev/null || true; fi
     echo "[$(date +%T)] srun ended with $SRUN_RC (launcher codes carry no rank exit codes)"
 fi
+if [ @@{health_enabled} = 1 ] && [ "$SRUN_RC" != 0 ] && [ -z "$SIGNALED_BY" ]; then
+    # A node that broke during the run is found in this allocation, not the next one.
+    health "$HEALTH_DIR-after" || echo "[$(date +%T)] node health after the failure: FAILED"
+fi
 
 # ---------------------------------------------------------------- requeue or stop
 # The trainer's attempt record says how the ranks ended: preempted (exit 75) or an
 # infrastructure death -> requeue while SLURM_RESTART_COUNT < max_requeues; finished -> 0;
 # deterministic failures (config, user code, numerics, data, ...) -> stop with their code.
-DECISION=$("$PYTHON" -m launch.retry_policy "$RUN_DIR" --restart-count "$RESTART" \
-    --max-requeues "$MAX_REQUEUES" --after-attempt "$AFTER_ATTEMPT") && RC=0 || RC=$?
+# Failure requeues are counted in the run's ledger (slurm/requeues.jsonl) apart from planned
+# ones (time limit, preemption), which are never limited. Nodes that failed the health check
+# are excluded from the requeued job, within launch.slurm.max_excluded_nodes and never below
+# the nodes the job needs; with launch.slurm.min_nodes it may shrink instead of waiting.
+PARTITION_NODES=$(sinfo -h -p "${SLURM_JOB_PARTITION:-}" -o %D 2>/dev/null \
+    | awk '{s += $1} END {print s + 0}')
+POLICY_OUT=$(policy "$RUN_DIR" --restart-count "$RESTART" --max-requeues "$MAX_REQUEUES" \
+    --after-attempt "$AFTER_ATTEMPT" --job-id "$SLURM_JOB_ID" \
+    --health-dir "$HEALTH_DIR" --health-dir "$HEALTH_DIR-after" --job-nodes "$SLURM_NNODES" \
+    --launch-nodes @@{nodes} --min-nodes @@{min_nodes} --max-excluded @@{max_excluded} \
+    --partition-nodes "$PARTITION_NODES" --cpus-per-task "${SLURM_CPUS_PER_TASK:-1}") \
+    && RC=0 || RC=$?
+DECISION=$(sed -n 1p <<<"$POLICY_OUT")
+UPDATE=$(sed -n 2p <<<"$POLICY_OUT")
 echo "[$(date +%T)] retry policy: ${DECISION:-<no decision, exit $RC>}"
 case "$DECISION" in
     requeue*)
@@ -275,8 +400,18 @@ case "$DECISION" in
             echo "Slurm terminated this job (scancel, preemption or time limit): not requeueing"
             exit 75
         fi
-        echo "[$(date +%T)] scontrol requeue $SLURM_JOB_ID (restart $((RESTART + 1)) follows)"
-        scontrol requeue "$SLURM_JOB_ID" || { echo "scontrol requeue failed"; exit 75; }
+        echo "[$(date +%T)] scontrol requeue $SLURM_JOB_ID (restart $((RESTART + 1)) follows)" \
+             "${UPDATE:+then scontrol update $UPDATE}"
+        # Slurm refuses ExcNodeList for a running job: requeue, then update the pending job.
+        # The requeue signals this shell's processes, so both run with TERM ignored. Updates are
+        # separated by ';' (a shrink takes two, see launch/requeues.py).
+        bash -c 'trap "" TERM
+            scontrol requeue "$1" || exit 1
+            IFS=";" read -ra updates <<<"$2"
+            for update in "${updates[@]}"; do
+                scontrol update JobId="$1" $update \
+                    || echo "warning: scontrol update JobId=$1 $update failed"
+            done' requeue "$SLURM_JOB_ID" "$UPDATE" || { echo "scontrol requeue failed"; exit 75; }
         exit 0
         ;;
     *)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,3 +88,27 @@ def broadcast_object(value: Any, src: int = 0) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def probe_ranks(timeout_s: float) -> dict[str, Any]:
+    """One timed all-gather over every rank (collective): each rank's usable CPUs, and how
+    long the group took to answer. TimeoutError (infrastructure: retried, the node is
+    suspect) when a peer does not answer in ``timeout_s``."""
+    world = dist.get_world_size()
+    mine = torch.tensor([len(os.sched_getaffinity(0))], dtype=torch.int64)
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        mine = mine.cuda()
+    gathered = [torch.zeros_like(mine) for _ in range(world)]
+    start = time.perf_counter()
+    work = dist.all_gather(gathered, mine, async_op=True)
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        raise TimeoutError(
+            f"health: an all-gather over {world} ranks did not finish in {timeout_s:g} s "
+            f"(resiliency.health.allreduce_timeout_s): {exc}"
+        ) from exc
+    return {
+        "allgather_s": round(time.perf_counter() - start, 4),
+        "cpus_per_rank": [int(t.item()) for t in gathered],
+    }

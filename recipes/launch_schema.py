@@ -15,15 +15,44 @@ class SlurmConfig:
     account: Optional[str] = None
     time_limit: str = "01:00:00"
     signal_grace_s: int = 120  # --signal=B:USR1@<grace>: emergency-save window before the kill
-    max_requeues: int = 3  # infrastructure retries before the job stops for good
+    # Requeues after failures (infrastructure deaths, unhealthy nodes) before the job stops
+    # for good; requeues after a time-limit or preemption save are planned and not counted.
+    max_requeues: int = 3
+    # Resources of each node's one task (the launcher and its ranks). None: all of the node
+    # with --exclusive (the default on GPU nodes), else one CPU per rank.
+    exclusive: Optional[bool] = None  # None: exclusive when launch.gpus_per_node > 0
+    cpus_per_task: Optional[int] = None
+    mem: Optional[str] = None  # --mem per node, e.g. 480G; None: all of it (0) when exclusive
+    # Exclusion of failed or unhealthy nodes on requeue: at most this many per job, and never
+    # so many that the partition has fewer nodes left than the job needs.
+    max_excluded_nodes: int = 2
+    # A job may shrink to this many nodes when exclusions leave too few (the restore reshards
+    # to the smaller data-parallel size); None: keep launch.nodes and wait for nodes.
+    min_nodes: Optional[int] = None
     container_image: Optional[str] = None  # pyxis --container-image
+    # host:container[:flags]; the run dir, data and checkpoint dirs are added when missing
     container_mounts: list[str] = field(default_factory=list)
+    container_workdir: Optional[str] = None  # None: the submitting directory (mounted as is)
     extra_sbatch: list[str] = field(default_factory=list)  # verbatim "#SBATCH" arguments
     env_passthrough: list[str] = field(default_factory=list)  # extra env vars exported to ranks
+    env: dict[str, str] = field(default_factory=dict)  # set for every rank (NCCL_*, ...)
 
     def __post_init__(self) -> None:
         require(self.signal_grace_s >= 0, "launch.slurm.signal_grace_s must be >= 0")
         require(self.max_requeues >= 0, "launch.slurm.max_requeues must be >= 0")
+        require(self.max_excluded_nodes >= 0, "launch.slurm.max_excluded_nodes must be >= 0")
+        require(
+            self.cpus_per_task is None or self.cpus_per_task >= 1,
+            f"launch.slurm.cpus_per_task={self.cpus_per_task} must be >= 1 (or null)",
+        )
+        require(
+            self.min_nodes is None or self.min_nodes >= 1,
+            f"launch.slurm.min_nodes={self.min_nodes} must be >= 1 (or null)",
+        )
+        require(
+            self.mem is None or bool(re.fullmatch(r"\d+[KMGT]?", self.mem)),
+            f"launch.slurm.mem={self.mem!r} is not a Slurm memory size (e.g. 0, 480G, 64000M)",
+        )
         require(
             bool(re.fullmatch(r"(\d+-)?\d+(:\d{2}){0,2}", self.time_limit)),
             f"launch.slurm.time_limit={self.time_limit!r} is not a Slurm time "
@@ -38,25 +67,120 @@ class K8sConfig:
     job_name: Optional[str] = None  # None: derived from run_id
     shared_pvc: Optional[str] = None  # RWX claim for the persistent checkpoint tier
     shared_mount: str = "/checkpoints"
-    local_volume: str = "emptyDir"  # emptyDir | hostPath: node-local checkpoint tier
-    local_host_path: Optional[str] = None
+    # Node-local checkpoint tier (rendered only with checkpoint.local.interval set). hostPath
+    # outlives the pod, so a pod the operator recreates on the same node finds its shards;
+    # emptyDir goes with the pod (for namespaces whose Pod Security level forbids hostPath).
+    local_volume: str = "hostPath"  # hostPath | emptyDir
+    local_host_path: Optional[str] = None  # None: /var/lib/mcore-recipes/<namespace>/<job name>
     local_mount: str = "/local-ckpt"
     termination_grace_s: int = 180
     backoff_limit: int = 3
     queue: Optional[str] = None  # gang scheduling queue (Volcano/Kueue)
     priority_class: Optional[str] = None
+    # Per pod (one pod per node); requests are set equal to limits (Guaranteed QoS). Required
+    # for GPU pods; e.g. a node's allocatable CPU and memory less what its daemons need.
     cpu: Optional[str] = None
     memory: Optional[str] = None
     env: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict] = field(default_factory=list)  # pod tolerations, as in the pod API
+    node_selector: dict[str, str] = field(default_factory=dict)  # node label -> value
+    image_pull_secrets: list[str] = field(default_factory=list)  # Secret names in the namespace
+    capabilities: list[str] = field(default_factory=list)  # Linux capabilities added: IPC_LOCK
+    # Device-plugin resources per pod, as requests and limits: {rdma/ib: 1}. GPUs come from
+    # launch.gpus_per_node (nvidia.com/gpu); cpu and memory from the keys above.
+    extended_resources: dict[str, int] = field(default_factory=dict)
+
+    # Not fields (no annotation): the formats the API server checks, named in our messages.
+    _QUANTITY = re.compile(r"([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][0-9]+)?")
+    _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+    _LABEL_NAME = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
+    _TOLERATION_KEYS = ("key", "operator", "value", "effect", "tolerationSeconds")
+    _EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 
     def __post_init__(self) -> None:
-        one_of("launch.k8s", "local_volume", self.local_volume, ("emptyDir", "hostPath"))
+        one_of("launch.k8s", "local_volume", self.local_volume, ("hostPath", "emptyDir"))
         require(
-            self.local_volume != "hostPath" or self.local_host_path is not None,
-            "launch.k8s.local_volume=hostPath needs launch.k8s.local_host_path",
+            self.local_host_path is None
+            or (self.local_volume == "hostPath" and self.local_host_path.startswith("/")),
+            f"launch.k8s.local_host_path={self.local_host_path!r} needs "
+            "launch.k8s.local_volume=hostPath and an absolute path",
         )
         require(self.termination_grace_s >= 0, "launch.k8s.termination_grace_s must be >= 0")
         require(self.backoff_limit >= 0, "launch.k8s.backoff_limit must be >= 0")
+        for key in ("cpu", "memory"):
+            value = getattr(self, key)
+            require(
+                value is None or bool(self._QUANTITY.fullmatch(value)),
+                f"launch.k8s.{key}={value!r} is not a Kubernetes quantity (e.g. 64, 500m, 900Gi)",
+            )
+        for i, toleration in enumerate(self.tolerations):
+            self._check_toleration(f"launch.k8s.tolerations[{i}]", toleration)
+        for key, value in self.node_selector.items():
+            require(
+                self._label_key_ok(str(key))
+                and len(str(value)) <= 63
+                and (value == "" or bool(self._LABEL_NAME.fullmatch(str(value)))),
+                f"launch.k8s.node_selector: {key!r}: {value!r} is not a node label key and value",
+            )
+        for name in self.image_pull_secrets:
+            require(
+                bool(self._DNS_SUBDOMAIN.fullmatch(name)) and len(name) <= 253,
+                f"launch.k8s.image_pull_secrets: {name!r} is not a Secret name",
+            )
+        for cap in self.capabilities:
+            require(
+                bool(re.fullmatch(r"[A-Z][A-Z0-9_]*", cap)) and not cap.startswith("CAP_"),
+                f"launch.k8s.capabilities: {cap!r} is not a capability name as Kubernetes "
+                "spells it (upper case, no CAP_ prefix, e.g. IPC_LOCK)",
+            )
+        self._check_extended_resources()
+
+    def _label_key_ok(self, key: str) -> bool:
+        prefix, _, name = key.rpartition("/")
+        return (
+            (not prefix or (bool(self._DNS_SUBDOMAIN.fullmatch(prefix)) and len(prefix) <= 253))
+            and len(name) <= 63
+            and bool(self._LABEL_NAME.fullmatch(name))
+        )
+
+    def _check_toleration(self, where: str, tol: dict) -> None:
+        unknown = sorted(set(map(str, tol)) - set(self._TOLERATION_KEYS))
+        known = list(self._TOLERATION_KEYS)
+        require(not unknown, f"{where}: unknown field(s) {unknown}; known: {known}")
+        operator, effect = tol.get("operator", "Equal"), tol.get("effect", "")
+        one_of(where, "operator", operator, ("Equal", "Exists"))
+        require(
+            effect in ("", *self._EFFECTS),
+            f"{where}.effect={effect!r} is not one of {list(self._EFFECTS)}",
+        )
+        require(
+            operator == "Equal" or not tol.get("value"),
+            f"{where}: operator Exists takes no value",
+        )
+        require(
+            bool(tol.get("key")) or operator == "Exists",
+            f"{where}: without a key the operator must be Exists (tolerates every taint)",
+        )
+        seconds = tol.get("tolerationSeconds")
+        require(
+            seconds is None or (isinstance(seconds, int) and effect == "NoExecute"),
+            f"{where}.tolerationSeconds needs effect NoExecute and an integer",
+        )
+
+    def _check_extended_resources(self) -> None:
+        for name, count in self.extended_resources.items():
+            require(
+                "/" in name
+                and self._label_key_ok(name)
+                and not name.startswith(("kubernetes.io/", "requests.")),
+                f"launch.k8s.extended_resources: {name!r} is not an extended resource name "
+                "(a domain-prefixed name such as rdma/ib or nvidia.com/mig-1g.10gb)",
+            )
+            require(
+                name != "nvidia.com/gpu",
+                "launch.k8s.extended_resources: nvidia.com/gpu comes from launch.gpus_per_node",
+            )
+            require(count >= 1, f"launch.k8s.extended_resources.{name}={count} must be >= 1")
 
 
 @dataclass(kw_only=True)
@@ -77,7 +201,17 @@ class LaunchConfig:
             f"launch.gpus_per_node={self.gpus_per_node} must be 0 (CPU) or equal "
             f"launch.nproc_per_node={self.nproc_per_node} (one rank per GPU)",
         )
+        require(
+            self.slurm.min_nodes is None or self.slurm.min_nodes <= self.nodes,
+            f"launch.slurm.min_nodes={self.slurm.min_nodes} must be <= launch.nodes={self.nodes}",
+        )
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.nproc_per_node
+
+    @property
+    def slurm_exclusive(self) -> bool:
+        """Whole nodes: asked for, or by default on GPU nodes (NeMo-Run's and Megatron-LM's
+        Slurm scripts take whole GPU nodes too)."""
+        return self.gpus_per_node > 0 if self.slurm.exclusive is None else self.slurm.exclusive

@@ -12,6 +12,7 @@ from typing import Optional
 # Callers import ConfigError and the launch configs from here too: explicit re-exports.
 from recipes.checks import ConfigError as ConfigError
 from recipes.checks import one_of, positive, require
+from recipes.health_schema import HealthConfig
 from recipes.launch_schema import K8sConfig as K8sConfig
 from recipes.launch_schema import LaunchConfig
 from recipes.launch_schema import SlurmConfig as SlurmConfig
@@ -474,6 +475,7 @@ class ResiliencyConfig:
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     watch: WatchConfig = field(default_factory=WatchConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
 
     def __post_init__(self) -> None:
         require(

@@ -103,7 +103,7 @@ def test_failure_class_record_and_decision(tmp_path: Path, kind: str) -> None:
     assert record["first_failing_rank"] == 1, record["evidence"]
     assert (record["failure_class"], record["exit_code"]) == (kind, code)
     assert record["exit_codes"] == {"0": exit_codes.INFRASTRUCTURE, "1": code}
-    decision = decide(layout.run_dir, restart_count=0, max_requeues=2)
+    decision = decide(layout.run_dir, failures_used=0, max_requeues=2)
     assert decision.action == action
     assert decision.exit_code == (code if action == STOP else exit_codes.OK)
 
@@ -123,7 +123,7 @@ def test_killed_rank_is_first_although_its_peer_reported_earlier(tmp_path: Path)
     assert record["failure_cause"] == "killed by SIGKILL"
     assert record["exit_codes"] == {"0": exit_codes.INFRASTRUCTURE, "1": -9}
     assert (
-        decide(layout.run_dir, restart_count=2, max_requeues=2).exit_code
+        decide(layout.run_dir, failures_used=2, max_requeues=2).exit_code
         == exit_codes.RETRY_BUDGET_EXHAUSTED
     )
 

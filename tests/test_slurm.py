@@ -51,7 +51,7 @@ def _record(
         ("finished", 0, 3, STOP, 0),
         ("preempted", 75, 0, REQUEUE, 0),
         ("preempted", 75, 2, REQUEUE, 0),
-        ("preempted", 75, 3, STOP, exit_codes.RETRY_BUDGET_EXHAUSTED),
+        ("preempted", 75, 3, REQUEUE, 0),  # planned (time limit, preemption): not budgeted
         ("failed", exit_codes.INFRASTRUCTURE, 0, REQUEUE, 0),
         ("failed", exit_codes.INFRASTRUCTURE, 3, STOP, exit_codes.RETRY_BUDGET_EXHAUSTED),
         ("running", None, 0, REQUEUE, 0),  # killed mid-run (node loss, OOM killer, time limit)
@@ -64,22 +64,22 @@ def test_decision_table(
     tmp_path: Path, status: str, code: int | None, restarts: int, action: str, exit_code: int
 ) -> None:
     _record(tmp_path, 1, status, code)
-    decision = decide(tmp_path, restart_count=restarts, max_requeues=3)
+    decision = decide(tmp_path, failures_used=restarts, max_requeues=3)
     assert (decision.action, decision.exit_code) == (action, exit_code), decision
 
 
 @pytest.mark.parametrize("code", sorted(exit_codes.DO_NOT_RETRY))
 def test_do_not_retry_codes_always_stop(tmp_path: Path, code: int) -> None:
     _record(tmp_path, 1, "failed", code, failure_class="whatever")
-    decision = decide(tmp_path, restart_count=0, max_requeues=10)
+    decision = decide(tmp_path, failures_used=0, max_requeues=10)
     assert (decision.action, decision.exit_code) == (STOP, code), decision
     assert "failure_class=whatever" in decision.reason
 
 
 def test_no_record_is_infrastructure(tmp_path: Path) -> None:
-    decision = decide(tmp_path / "never-started", restart_count=0, max_requeues=1)
+    decision = decide(tmp_path / "never-started", failures_used=0, max_requeues=1)
     assert decision.action == REQUEUE and "no attempt record" in decision.reason
-    exhausted = decide(tmp_path / "never-started", restart_count=1, max_requeues=1)
+    exhausted = decide(tmp_path / "never-started", failures_used=1, max_requeues=1)
     assert (exhausted.action, exhausted.exit_code) == (STOP, exit_codes.RETRY_BUDGET_EXHAUSTED)
 
 
@@ -93,7 +93,7 @@ def test_newest_record_decides(tmp_path: Path) -> None:
 
 def test_records_of_earlier_runs_are_ignored(tmp_path: Path) -> None:
     _record(tmp_path, 1, "finished", 0)
-    decision = decide(tmp_path, restart_count=1, max_requeues=3, after_attempt=1)
+    decision = decide(tmp_path, failures_used=1, max_requeues=3, after_attempt=1)
     assert decision.action == REQUEUE and "no attempt record" in decision.reason
 
 
@@ -119,13 +119,16 @@ def test_cli_prints_action_and_exits_with_the_code(tmp_path: Path) -> None:
     proc = _policy_cli(tmp_path, "--restart-count", "0", "--max-requeues", "2")
     assert proc.returncode == 0 and proc.stdout.startswith("requeue 0 "), proc
     proc = _policy_cli(tmp_path, "--restart-count", "2", "--max-requeues", "2")
+    assert proc.returncode == 0 and "planned requeue" in proc.stdout, proc
+    _record(tmp_path, 2, "failed", exit_codes.INFRASTRUCTURE)
+    proc = _policy_cli(tmp_path, "--restart-count", "2", "--max-requeues", "2")
     assert proc.returncode == exit_codes.RETRY_BUDGET_EXHAUSTED, proc
     assert proc.stdout.startswith(f"stop {exit_codes.RETRY_BUDGET_EXHAUSTED} "), proc
-    _record(tmp_path, 2, "failed", exit_codes.USER_CODE)
+    _record(tmp_path, 3, "failed", exit_codes.USER_CODE)
     proc = _policy_cli(tmp_path, "--restart-count", "0", "--max-requeues", "2")
     assert proc.returncode == exit_codes.USER_CODE and proc.stdout.startswith("stop 4 "), proc
     proc = _policy_cli(tmp_path, "--newest-attempt")
-    assert (proc.returncode, proc.stdout.strip()) == (0, "2"), proc
+    assert (proc.returncode, proc.stdout.strip()) == (0, "3"), proc
 
 
 # ------------------------------------------------------------------ rendering and refusals
@@ -168,6 +171,7 @@ def test_dry_run_renders_a_valid_script(stdlib_corpus: str, tmp_path: Path) -> N
         "--job-name=render",
         "--nodes=2",
         "--ntasks-per-node=1",
+        "--cpus-per-task=1",  # CPU nodes: one per rank unless launch.slurm.cpus_per_task
         "--time=02:00:00",
         "--partition=batch",
         "--account=proj",
@@ -188,13 +192,16 @@ def test_dry_run_renders_a_valid_script(stdlib_corpus: str, tmp_path: Path) -> N
     assert launcher in " ".join(script.replace("\\\n", " ").split())
     for needle in (
         f"CONFIG={run_dir}/launch-config.yaml",
-        f"PYTHON={BIN}/python",
+        f"{BIN}/python -m launch.retry_policy",
+        "--cpus-per-task=1 --kill-on-bad-exit=1 --wait=60",
+        "-m resiliency.health --config",
         "MAX_REQUEUES=5",
         "scontrol show hostnames",
         "NodeAddr=",
         'scancel --signal=TERM "$SLURM_JOB_ID"',
         "trap 'on_signal USR1' USR1",
-        'scontrol requeue "$SLURM_JOB_ID"',
+        'scontrol requeue "$1"',  # then `scontrol update` with the nodes left out, if any
+        '--job-id "$SLURM_JOB_ID"',
         "-m launch.retry_policy",
         "export MCORE_RECIPES_CODE_COMMIT=",
         "export MCORE_RECIPES_IMAGE_DIGEST=",
@@ -224,11 +231,27 @@ def test_render_gpus_container_and_ft_launcher(stdlib_corpus: str, tmp_path: Pat
     ]
     assert _dry_run(overrides) == 0
     script = _script(tmp_path, "gpu")
-    assert "--gpus-per-node=2" in _sbatch_directives(script)
+    directives = _sbatch_directives(script)
+    # GPU nodes are taken whole (all CPUs and memory), and srun passes the CPUs on
+    assert {"--gpus-per-node=2", "--exclusive", "--mem=0"} <= set(directives), directives
+    assert not any(d.startswith("--cpus-per-task") for d in directives), directives
+    assert '--cpus-per-task="$SLURM_CPUS_ON_NODE" --kill-on-bad-exit=1' in script
+    data_dir = Path(stdlib_corpus).parent
+    mounts = ",".join(
+        ["/data:/data", "/ckpt:/ckpt", f"{tmp_path}:{tmp_path}", f"{os.getcwd()}:{os.getcwd()}"]
+        + ([f"{data_dir}:{data_dir}"] if not data_dir.is_relative_to(tmp_path) else [])
+    )
     assert (
-        "--container-image=nvcr.io/nvidia/pytorch:25.01-py3 "
-        "--container-mounts=/data:/data,/ckpt:/ckpt"
-    ) in script
+        "--container-image=nvcr.io/nvidia/pytorch:25.01-py3 --container-name=mcore-recipes-gpu "
+        f"--container-mounts={mounts} --container-workdir={os.getcwd()} "
+        "--no-container-mount-home"
+    ) in script, script
+    # every step runs in the container: health check, training, and the retry policy
+    assert "--no-container-mount-home python -m launch.retry_policy" in script
+    assert "--no-container-mount-home python -m resiliency.health" in " ".join(
+        script.replace("\\\n", " ").split()
+    )
+    assert "export MCORE_RECIPES_IMAGE_DIGEST=nvcr.io/nvidia/pytorch:25.01-py3" in script
     # inside the container the image's launcher runs, not the submitting venv's
     assert re.search(
         r"^\s+ft_launcher --ft-cfg-path=\S+/ft_launcher.yaml "
@@ -525,3 +548,62 @@ def test_user_code_failure_is_not_requeued(
         "retry policy: stop 4 deterministic failure"
         in (run_dir / "slurm" / f"{job_id}-restart-0.log").read_text()
     ), context
+
+
+@pytest.mark.slow
+def test_unhealthy_node_is_excluded_and_the_job_shrinks(
+    slurm_env: dict[str, str], tiny_overrides: list[str], tmp_path: Path
+) -> None:
+    """node2 breaks after the step-10 checkpoint (its site health check starts failing) and a
+    rank on it dies at step 15: the check after the failure finds node2, the requeued job
+    leaves it out and shrinks to node1 (data parallel 2 -> 1), restores step 10 resharded,
+    and finishes. Every rank had the 2 CPUs per task the job asked for."""
+    broken = tmp_path / "node2-is-broken"
+    check = tmp_path / "site-check.sh"
+    check.write_text(
+        f'#!/bin/bash\nif [ "$MCORE_RECIPES_NODE" = node2 ] && [ -e {broken} ]; then\n'
+        '    echo "simulated: GPU fell off the bus"; exit 1\nfi\n'
+    )
+    check.chmod(0o755)
+    overrides = [
+        *tiny_overrides,
+        f"output_dir={tmp_path}",
+        "run_id=shrink",
+        "launch.nodes=2",
+        "launch.nproc_per_node=2",  # TP=2 within a node; DP=2 across nodes
+        "launch.slurm.cpus_per_task=2",
+        "launch.slurm.min_nodes=1",
+        "launch.slurm.time_limit=00:15:00",
+        f"resiliency.health.script={check}",
+        "train.train_steps=20",
+        "checkpoint.save_interval=10",
+        "train.fault=kill@15:2",  # rank 2: the first rank on node2
+    ]
+    job_id = _submit(overrides, slurm_env)
+    run_dir = tmp_path / "shrink"
+    _wait_steps(run_dir, 11, job_id, slurm_env)
+    broken.touch()
+    info = _wait_done(job_id, run_dir, slurm_env, timeout=480)
+    context = f"{info}\n{_log_tail(run_dir)}"
+    assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1"), context
+    assert (info["ExcNodeList"], info["NumNodes"], info["NodeList"]) == ("node2", "1", "node1")
+    [requeue] = [
+        json.loads(x) for x in (run_dir / "slurm" / "requeues.jsonl").read_text().splitlines()
+    ]
+    assert (requeue["kind"], requeue["exclude"], requeue["nodes"]) == ("failure", ["node2"], 1)
+    assert requeue["unhealthy"] == ["node2"], requeue
+    first, second = _attempts(run_dir)
+    assert first["world_size"] == 4 and first["status"] in ("failed", "running"), context
+    # each rank could run on the 2 CPUs its node's task asked for (task/affinity binds them)
+    assert first["health"]["cpus_per_rank"] == [2, 2, 2, 2], first["health"]
+    assert {n["node"]: n["ok"] for n in first["health"]["nodes"]} == {"node1": True, "node2": True}
+    assert (second["status"], second["world_size"], second["restored_step"]) == (
+        "finished",
+        2,
+        10,
+    ), context
+    assert second["topology_changed"] is True and second["step"] == 20, second
+    assert [n["node"] for n in second["health"]["nodes"]] == ["node1"], second["health"]
+    assert sorted(read_steps(run_dir)) == list(range(1, 21))
+    after = json.loads((run_dir / "health" / f"{job_id}-0-after" / "node2.json").read_text())
+    assert not after["ok"] and "GPU fell off the bus" in json.dumps(after), after

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import socket
 import time
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from pretrain import exit_codes
 from pretrain.compat import vpp_tied_embedding_save_problem
-from pretrain.distributed import broadcast_object
+from pretrain.distributed import broadcast_object, probe_ranks
 from pretrain.failures import classify
 from pretrain.hooks import StepResult, TrainHook
 from pretrain.tokenizer import build_tokenizer
@@ -24,6 +25,7 @@ from resiliency.checkpoint.checkpointer import Checkpointer
 from resiliency.checkpoint.local_tier import LocalTier
 from resiliency.checkpoint.restore_plan import plan_restore
 from resiliency.checkpoint.resume_policy import ResumeDecision, reconcile
+from resiliency.health import HEALTH_DIR_ENV, read_reports
 from resiliency.storage.attempts import claim_attempt, ensure_run_record, write_attempt_record
 from resiliency.storage.layout import RunLayout
 from resiliency.storage.lease import LeaseHeldError, RunLease
@@ -98,6 +100,7 @@ class CheckpointHook(TrainHook):
         self.initialise = True  # the run's own model.perform_initialization
         self.local: "LocalTier | None" = None
         self.decision: ResumeDecision | None = None  # config differences from the checkpoint
+        self.health: dict[str, Any] | None = None  # the startup probe and node reports
 
     def configure(self, run: "RunConfig", dp: int) -> "RunConfig":
         """Take the run's lease, then pick and validate the step to restore (nothing loaded)."""
@@ -109,12 +112,23 @@ class CheckpointHook(TrainHook):
         )
         if problem:
             raise ConfigError(problem)
+        self.health = self._probe(run)
         self.ownership.acquire(self.env.rank, self.env.world_size)
         self.initialise = run.model.perform_initialization
         if self.cfg.resume:
             vocab = build_tokenizer(run.data.tokenizer, run.data.tokenizer_path).vocab_size
             run, self.plan = plan_restore(run, self.layout, self.env.world_size, dp, vocab)
         return self._model_init_for_plan(self._reconcile(run))
+
+    @staticmethod
+    def _probe(run: "RunConfig") -> dict[str, Any] | None:
+        """Every rank answers one timed collective before the lease and the restore; the
+        launcher's node reports (if it ran the check) go into the attempt record with it."""
+        if not run.resiliency.health.enabled:
+            return None
+        probe = probe_ranks(run.resiliency.health.allreduce_timeout_s)
+        reports = os.environ.get(HEALTH_DIR_ENV)
+        return {**probe, "nodes": read_reports(Path(reports)) if reports else None}
 
     def _reconcile(self, run: "RunConfig") -> "RunConfig":
         """Judge this launch's config against the one the chosen step was saved with: refuse,
@@ -182,6 +196,7 @@ class CheckpointHook(TrainHook):
             lr_scaling=checkpointer.lr_scaling,
             local_dir=self.cfg.local.dir if self.local else None,
             config_changes=self.decision.record() if self.decision else None,
+            health=self.health,
         )
 
     def _restore(self, checkpointer: Checkpointer) -> tuple[int | None, str | None]:

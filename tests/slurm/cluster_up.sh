@@ -99,7 +99,7 @@ SlurmctldDebug=info
 SlurmdDebug=info
 # no cgroups: they are not delegated in this container/microVM
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+TaskPlugin=task/affinity
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
