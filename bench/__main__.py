@@ -333,9 +333,7 @@ def bench_overhead(config: str, work: Path, data: str, reps: int) -> dict[str, A
 
     ratios = [statistics.median(p["framework_s"] / p["bare_s"] for p in g) for g in groups]
     # TensorBoard's share: the same framework with and without the reporting hooks.
-    reporting = [
-        statistics.median(p["framework_s"] / p["unreported_s"] for p in g) for g in groups
-    ]
+    reporting = [statistics.median(p["framework_s"] / p["unreported_s"] for p in g) for g in groups]
     unreported = [statistics.median(p["unreported_s"] / p["bare_s"] for p in g) for g in groups]
     shim = raw["shim"]
     return {
