@@ -1,154 +1,83 @@
-"""Tokenize a corpus into megatron's indexed format: ``{PREFIX}_text_document.bin/.idx``.
+"""Tokenize a corpus into megatron's indexed format, in the conventions of Megatron-LM's
+tools/preprocess_data.py: PREFIX_<key>_document.bin/.idx for each --json-keys key
+(PREFIX_text_document by default), written with megatron-core's IndexedDatasetBuilder.
 
-    python -m pretrain.prepare --input 'corpus/*.jsonl' --output-prefix data/mycorpus
     python -m pretrain.prepare --stdlib --output-prefix data/stdlib
-    python -m pretrain.prepare --input 'docs/**/*.txt' --output-prefix data/docs \\
+    python -m pretrain.prepare --input 'corpus/*.jsonl' --output-prefix data/mine \\
+        --json-keys text title --workers 8 \\
         --tokenizer huggingface --tokenizer-path tokenizers/llama3
+    python -m pretrain.prepare --input 'docs/**/*.txt' --output-prefix data/docs \\
+        --tokenizer sentencepiece --tokenizer-path tokenizer.model
 
-Inputs ending in ``.jsonl`` hold one JSON object per line (text under ``--json-key``); any other
-file is one plain-text document.
+Inputs ending in .json or .jsonl (also .json.gz, .jsonl.gz) are loose JSON: one object per
+line, each key a string or a list of strings (one sequence each). Any other file is one
+plain-text document (key "text"). Tokenizers are local files only; nothing is downloaded.
+
+Exit codes: 0 done; 2 bad command line or tokenizer choice; 9 bad or missing input data or
+tokenizer file; 130 interrupted. Existing outputs are replaced only when a run succeeds.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
-import json
+import itertools
 import logging
 import os
 import sys
-import sysconfig
 import time
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
-from pathlib import Path
 
-import numpy
-
-from pretrain.tokenizer import TOKENIZER_KINDS, Tokenizer, TokenizerError, build_tokenizer
-
-log = logging.getLogger(__name__)
-
-DEFAULT_STDLIB_MAX_BYTES = 4 * 1024 * 1024
-DEFAULT_LOG_INTERVAL = 1000
-DOCUMENT_SUFFIX = "_text_document"  # Megatron-LM's preprocess_data.py naming for --json-keys text
-# Tests, vendored/third-party code, demos and generated tables: not representative source code.
-STDLIB_SKIP_DIRS = frozenset(
-    {
-        "site-packages",
-        "dist-packages",
-        "test",
-        "tests",
-        "idle_test",
-        "idlelib",
-        "lib2to3",
-        "turtledemo",
-        "__pycache__",
-        "__phello__",
-        "pydoc_data",
-        "encodings",
-        "lib-dynload",
-    }
+from pretrain.prepare_encode import Encoded, Encoder, Progress, encode_items, want_bar
+from pretrain.prepare_inputs import (
+    DEFAULT_STDLIB_MAX_BYTES,
+    STDLIB_SKIP_DIRS,
+    TEXT_KEY,
+    Item,
+    PrepareConfigError,
+    PrepareError,
+    check_keys,
+    expand_inputs,
+    file_documents,
+    file_items,
+    input_bytes,
+    stdlib_documents,
+    stdlib_files,
+    text_document,
+)
+from pretrain.tokenizer import (
+    TOKENIZER_FILES,
+    TOKENIZER_KINDS,
+    Tokenizer,
+    TokenizerError,
+    build_tokenizer,
 )
 
+__all__ = [
+    "DEFAULT_STDLIB_MAX_BYTES",
+    "STDLIB_SKIP_DIRS",
+    "PrepareConfigError",
+    "PrepareError",
+    "dataset_prefix",
+    "expand_inputs",
+    "file_documents",
+    "main",
+    "prepare_corpus",
+    "prepare_items",
+    "stdlib_documents",
+    "stdlib_files",
+    "text_document",
+]
 
-class PrepareError(ValueError):
-    """The corpus cannot be prepared as asked (bad input, missing files)."""
+log = logging.getLogger("pretrain.prepare")  # also when run as __main__
+
+DEFAULT_LOG_INTERVAL = 1000
+DOCUMENT_SUFFIX = "_text_document"  # Megatron-LM's preprocess_data.py naming for --json-keys text
 
 
-def dataset_prefix(output_prefix: str) -> str:
+def dataset_prefix(output_prefix: str, key: str = TEXT_KEY) -> str:
     """The prefix megatron's IndexedDataset (and data.paths) should be given for `output_prefix`."""
-    return f"{output_prefix}{DOCUMENT_SUFFIX}"
-
-
-def expand_inputs(patterns: Sequence[str]) -> list[str]:
-    """Files matched by each pattern, sorted per pattern; every pattern must match a file."""
-    files: list[str] = []
-    seen: set[str] = set()
-    for pattern in patterns:
-        # An existing path is taken literally so names containing glob characters still work.
-        if os.path.isfile(pattern):
-            matches = [pattern]
-        else:
-            matches = sorted(glob.glob(pattern, recursive=True))
-        matches = [m for m in matches if os.path.isfile(m)]
-        if not matches:
-            raise PrepareError(f"--input {pattern!r} matched no files")
-        files.extend(m for m in matches if m not in seen)
-        seen.update(matches)
-    return files
-
-
-def jsonl_documents(path: str, json_key: str = "text") -> Iterator[str]:
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            if raw.strip():
-                yield _jsonl_text(_utf8(raw, f"{path}:{lineno}"), json_key, f"{path}:{lineno}")
-
-
-def _utf8(raw: bytes, where: str) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise PrepareError(f"{where}: not valid UTF-8 ({err.reason} at byte {err.start})") from err
-
-
-def _jsonl_text(line: str, json_key: str, where: str) -> str:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise PrepareError(f"{where}: invalid JSON ({err.msg})") from err
-    if not isinstance(record, dict) or json_key not in record:
-        raise PrepareError(f"{where}: no {json_key!r} key in this line (set --json-key)")
-    text = record[json_key]
-    if not isinstance(text, str):
-        raise PrepareError(f"{where}: {json_key!r} is {type(text).__name__}, expected a string")
-    return text
-
-
-def text_document(path: str) -> str:
-    # Bytes, not read_text(): no newline translation, so documents are the files verbatim.
-    return _utf8(Path(path).read_bytes(), path)
-
-
-def file_documents(paths: Iterable[str], json_key: str = "text") -> Iterator[str]:
-    for path in paths:
-        if path.endswith(".jsonl"):
-            yield from jsonl_documents(path, json_key)
-        else:
-            yield text_document(path)
-
-
-def stdlib_files() -> list[Path]:
-    """This Python's standard-library .py files, in a fixed (sorted relative path) order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [
-            d for d in dirnames if d not in STDLIB_SKIP_DIRS and not d.startswith("config-")
-        ]
-        files.extend(Path(dirpath, name) for name in filenames if name.endswith(".py"))
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
-
-
-def stdlib_documents(max_bytes: int = DEFAULT_STDLIB_MAX_BYTES) -> Iterator[str]:
-    """Standard-library sources, one file per document, in order, up to max_bytes in total.
-
-    A file that would overflow the budget is skipped rather than ending the walk, so the corpus
-    fills the budget closely instead of stopping short before one large module.
-    """
-    budget = max_bytes
-    for path in stdlib_files():
-        if path.stat().st_size > budget:
-            continue
-        # Bytes, not read_text(): no newline translation, so the corpus is the files verbatim.
-        raw = path.read_bytes()
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            continue  # a legacy-encoded file would only add mojibake
-        budget -= len(raw)
-        yield text
+    return f"{output_prefix}_{key}_document"
 
 
 def prepare_corpus(
@@ -156,59 +85,102 @@ def prepare_corpus(
     output_prefix: str,
     tokenizer: Tokenizer,
     log_interval: int = DEFAULT_LOG_INTERVAL,
+    *,
+    append_eod: bool = True,
+    workers: int = 1,
 ) -> tuple[int, int]:
     """Write `documents` (each followed by eod) to dataset_prefix(output_prefix).{bin,idx}.
 
     Returns (documents, tokens), eod included. Documents that tokenize to nothing are skipped.
     """
-    from megatron.core.datasets.indexed_dataset import DType  # noqa: PLC0415 - slow import
+    items = (Item(f"document {i}", doc) for i, doc in enumerate(documents, start=1))
+    progress = Progress(None, log_interval)
+    counts = prepare_items(
+        items, output_prefix, tokenizer, (TEXT_KEY,), append_eod, workers, progress
+    )
+    return counts[TEXT_KEY]
 
-    prefix = dataset_prefix(output_prefix)
-    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-    tmp = f"{prefix}.tmp{os.getpid()}"
-    # Same rule as Megatron-LM's preprocess_data.py, so readers infer the same dtype.
-    dtype = DType.optimal_dtype(tokenizer.vocab_size)
+
+def prepare_items(
+    items: Iterable[Item],
+    output_prefix: str,
+    tokenizer: Tokenizer,
+    keys: Sequence[str],
+    append_eod: bool,
+    workers: int,
+    progress: Progress,
+) -> dict[str, tuple[int, int]]:
+    """Tokenize `items` into one indexed dataset per key; {key: (documents, tokens)}.
+
+    An item whose every key tokenizes to nothing is skipped, so the datasets of several keys
+    keep one document per item, in the same order.
+    """
+    encoder = Encoder(tokenizer, tuple(keys), append_eod)
+    prefixes = {key: dataset_prefix(output_prefix, key) for key in keys}
+    tmp = {key: f"{prefix}.tmp{os.getpid()}" for key, prefix in prefixes.items()}
+    _make_parent(prefixes[keys[0]])
+    done = False
+    stream = encode_items(encoder, items, workers)
     try:
-        counts = _write_indexed(documents, tmp, tokenizer, dtype, log_interval)
-        _publish(tmp, prefix)
+        counts = _write_indexed(stream, tmp, tokenizer, progress)
+        for key, prefix in prefixes.items():
+            _publish(tmp[key], prefix)
+        done = True
+    except OSError as err:  # inputs' OSErrors are PrepareErrors by now: this is the output
+        raise PrepareConfigError(
+            f"cannot write {output_prefix}_*: {err.strerror or err}; choose a writable "
+            "--output-prefix with free space"
+        ) from None
     finally:
-        for path in (f"{tmp}.bin", f"{tmp}.idx"):
+        stream.close()  # stops the worker pool now, also on error
+        progress.close(done)
+        for path in (f"{t}{ext}" for t in tmp.values() for ext in (".bin", ".idx")):
             if os.path.exists(path):
                 os.remove(path)
     return counts
 
 
-def _write_indexed(
-    documents: Iterable[str],
-    tmp_prefix: str,
-    tokenizer: Tokenizer,
-    dtype: type[numpy.number],
-    log_interval: int,
-) -> tuple[int, int]:
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder  # noqa: PLC0415
-
-    builder = IndexedDatasetBuilder(f"{tmp_prefix}.bin", dtype=dtype)
-    docs = tokens = 0
-    start = time.monotonic()
+def _make_parent(prefix: str) -> None:
+    parent = os.path.dirname(os.path.abspath(prefix))
     try:
-        for text in documents:
-            ids = tokenizer.tokenize(text)
-            if not ids:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as err:
+        raise PrepareConfigError(
+            f"cannot create the output directory {parent!r}: {err.strerror or err}"
+        ) from None
+
+
+def _write_indexed(
+    encoded: Iterator[Encoded],
+    tmp: dict[str, str],
+    tokenizer: Tokenizer,
+    progress: Progress,
+) -> dict[str, tuple[int, int]]:
+    # The first item is tokenized before megatron-core is imported (seconds, and torch): bad
+    # input fails fast, and the worker pool forks from a process without torch in it.
+    first = next(encoded, None)
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: PLC0415
+
+    # Same rule as Megatron-LM's preprocess_data.py, so readers infer the same dtype.
+    dtype = DType.optimal_dtype(tokenizer.vocab_size)
+    builders = {key: IndexedDatasetBuilder(f"{t}.bin", dtype=dtype) for key, t in tmp.items()}
+    counts = {key: [0, 0] for key in tmp}
+    progress.restart()  # rates from here: not counting megatron-core's import
+    try:
+        for item in itertools.chain([] if first is None else [first], encoded):
+            progress.update(item)
+            if item.empty:
                 continue
-            ids.append(tokenizer.eod)
-            builder.add_document(numpy.asarray(ids, dtype=dtype), [len(ids)])
-            docs, tokens = docs + 1, tokens + len(ids)
-            if docs % log_interval == 0:
-                _log_progress(docs, tokens, start)
+            for (key, builder), ids, lengths in zip(builders.items(), item.ids, item.lengths):
+                builder.add_document(ids, lengths)
+                counts[key][0] += 1
+                counts[key][1] += len(ids)
     finally:
-        builder.data_file.close()  # also on error, so the temp file can be removed
-    builder.finalize(f"{tmp_prefix}.idx")
-    return docs, tokens
-
-
-def _log_progress(docs: int, tokens: int, start: float) -> None:
-    elapsed = max(time.monotonic() - start, 1e-9)
-    log.info("%d documents, %d tokens (%.0f tokens/s)", docs, tokens, tokens / elapsed)
+        for builder in builders.values():
+            builder.data_file.close()  # also on error, so the temp file can be removed
+    for key, builder in builders.items():
+        builder.finalize(f"{tmp[key]}.idx")
+    return {key: (docs, tokens) for key, (docs, tokens) in counts.items()}
 
 
 def _publish(tmp_prefix: str, prefix: str) -> None:
@@ -231,38 +203,98 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--input",
         action="append",
         metavar="FILE_OR_GLOB",
-        help="input file or glob (repeatable); .jsonl or plain text",
+        help="input file or glob (repeatable): loose JSON (.json/.jsonl[.gz]) or plain text",
     )
     source.add_argument(
         "--stdlib",
         action="store_true",
         help="use this Python's standard-library sources as the corpus",
     )
-    parser.add_argument("--stdlib-max-bytes", type=int, default=DEFAULT_STDLIB_MAX_BYTES)
+    parser.add_argument(
+        "--stdlib-max-bytes",
+        type=int,
+        default=DEFAULT_STDLIB_MAX_BYTES,
+        help="--stdlib corpus size in bytes (default: %(default)s)",
+    )
     parser.add_argument(
         "--output-prefix",
         required=True,
-        help=f"writes PREFIX{DOCUMENT_SUFFIX}.bin/.idx (parent dirs are created)",
+        help="writes PREFIX_<key>_document.bin/.idx per key (parent dirs are created)",
     )
-    parser.add_argument("--tokenizer", choices=TOKENIZER_KINDS, default="byte")
-    parser.add_argument("--tokenizer-path", help="local tokenizer directory (huggingface)")
-    parser.add_argument("--json-key", default="text")
+    _add_processing_args(parser)
+    args = parser.parse_args(argv)
+    if args.stdlib_max_bytes <= 0 or args.log_interval <= 0 or args.workers <= 0:
+        parser.error("--stdlib-max-bytes, --log-interval and --workers must be positive")
+    keys = args.json_keys
+    if len(set(keys)) != len(keys) or any(not k or "/" in k or os.sep in k for k in keys):
+        parser.error(f"--json-keys {' '.join(keys)}: keys must be distinct names without '/'")
+    if args.stdlib and keys != [TEXT_KEY]:
+        parser.error("--stdlib documents have the key 'text' only; drop --json-keys")
+    return args
+
+
+def _add_processing_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--json-keys",
+        "--json-key",
+        nargs="+",
+        default=[TEXT_KEY],
+        metavar="KEY",
+        help="loose-JSON keys to tokenize, one output dataset each (default: text)",
+    )
+    parser.add_argument(
+        "--append-eod",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="end each document with the tokenizer's end-of-document token, as GPT training "
+        "needs (default: on; Megatron-LM's preprocess_data.py needs the flag)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="tokenizing processes; the output is identical for any number (default: 1)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        choices=TOKENIZER_KINDS,
+        default="byte",
+        help="as data.tokenizer in the training config (default: byte)",
+    )
+    parser.add_argument(
+        "--tokenizer-path",
+        "--tokenizer-model",
+        help="local tokenizer file or directory: "
+        + "; ".join(f"{kind}: {what}" for kind, what in TOKENIZER_FILES.items()),
+    )
     parser.add_argument(
         "--log-interval",
         type=int,
         default=DEFAULT_LOG_INTERVAL,
-        help="log progress every N documents",
+        help="report progress every N documents (a bar instead on a terminal)",
     )
-    args = parser.parse_args(argv)
-    if args.stdlib_max_bytes <= 0 or args.log_interval <= 0:
-        parser.error("--stdlib-max-bytes and --log-interval must be positive")
-    return args
 
 
-def _documents(args: argparse.Namespace) -> Iterable[str]:
+def _run(args: argparse.Namespace) -> dict[str, tuple[int, int]]:
     if args.stdlib:
-        return stdlib_documents(args.stdlib_max_bytes)
-    return file_documents(expand_inputs(args.input), args.json_key)
+        docs = stdlib_documents(args.stdlib_max_bytes)
+        items: Iterable[Item] = (Item(f"stdlib document {i}", d) for i, d in enumerate(docs, 1))
+        total: int | None = args.stdlib_max_bytes
+    else:
+        paths = expand_inputs(args.input)
+        check_keys(paths, args.json_keys)
+        items, total = file_items(paths), input_bytes(paths)
+    tokenizer = build_tokenizer(args.tokenizer, args.tokenizer_path)
+    progress = Progress(total, args.log_interval, bar=want_bar())
+    return prepare_items(
+        items,
+        args.output_prefix,
+        tokenizer,
+        args.json_keys,
+        args.append_eod,
+        args.workers,
+        progress,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -273,19 +305,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
     start = time.monotonic()
     try:
-        tokenizer = build_tokenizer(args.tokenizer, args.tokenizer_path)
-        docs, tokens = prepare_corpus(
-            _documents(args), args.output_prefix, tokenizer, args.log_interval
-        )
+        counts = _run(args)
     except (PrepareError, TokenizerError) as err:
-        raise SystemExit(f"pretrain.prepare: error: {err}") from None
-    log.info(
-        "wrote %s.{bin,idx}: %d documents, %d tokens in %.1fs",
-        dataset_prefix(args.output_prefix),
-        docs,
-        tokens,
-        time.monotonic() - start,
-    )
+        # One line, no traceback: the message names the file, line or flag to fix.
+        print(f"pretrain.prepare: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("pretrain.prepare: interrupted; no output was replaced", file=sys.stderr)
+        return 130
+    for key, (docs, tokens) in counts.items():
+        log.info(
+            "wrote %s.{bin,idx}: %d documents, %d tokens",
+            dataset_prefix(args.output_prefix, key),
+            docs,
+            tokens,
+        )
+    log.info("done in %.1fs", time.monotonic() - start)
     return 0
 
 

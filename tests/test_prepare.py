@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from pretrain.exit_codes import DATA
 from pretrain.prepare import (
     STDLIB_SKIP_DIRS,
     PrepareError,
@@ -21,7 +22,13 @@ from pretrain.prepare import (
     stdlib_documents,
     stdlib_files,
 )
-from pretrain.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, build_tokenizer
+from pretrain.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    TokenizerError,
+    TokenizerFileError,
+    build_tokenizer,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = ["hello world", "naïve café — 日本語 🚀", "line one\nline two\n", "x"]
@@ -74,9 +81,15 @@ def test_byte_tokenizer_round_trip_and_special_ids() -> None:
 def test_build_tokenizer_errors(tmp_path: Path) -> None:
     assert isinstance(build_tokenizer("byte", None), ByteTokenizer)
     with pytest.raises(TokenizerError, match="unknown tokenizer kind"):
+        build_tokenizer("wordpiece", None)
+    with pytest.raises(TokenizerError, match=r"'sentencepiece' needs a tokenizer path"):
         build_tokenizer("sentencepiece", None)
-    with pytest.raises(TokenizerError, match="does not exist"):
+    with pytest.raises(TokenizerFileError, match="does not exist"):
         build_tokenizer("huggingface", str(tmp_path / "missing"))
+    with pytest.raises(TokenizerError, match="reads no file"):
+        build_tokenizer("byte", str(tmp_path))
+    with pytest.raises(TokenizerFileError, match="holds no tokenizer.json"):
+        HFTokenizer(str(tmp_path))
 
 
 def test_prepare_jsonl(tmp_path: Path) -> None:
@@ -186,14 +199,13 @@ def test_tokenizers_plug_into_megatron_gpt_dataset(tmp_path: Path, hf_dir: Path)
         assert sample["tokens"].shape == (8,) and int(sample["tokens"].max()) < tok.vocab_size
 
 
-def test_missing_json_key_names_file_and_line(tmp_path: Path) -> None:
+def test_missing_json_key_names_file_and_line(tmp_path: Path, capsys) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text('{"text": "ok"}\n\n{"content": "no text key"}\n', encoding="utf-8")
     with pytest.raises(PrepareError, match=r"bad\.jsonl:3: no 'text' key"):
         list(file_documents([str(path)]))
-    with pytest.raises(SystemExit) as exc:
-        main(["--input", str(path), "--output-prefix", str(tmp_path / "out")])
-    assert "bad.jsonl:3" in str(exc.value.code)
+    assert main(["--input", str(path), "--output-prefix", str(tmp_path / "out")]) == DATA
+    assert "bad.jsonl:3" in capsys.readouterr().err
     assert output_files(tmp_path) == []  # nothing half-written, no temp files left
 
 
@@ -208,24 +220,14 @@ def test_failed_run_keeps_previous_output(tmp_path: Path) -> None:
     assert output_files(tmp_path) == ["keep_text_document.bin", "keep_text_document.idx"]
 
 
-def test_cli_errors(tmp_path: Path) -> None:
+def test_cli_errors(tmp_path: Path, capsys) -> None:
     out = str(tmp_path / "out")
-    with pytest.raises(SystemExit) as exc:
-        main(["--input", str(tmp_path / "nothing-*.jsonl"), "--output-prefix", out])
-    assert "matched no files" in str(exc.value.code)
-    with pytest.raises(SystemExit) as exc:
-        main(
-            [
-                "--stdlib",
-                "--output-prefix",
-                out,
-                "--tokenizer",
-                "huggingface",
-                "--tokenizer-path",
-                str(tmp_path / "no-such-dir"),
-            ]
-        )
-    assert "no-such-dir" in str(exc.value.code) and "does not exist" in str(exc.value.code)
+    assert main(["--input", str(tmp_path / "nothing-*.jsonl"), "--output-prefix", out]) == DATA
+    assert "matched no files" in capsys.readouterr().err
+    hf = ["--tokenizer", "huggingface", "--tokenizer-path", str(tmp_path / "no-such-dir")]
+    assert main(["--stdlib", "--output-prefix", out, *hf]) == DATA
+    err = capsys.readouterr().err
+    assert "no-such-dir" in err and "does not exist" in err
     assert output_files(tmp_path) == []
 
 
@@ -251,3 +253,26 @@ def test_cli_entrypoint_subprocess(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert f"{len(DOCS)} documents" in result.stderr
     assert read_back(prefix) == expected(ByteTokenizer(), DOCS)
+
+
+def test_json_suffix_is_loose_json_not_plain_text(tmp_path: Path) -> None:
+    path = tmp_path / "five.json"  # the case: 5 JSON lines were "1 documents"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS + ["five"]), "utf-8")
+    prefix = str(tmp_path / "five")
+    assert main(["--input", str(path), "--output-prefix", prefix]) == 0
+    assert read_back(prefix) == expected(ByteTokenizer(), DOCS + ["five"])
+
+
+def test_prepare_corpus_with_workers_matches_one_process(tmp_path: Path, hf_dir: Path) -> None:
+    tok = HFTokenizer(str(hf_dir))
+    docs = [f"the cat sat {'on the mat ' * (i % 5)}" for i in range(400)]
+    outputs = []
+    for workers in (1, 3):
+        prefix = str(tmp_path / f"w{workers}")
+        assert prepare_corpus(docs, prefix, tok, workers=workers) == (
+            400,
+            400 + sum(len(tok.tokenize(d)) for d in docs),
+        )
+        outputs.append([Path(dataset_prefix(prefix) + e).read_bytes() for e in (".bin", ".idx")])
+    assert outputs[0] == outputs[1]
+    assert read_back(str(tmp_path / "w3")) == expected(tok, docs)
