@@ -1,5 +1,6 @@
 """``python -m resiliency <command>``: checkpoint inspection (ls, verify, gc), restore
-validation and capacity planning. Each subcommand module defines ``COMMANDS`` (see base.py)."""
+validation and capacity planning. Each subcommand module defines ``COMMANDS`` (see base.py),
+and base.py documents the exit codes they share."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import argparse
 import logging
 import sys
 
-from resiliency.cli import capacity, checkpoints, validate
-from resiliency.cli.base import Command
+from resiliency.cli import capacity, checkpoints, goodput, validate
+from resiliency.cli.base import EXIT_CODES_EPILOG, Command
 
-COMMAND_MODULES = (checkpoints, validate, capacity)
+COMMAND_MODULES = (checkpoints, goodput, validate, capacity)
+OVERRIDES_NOTE = "takes Hydra overrides: recipe=<name> key=value ..."
 
 
 def load_commands() -> dict[str, Command]:
@@ -23,14 +25,40 @@ def load_commands() -> dict[str, Command]:
     return commands
 
 
+def commands_epilog(commands: dict[str, Command]) -> str:
+    """One unwrapped line per subcommand (argparse's own list wraps and hides the overrides)."""
+    width = max(map(len, commands)) + 2
+    lines = ["commands:"]
+    lines += [f"  {name:<{width}}{command.help}" for name, command in commands.items()]
+    takes = [name for name, command in commands.items() if command.overrides]
+    lines += [
+        "",
+        f"Hydra overrides (recipe=<name> key=value ...) are accepted by: {', '.join(takes)}.",
+        "`python -m resiliency <command> --help` for a command's arguments.",
+        EXIT_CODES_EPILOG,
+    ]
+    return "\n".join(lines)
+
+
 def build_parser(commands: dict[str, Command]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m resiliency", description="Inspect and maintain fault-tolerant runs."
+        prog="python -m resiliency",
+        description="Inspect and maintain fault-tolerant runs.",
+        epilog=commands_epilog(commands),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log INFO messages")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="<command>", help="one of the commands below"
+    )
     for name, command in commands.items():
-        sp = sub.add_parser(name, help=command.help, description=command.help)
+        description = command.help + (f"\n({OVERRIDES_NOTE})" if command.overrides else "")
+        sp = sub.add_parser(
+            name,
+            description=description,
+            epilog="\n".join(filter(None, (command.epilog, EXIT_CODES_EPILOG))),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         command.add_args(sp)
         sp.set_defaults(_run=command.run)
     return parser

@@ -1,9 +1,11 @@
-"""``plan``: checkpoint size, storage with retention, and a first checkpoint interval.
+"""``plan``: checkpoint size, storage with retention, and a first checkpoint interval, in
+minutes and (given a step time, or a recipe whose step time can be estimated) in steps.
 
 Size per version counts the persistent training state of mixed-precision training (section 9
 of the fault-tolerance notes: bf16 params 2 B + fp32 master 4 B + Adam moments 8 B = 14 B per
 parameter). The interval is Young's approximation sqrt(2 * C * MTBF) (section 16): a starting
-point for fault-injection measurements, not the final answer.
+point for fault-injection measurements, not the final answer. ``recipe=<name>`` and Hydra
+overrides supply the parameter count, dtype, retention and step time (capacity_recipe.py).
 """
 
 from __future__ import annotations
@@ -13,7 +15,16 @@ import math
 import re
 from dataclasses import dataclass
 
+from recipes import ConfigError
 from resiliency.cli.base import EXIT_OK, EXIT_USAGE, Command
+from resiliency.cli.capacity_recipe import (
+    DEFAULT_MFU,
+    RecipeFacts,
+    StepTime,
+    estimate_step_time,
+    recipe_facts,
+)
+from resiliency.cli.recorded import schema_default
 
 PARAM_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # Optimizer state per parameter, in fp32: Adam keeps two moments, SGD one momentum buffer.
@@ -83,6 +94,10 @@ class Interval:
     def overhead(self) -> float:
         """Fraction of wall time spent saving (synchronous saves)."""
         return self.save_s / (self.young_s + self.save_s)
+
+    def steps(self, step_s: float) -> int:
+        """The Young interval in whole training steps (at least one)."""
+        return max(1, round(self.young_s / step_s))
 
 
 def parse_count(text: str) -> float:
@@ -154,10 +169,30 @@ def human_count(n: float) -> str:
     return f"{n:g}"
 
 
-def render_plan(size: CheckpointSize, storage: Storage, interval: Interval) -> str:
+@dataclass(frozen=True)
+class PlanContext:
+    """Where the plan's inputs came from (recipe, flags, defaults), and the step time."""
+
+    params_from: str = ""
+    keep_from: str = ""
+    step: StepTime | None = None
+    recipe: str | None = None
+    save_interval: int | None = None  # the recipe's checkpoint.save_interval
+
+
+def human_step(seconds: float) -> str:
+    """Step times are often below a second: three significant digits there."""
+    return f"{seconds:.3g} s" if seconds < 120 else human_duration(seconds)
+
+
+def render_plan(
+    size: CheckpointSize, storage: Storage, interval: Interval, ctx: PlanContext | None = None
+) -> str:
+    ctx = ctx or PlanContext()
     low, high = storage.with_headroom()
+    source = f" ({ctx.params_from})" if ctx.params_from else ""
     lines = [
-        f"Checkpoint plan for {human_count(size.params)} parameters",
+        f"Checkpoint plan for {human_count(size.params)} parameters{source}",
         "",
         "Size of one checkpoint version (full training state):",
     ]
@@ -168,54 +203,175 @@ def render_plan(size: CheckpointSize, storage: Storage, interval: Interval) -> s
         *(f"    - {item}" for item in NOT_COUNTED),
         "",
         f"Storage, keeping {storage.keep} version(s): {human_bytes(storage.retained_bytes)}",
+        *([f"  {ctx.keep_from}"] if ctx.keep_from else []),
         f"  with {storage.headroom[0]:.0%}-{storage.headroom[1]:.0%} headroom "
         f"(temporary writes, retries, fragmentation): "
         f"{human_bytes(low)} - {human_bytes(high)}",
         "",
         f"Checkpoint interval (Young): sqrt(2 x {human_duration(interval.save_s)} save x "
         f"{human_duration(interval.mtbf_s)} MTBF) = {human_duration(interval.young_s)}",
+        *_step_lines(interval, ctx),
         f"  expected work lost per failure ~ interval/2 + save = "
         f"{human_duration(interval.expected_loss_s)}",
         f"  time spent saving (synchronous): {interval.overhead:.1%}",
-        "  A starting point: measure save time and recovery with `python -m resiliency "
-        "drill` before fixing the interval.",
+        "  A starting point: measure save time and recovery with `python -m drill` "
+        "before fixing the interval.",
     ]
     return "\n".join(lines)
 
 
+def _step_lines(interval: Interval, ctx: PlanContext) -> list[str]:
+    """The interval in steps, as ``checkpoint.save_interval`` takes it, when a step time is
+    known; otherwise what would make it known."""
+    step = ctx.step
+    if step is None or step.seconds is None:
+        why = step.detail if step else "give --step-time, or recipe=<name> to estimate it"
+        return [f"  in steps: {why}"]
+    n = interval.steps(step.seconds)
+    lines = [
+        f"  step time: {human_step(step.seconds)} ({step.detail})",
+        f"  in steps: {human_duration(interval.young_s)} / {human_step(step.seconds)} per "
+        f"step = {n} steps -> checkpoint.save_interval={n}",
+    ]
+    if ctx.recipe is not None:
+        configured = (
+            f"saves every {ctx.save_interval} steps = "
+            f"{human_step(ctx.save_interval * step.seconds)}"
+            if ctx.save_interval
+            else "saves only at the end of training"
+        )
+        lines.append(f"  recipe {ctx.recipe} {configured} (its checkpoint.save_interval)")
+    return lines
+
+
 def _add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--params", required=True, help="parameter count: 70e9, 7B, 405B")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="OVERRIDE",
+        help="recipe=<name> and Hydra overrides of it (key=value): the parameter count, "
+        "dtype, retention and step time come from it unless given as flags",
+    )
+    parser.add_argument("--params", help="parameter count: 70e9, 7B, 405B (default: the recipe's)")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_MOMENTS), default="adam")
     parser.add_argument(
         "--dtype",
         choices=sorted(PARAM_DTYPE_BYTES),
-        default="bf16",
-        help="parameter dtype in training (default bf16)",
+        default=None,
+        help="parameter dtype in training (default bf16, or the recipe's train.precision)",
     )
-    parser.add_argument("--keep", type=int, default=3, help="versions retained (default 3)")
+    parser.add_argument(
+        "--keep",
+        type=int,
+        default=None,
+        help="versions on storage at once (default: checkpoint.keep_last + 1 being written)",
+    )
     parser.add_argument("--mtbf", default="3h", help="mean time between failures (default 3h)")
     parser.add_argument(
         "--save-seconds",
         default="30",
         help="time one checkpoint save blocks training (default 30 s)",
     )
+    _add_step_args(parser)
+
+
+def _add_step_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--step-time",
+        help="seconds per training step (2.5, 2.5s, 1m): gives the interval in steps",
+    )
+    parser.add_argument(
+        "--gpu", type=str.upper, help="estimate a recipe's step time for this GPU's peak"
+    )
+    parser.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per GPU, instead of --gpu")
+    parser.add_argument(
+        "--mfu",
+        type=float,
+        default=DEFAULT_MFU,
+        help=f"model FLOPs utilisation assumed by the estimate (default {DEFAULT_MFU})",
+    )
+    parser.add_argument(
+        "--vocab",
+        type=int,
+        help="the tokenizer's vocabulary size, when the recipe's tokenizer files are not here",
+    )
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    if args.keep is not None and args.keep < 1:
+        raise ValueError("--keep must be at least 1")
+    if not 0 < args.mfu <= 1:
+        raise ValueError(f"--mfu must be in (0, 1], got {args.mfu}")
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        raise ValueError(f"--peak-tflops must be positive, got {args.peak_tflops}")
+    if args.vocab is not None and args.vocab < 1:
+        raise ValueError(f"--vocab must be positive, got {args.vocab}")
+
+
+def _params(args: argparse.Namespace, facts: RecipeFacts | None) -> tuple[float, str]:
+    if args.params:
+        return parse_count(args.params), ""
+    if facts is None:
+        raise ValueError("give --params (e.g. 70e9, 7B), or recipe=<name>")
+    if facts.params is None:
+        raise ValueError(
+            f"recipe {facts.name}: cannot count its parameters, {facts.vocab_detail}; "
+            "give --vocab N (the tokenizer's vocabulary size) or --params"
+        )
+    return facts.params, f"{facts.params:,} in recipe {facts.name}, {facts.vocab_detail}"
+
+
+def _keep(args: argparse.Namespace, facts: RecipeFacts | None) -> tuple[int, str]:
+    """Versions on storage at once: the retained ones plus the one being written."""
+    if args.keep is not None:
+        return args.keep, ""
+    keep_last, where = (
+        (facts.keep_last, f"recipe {facts.name}")
+        if facts
+        else (schema_default("keep_last"), "schema default")
+    )
+    return keep_last + 1, f"checkpoint.keep_last={keep_last} ({where}) + 1 being written"
+
+
+def _step_time(args: argparse.Namespace, facts: RecipeFacts | None) -> StepTime | None:
+    if args.step_time:
+        return StepTime(parse_duration(args.step_time), "--step-time")
+    if facts is not None:
+        return estimate_step_time(facts, args.gpu, args.peak_tflops, args.mfu)
+    return None
 
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        params = parse_count(args.params)
+        _check_numbers(args)
+        facts = recipe_facts(args.overrides, args.vocab) if args.overrides else None
+        params, params_from = _params(args, facts)
+        keep, keep_from = _keep(args, facts)
         interval = Interval(parse_duration(args.save_seconds), parse_duration(args.mtbf))
-    except ValueError as exc:
+        step = _step_time(args, facts)
+    except (ValueError, ConfigError) as exc:
         print(f"error: {exc}")
         return EXIT_USAGE
-    if args.keep < 1:
-        print("error: --keep must be at least 1")
-        return EXIT_USAGE
-    size = checkpoint_size(params, args.optimizer, args.dtype)
-    print(render_plan(size, Storage(size.bytes, args.keep), interval))
+    dtype = args.dtype or (facts.dtype if facts else "bf16")
+    size = checkpoint_size(params, args.optimizer, dtype)
+    ctx = PlanContext(
+        params_from,
+        keep_from,
+        step,
+        facts.name if facts else None,
+        facts.save_interval if facts else None,
+    )
+    print(render_plan(size, Storage(size.bytes, keep), interval, ctx))
     return EXIT_OK
 
 
 COMMANDS = {
-    "plan": Command("checkpoint size, storage with retention and Young interval", _add_args, _run)
+    "plan": Command(
+        "checkpoint size, storage with retention, Young interval in minutes and steps",
+        _add_args,
+        _run,
+        overrides=True,
+        epilog="e.g. plan --params 70e9 --mtbf 3h --save-seconds 30 --step-time 6s\n"
+        "     plan recipe=llama3_70b --gpu H100 --vocab 128256 --mtbf 3h",
+    )
 }

@@ -1,4 +1,4 @@
-"""Checkpoint subcommands: ls, verify, gc."""
+"""Checkpoint subcommands: ls, verify (verify.py), gc. Exit codes: see base.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,11 @@ import sys
 import time
 from pathlib import Path
 
+from resiliency.cli.attempt_table import attempt_rows
 from resiliency.cli.base import EXIT_BAD, EXIT_OK, EXIT_USAGE, Command
+from resiliency.cli.recorded import Setting, recorded_setting, schema_default
+from resiliency.cli.verify import VERIFY
+from resiliency.monitor.goodput import build_ledger, format_ledger
 from resiliency.storage.attempts import recorded_attempts
 from resiliency.storage.layout import COMMITTED_NAME, RunLayout, parse_step, step_name
 from resiliency.storage.lease import LeaseInfo, read_lease, stale_reason
@@ -17,7 +21,6 @@ from resiliency.storage.retention import GcPlan, apply_gc, plan_gc
 from resiliency.storage.select import read_latest_hint
 from resiliency.storage.verify import verify_step_dir
 
-DEFAULT_KEEP_LAST = 3
 DEFAULT_LEASE_TIMEOUT_S = 600.0
 
 
@@ -117,7 +120,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     layout = _run_layout(args.run_dir)
     if layout is None:
         return EXIT_USAGE
-    _header(layout, args.lease_timeout)
+    live = _header(layout, args.lease_timeout)
     hint, _ = read_latest_hint(layout)
     now = time.time()
     steps = list(reversed(layout.published_steps()))
@@ -131,6 +134,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
         row, ok = _step_row(layout, step, hint, now, args.verify)
         all_ok &= ok
         print(row, flush=True)
+    _print_tmp_rows(layout, now)
+    print(f"\nattempts:    {layout.attempts_dir}/attempt-NN.json, oldest first")
+    print("\n".join(attempt_rows(layout, live.attempt if live else None, now)))
+    print("\n" + format_ledger(build_ledger(layout.run_dir)).splitlines()[0])
+    local_dir = args.local_dir or _recorded_local_dir(layout)
+    if local_dir:
+        _print_local_tier(Path(local_dir), layout.run_id)
+    return EXIT_OK if all_ok or not args.verify else EXIT_BAD
+
+
+def _print_tmp_rows(layout: RunLayout, now: float) -> None:
     for path, step, attempt in reversed(layout.tmp_dirs()):
         print(
             _row(
@@ -143,10 +157,6 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 f"tmp of attempt {attempt:02d} (never restored from)",
             )
         )
-    local_dir = args.local_dir or _recorded_local_dir(layout)
-    if local_dir:
-        _print_local_tier(Path(local_dir), layout.run_id)
-    return EXIT_OK if all_ok or not args.verify else EXIT_BAD
 
 
 def _recorded_local_dir(layout: RunLayout) -> str | None:
@@ -184,14 +194,6 @@ def _print_local_tier(local_dir: Path, run_id: str) -> None:
 _LOCAL_ROW = "{:>10}  {:<9}  {:>10}  {}"
 
 
-def cmd_verify(args: argparse.Namespace) -> int:
-    step_dir = Path(args.step_dir).absolute()
-    run_id = args.run_id or step_dir.parent.parent.name
-    verdict = verify_step_dir(step_dir, run_id, full=not args.quick)
-    print(f"{'OK' if verdict.ok else 'BAD'} {step_dir}: {verdict.reason}")
-    return EXIT_OK if verdict.ok else EXIT_BAD
-
-
 def _print_plan(plan: GcPlan, dry_run: bool) -> None:
     verb = "would delete" if dry_run else "delete"
     for path, reason in sorted(plan.keep):
@@ -200,11 +202,30 @@ def _print_plan(plan: GcPlan, dry_run: bool) -> None:
         print(f"{verb:<13} {path.name}: {reason}")
 
 
+def _gc_settings(layout: RunLayout, args: argparse.Namespace) -> tuple[Setting, Setting]:
+    """keep_last and milestone_interval: the flags, else what the run recorded, else the
+    schema's defaults; both printed with their source."""
+    keep = (
+        Setting(args.keep_last, "--keep-last")
+        if args.keep_last is not None
+        else recorded_setting(layout, "keep_last")
+    )
+    if args.milestone_interval is not None:  # 0: none, even where the run recorded one
+        milestones = Setting(args.milestone_interval or None, "--milestone-interval")
+    else:
+        milestones = recorded_setting(layout, "milestone_interval")
+    every = f"every {milestones.value} steps" if milestones.value else "none"
+    print(f"keep_last:   {keep.value} ({keep.source})")
+    print(f"milestones:  {every} ({milestones.source})")
+    return keep, milestones
+
+
 def cmd_gc(args: argparse.Namespace) -> int:
     layout = _run_layout(args.run_dir)
     if layout is None:
         return EXIT_USAGE
     live = _header(layout, args.lease_timeout)
+    keep, milestones = _gc_settings(layout, args)
     if live is not None and not args.dry_run:
         print(
             f"error: run is live (lease held by attempt {live.attempt}); its trainer runs GC "
@@ -215,8 +236,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
         plan = plan_gc(
             layout,
             layout.run_id,
-            args.keep_last,
-            args.milestone_interval,
+            _as_int(keep, "keep_last"),
+            None if milestones.value is None else _as_int(milestones, "milestone_interval"),
             set(args.protect),
             live.attempt if live else None,
         )
@@ -229,6 +250,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
         return EXIT_OK
     print(f"deleted {len(apply_gc(plan))} dir(s)")
     return EXIT_OK
+
+
+def _as_int(setting: Setting, key: str) -> int:
+    """A recorded value is the run's own file: a non-integer there is a config error."""
+    if isinstance(setting.value, bool) or not isinstance(setting.value, int):
+        raise ValueError(f"{key}={setting.value!r} ({setting.source}) is not an integer")
+    return setting.value
 
 
 def _add_lease_timeout(p: argparse.ArgumentParser) -> None:
@@ -255,12 +283,6 @@ def _add_ls_args(p: argparse.ArgumentParser) -> None:
     _add_lease_timeout(p)
 
 
-def _add_verify_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("step_dir", help="<root>/<run_id>/steps/step-NNNNNNNNN")
-    p.add_argument("--quick", action="store_true", help="check sizes only, skip checksums")
-    p.add_argument("--run-id", help="expected run_id (default: name of the run dir)")
-
-
 def _step_arg(value: str) -> int:
     step = parse_step(value) if value.startswith("step-") else None
     return step if step is not None else int(value)
@@ -272,11 +294,17 @@ def _add_gc_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--keep-last",
         type=int,
-        default=DEFAULT_KEEP_LAST,
-        help=f"verified steps to keep (>= 2, default {DEFAULT_KEEP_LAST})",
+        default=None,
+        help="verified steps to keep (>= 2; default: the run's recorded checkpoint.keep_last, "
+        "from config.yaml, launch-config.yaml or the newest manifest, else the schema's "
+        f"{schema_default('keep_last')})",
     )
     p.add_argument(
-        "--milestone-interval", type=int, default=None, help="also keep every step divisible by N"
+        "--milestone-interval",
+        type=int,
+        default=None,
+        help="also keep every step divisible by N (0: none; default: the run's recorded "
+        "checkpoint.milestone_interval)",
     )
     p.add_argument(
         "--protect",
@@ -290,7 +318,15 @@ def _add_gc_args(p: argparse.ArgumentParser) -> None:
 
 
 COMMANDS = {
-    "ls": Command("list a run's steps and tmp dirs, and its local tier", _add_ls_args, cmd_ls),
-    "verify": Command("verify one step dir (exit 0 ok, 1 bad)", _add_verify_args, cmd_verify),
-    "gc": Command("delete old steps and dead attempts' tmp dirs", _add_gc_args, cmd_gc),
+    "ls": Command(
+        "list a run's steps, tmp dirs, attempts (status, exit, failure class, restored step)",
+        _add_ls_args,
+        cmd_ls,
+    ),
+    "verify": VERIFY,
+    "gc": Command(
+        "delete old steps and dead attempts' tmp dirs (keeps the run's checkpoint.keep_last)",
+        _add_gc_args,
+        cmd_gc,
+    ),
 }

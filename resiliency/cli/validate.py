@@ -1,4 +1,8 @@
-"""``validate``: will this checkpoint restore into that layout? Prints the diff table."""
+"""``validate``: will this checkpoint restore into that layout? Prints the diff table.
+
+Exit codes: 0 the restore would be accepted; 3 (TOPOLOGY_REFUSED) it would be refused; 1 the
+checkpoint is bad (no step of the run verifies, or the step's manifest is unreadable); 2 bad
+path, overrides or target config."""
 
 from __future__ import annotations
 
@@ -6,14 +10,13 @@ import argparse
 from pathlib import Path
 
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from pretrain import exit_codes
 from pretrain.tokenizer import build_tokenizer
 from recipes import ConfigError, RunConfig, load_config
 from recipes.validate import validate_runtime
-from resiliency.checkpoint.restore_plan import target_for
-from resiliency.checkpoint.topology import validate
-from resiliency.cli.base import EXIT_USAGE, Command
+from resiliency.cli.base import EXIT_BAD, EXIT_USAGE, Command
 from resiliency.storage.layout import RunLayout, parse_step
 from resiliency.storage.manifest import ManifestError, read_manifest
 from resiliency.storage.select import select_restore_step
@@ -34,15 +37,23 @@ def _add_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class BadCheckpointError(Exception):
+    """The checkpoint itself fails (exit 1), as opposed to how the tool was called (exit 2)."""
+
+
 def _step_dir(path: Path) -> Path:
+    if not path.is_dir():
+        raise ConfigError(f"{path} does not exist or is not a directory")
     if parse_step(path.name) is not None:
         return path
     layout = RunLayout.from_run_dir(path)
+    if not layout.steps_dir.is_dir():
+        raise ConfigError(f"{path} is neither a step dir (step-NNNNNNNNN) nor a run dir")
     selection = select_restore_step(layout, layout.run_id, full_verify=False)
     for name, reason in selection.skipped:
         print(f"skipped {name}: {reason}")
     if selection.step_dir is None:
-        raise ConfigError(f"no verified checkpoint under {path}")
+        raise BadCheckpointError("no published step verifies (the skipped lines say why)")
     return selection.step_dir
 
 
@@ -61,13 +72,25 @@ def _run(args: argparse.Namespace) -> int:
     try:
         step_dir = _step_dir(args.path)
         manifest = read_manifest(step_dir)
+    except (BadCheckpointError, ManifestError) as exc:
+        print(f"BAD {args.path}: {exc}")
+        return EXIT_BAD
+    except ConfigError as exc:
+        print(f"error: {exc}")
+        return EXIT_USAGE
+    try:
         run = _target_config(manifest.config, args.overrides)
         world = args.world_size or run.launch.world_size
         dp = validate_runtime(run, world, "cuda" if run.launch.gpus_per_node else "cpu")
-    except (ConfigError, ManifestError) as exc:
+        vocab = build_tokenizer(run.data.tokenizer, run.data.tokenizer_path).vocab_size
+    except (ValueError, OmegaConfBaseException) as exc:  # ConfigError, TokenizerError, merges
         print(f"error: {exc}")
         return EXIT_USAGE
-    vocab = build_tokenizer(run.data.tokenizer, run.data.tokenizer_path).vocab_size
+    # torch comes with these: imported here so ls, verify, gc and plan start in a fraction
+    # of the time.
+    from resiliency.checkpoint.restore_plan import target_for
+    from resiliency.checkpoint.topology import validate
+
     report = validate(manifest, target_for(run, world, dp, vocab))
     print(f"checkpoint: {step_dir} (step {manifest.step}, {manifest.optim_format})")
     print(report.table())
@@ -76,6 +99,9 @@ def _run(args: argparse.Namespace) -> int:
 
 COMMANDS = {
     "validate": Command(
-        "check a checkpoint against a target layout (nothing is loaded)", _add_args, _run
+        "check a checkpoint against a target layout, nothing loaded (exit 3: refused)",
+        _add_args,
+        _run,
+        overrides=True,
     )
 }

@@ -24,6 +24,7 @@ from prometheus_client import (
 )
 
 from pretrain.hooks import StepResult, TrainHook
+from resiliency.monitor.goodput import build_ledger
 from resiliency.monitor.postmortem import read_record
 from resiliency.storage.attempts import recorded_attempts
 
@@ -94,6 +95,18 @@ class RunMetrics:
         self.step_time = Gauge(
             "training_step_duration_seconds", "Mean step time this attempt", run, registry=reg
         )
+        self.goodput = Gauge(
+            "training_goodput_ratio",
+            "Productive step time / wall time since the first launch",
+            run,
+            registry=reg,
+        )
+        self.goodput_seconds = Gauge(
+            "training_goodput_seconds",
+            "Wall time since the first launch by category (they add up to the wall time)",
+            ["run_id", "category"],
+            registry=reg,
+        )
         per_rank = ["run_id", "rank"]
         self.relative = Gauge(
             "straggler_relative_score",
@@ -154,7 +167,18 @@ class MetricsHook(TrainHook):
 
     def on_end(self, trainer: "Trainer") -> None:
         self._update(trainer, trainer.state.step)
+        self._update_goodput()
         self.write_or_warn()
+
+    def _update_goodput(self) -> None:
+        """The ledger across every attempt so far (read from the run's own files; the
+        current attempt's end is not recorded yet, so it counts up to its last step)."""
+        ledger = build_ledger(self.path.parent.parent)
+        if ledger.goodput is None:
+            return
+        self.m.labels(self.m.goodput).set(ledger.goodput)
+        for category, seconds in ledger.seconds.items():
+            self.m.labels(self.m.goodput_seconds, category=category).set(seconds)
 
     def on_exception(self, trainer: "Trainer | None", exc: BaseException) -> None:
         if trainer is None:

@@ -1,0 +1,35 @@
+"""``python -m resiliency goodput RUN``: where a run's wall time went (monitor/goodput.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from resiliency.cli.base import EXIT_OK, EXIT_USAGE, Command
+from resiliency.monitor.goodput import build_ledger, format_ledger
+
+
+def _add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", type=Path, help="a run dir: <output_dir>/<run_id>")
+    parser.add_argument("--json", action="store_true", help="the ledger as JSON")
+
+
+def cmd_goodput(args: argparse.Namespace) -> int:
+    if not (args.run_dir / "attempts").is_dir():
+        print(f"error: {args.run_dir} is not a run dir (no attempts/ in it)")
+        return EXIT_USAGE
+    ledger = build_ledger(args.run_dir)
+    print(json.dumps(ledger.to_dict(), indent=1) if args.json else format_ledger(ledger))
+    return EXIT_OK
+
+
+COMMANDS = {
+    "goodput": Command(
+        "goodput of a run: productive step time / wall time, with the rest by category",
+        _add_args,
+        cmd_goodput,
+        epilog="Categories: productive, lost (recomputed), checkpoint_save, evaluation, "
+        "startup, restore, downtime (between attempts), other; they add up to the wall time.",
+    ),
+}

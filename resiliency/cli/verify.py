@@ -1,0 +1,121 @@
+"""``verify``: is this step dir, or every published step of this run dir, an intact checkpoint?
+
+A step dir (``<run>/steps/step-NNNNNNNNN``, or a tmp dir) gets one ``OK``/``BAD`` line. A run
+dir (or its ``steps/``) gets one line per published step, newest first, and a summary; with
+``--newest`` it stops at the newest step that verifies, the one a restore would pick.
+Exit codes (base.py): 0 everything checked verifies (``--newest``: a step verifies); 1 a
+checkpoint failed, or the run has no published step; 2 the path does not exist or is neither
+a step dir nor a run dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from resiliency.cli.base import EXIT_BAD, EXIT_OK, EXIT_USAGE, Command
+from resiliency.storage.layout import RunLayout
+from resiliency.storage.verify import step_of_dir, verify_step_dir
+
+RUN_MARKERS = ("steps", "attempts", "run.json")  # what makes a dir a run dir
+
+
+def _classify(path: Path) -> tuple[str, Path] | str:
+    """("step" | "run", dir), or why the path is neither (a usage error, not a bad step)."""
+    if not path.exists():
+        return f"{path} does not exist"
+    if not path.is_dir():
+        return f"{path} is a file; give a step dir (<run>/steps/step-NNNNNNNNN) or a run dir"
+    if step_of_dir(path) is not None:
+        return "step", path
+    if path.name == "steps":  # <run>/steps: its run
+        return "run", path.parent
+    if any((path / m).exists() for m in RUN_MARKERS):
+        return "run", path
+    runs = sorted(p.name for p in path.iterdir() if (p / "steps").is_dir())
+    hint = f"; it holds run dir(s): {', '.join(runs[:5])}{' ...' * (len(runs) > 5)}" if runs else ""
+    return (
+        f"{path} is neither a step dir (step-NNNNNNNNN) nor a run dir "
+        f"(no steps/, attempts/ or run.json inside){hint}"
+    )
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    target = _classify(Path(args.path).absolute())
+    if isinstance(target, str):
+        print(f"error: {target}")
+        return EXIT_USAGE
+    kind, path = target
+    if kind == "run":
+        return _verify_run(path, args.run_id, not args.quick, args.newest)
+    run_id = args.run_id or path.parent.parent.name
+    verdict = verify_step_dir(path, run_id, full=not args.quick)
+    print(f"{'OK' if verdict.ok else 'BAD'} {path}: {verdict.reason}")
+    return EXIT_OK if verdict.ok else EXIT_BAD
+
+
+def _verify_run(run_dir: Path, run_id: str | None, full: bool, newest: bool) -> int:
+    layout = RunLayout.from_run_dir(run_dir)
+    expected = run_id or layout.run_id
+    steps = list(reversed(layout.published_steps()))
+    if not steps:
+        print(f"BAD {run_dir}: no published step to verify (nothing under steps/)")
+        return EXIT_BAD
+    check = "full: every byte re-hashed" if full else "quick: markers, manifest and sizes"
+    scope = "the newest step that verifies" if newest else f"all {len(steps)} published step(s)"
+    print(f"run {run_dir}: verifying {scope}, newest first ({check})")
+    bad: list[int] = []
+    good: list[int] = []
+    for index, step in enumerate(steps, 1):
+        if full:  # progress on stderr: a full re-hash reads every byte of the step
+            print(f"verifying step {step} ({index}/{len(steps)})", file=sys.stderr)
+        verdict = verify_step_dir(layout.step_dir(step), expected, full=full)
+        (good if verdict.ok else bad).append(step)
+        status = "OK " if verdict.ok else "BAD"
+        print(f"{status} {layout.step_dir(step).name}: {verdict.reason}", flush=True)
+        if newest and verdict.ok:
+            break
+    print(_summary(good, bad, newest))
+    if newest:
+        return EXIT_OK if good else EXIT_BAD
+    return EXIT_BAD if bad else EXIT_OK
+
+
+def _summary(good: list[int], bad: list[int], newest: bool) -> str:
+    if not good:
+        return f"BAD: none of {len(bad)} published step(s) verifies; nothing to resume from"
+    pick = f"newest verified: step {good[0]} (a restore picks it)"
+    if newest:
+        skipped = f", {len(bad)} newer step(s) BAD" if bad else ""
+        return f"{pick}{skipped}"
+    if bad:
+        return f"BAD: {len(bad)} of {len(good) + len(bad)} step(s) fail ({_steps(bad)}); {pick}"
+    return f"OK: all {len(good)} step(s) verify; {pick}"
+
+
+def _steps(steps: list[int]) -> str:
+    return f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}"
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "path",
+        help="a step dir (<root>/<run_id>/steps/step-NNNNNNNNN), or a run dir (<root>/<run_id>):"
+        " every published step of it",
+    )
+    p.add_argument("--quick", action="store_true", help="check sizes only, skip checksums")
+    p.add_argument(
+        "--newest",
+        action="store_true",
+        help="run dir: stop at the newest step that verifies (the one a restore picks)",
+    )
+    p.add_argument("--run-id", help="expected run_id (default: name of the run dir)")
+
+
+VERIFY = Command(
+    "verify a step dir, or every published step of a run dir (exit 0 ok, 1 bad, 2 usage)",
+    _add_args,
+    cmd_verify,
+    epilog="A run dir: one line per published step, newest first, then a summary line.",
+)

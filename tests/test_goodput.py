@@ -1,0 +1,123 @@
+"""The goodput ledger: categories add up to the wall time, lost steps and downtime are counted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from resiliency.monitor.goodput import CATEGORIES, build_ledger
+from tests.helpers import REPO, run_pretrain
+
+
+def _write(run_dir: Path, attempts: list[dict], steps: list[dict], saves: list[dict]) -> None:
+    (run_dir / "attempts").mkdir(parents=True)
+    (run_dir / "metrics").mkdir()
+    for a in attempts:
+        (run_dir / "attempts" / f"attempt-{a['attempt']:02d}.json").write_text(json.dumps(a))
+    for name, rows in (("steps", steps), ("checkpoints", saves)):
+        text = "".join(json.dumps(r) + "\n" for r in rows)
+        (run_dir / "metrics" / f"{name}.jsonl").write_text(text)
+
+
+def test_ledger_by_hand(tmp_path: Path) -> None:
+    """Attempt 1 (t=0..10) is killed after step 3 (saved at 2); attempt 2 starts at t=14,
+    restores step 2 and redoes step 3: every second is placed, by hand."""
+    attempts = [
+        {
+            "attempt": 1,
+            "start_time": 1.0,
+            "status": "running",  # killed: ends at its last step
+            "startup": {"process_start": 0.0, "first_step_started_at": 4.0},
+        },
+        {
+            "attempt": 2,
+            "start_time": 15.0,
+            "end_time": 24.0,
+            "status": "finished",
+            "restored_step": 2,
+            "startup": {
+                "process_start": 14.0,
+                "load_started_at": 16.0,
+                "first_step_started_at": 18.0,
+            },
+        },
+    ]
+    steps = [
+        {"step": 1, "step_time_s": 1.0, "time": 5.0},
+        {"step": 2, "step_time_s": 1.0, "time": 6.0},
+        {"step": 3, "step_time_s": 2.0, "time": 10.0},  # lost: attempt 2 restored step 2
+        {"step": 3, "step_time_s": 2.0, "time": 20.0},
+        {"step": 4, "step_time_s": 2.0, "time": 22.5},
+    ]
+    saves = [
+        {"step": 2, "blocked_s": 1.5, "time": 7.5},
+        {"step": 4, "blocked_s": 0.5, "time": 23.0},
+    ]
+    _write(tmp_path, attempts, steps, saves)
+    ledger = build_ledger(tmp_path)
+    assert ledger.wall_s == 24.0 and ledger.attempts == 2 and ledger.lost_steps == 1
+    assert ledger.seconds == {
+        "productive": 6.0,  # steps 1, 2 of attempt 1; 3, 4 of attempt 2
+        "lost": 2.0,
+        "checkpoint_save": 2.0,
+        "evaluation": 0.0,
+        "startup": 4.0 + 2.0,  # 0->4; 14->16
+        "restore": 2.0,  # 16->18
+        "downtime": 4.0,  # attempt 1's last step (10) -> attempt 2's process start (14)
+        "other": (10.0 - 4.0 - 5.5) + (24.0 - 14.0 - 4.0 - 4.5),
+    }
+    assert sum(ledger.seconds.values()) == pytest.approx(ledger.wall_s)
+    assert ledger.goodput == pytest.approx(6.0 / 24.0)
+
+
+@pytest.mark.slow
+def test_killed_and_resumed_run(tiny_overrides: list[str], tmp_path: Path) -> None:
+    base = [
+        *tiny_overrides,
+        f"output_dir={tmp_path}",
+        "run_id=g",
+        "checkpoint.save_interval=4",
+        "train.train_steps=8",
+    ]
+    killed = run_pretrain(2, [*base, "train.fault=kill@6:1"], check=False)
+    assert killed.returncode != 0
+    run_pretrain(2, base)
+    run_dir = tmp_path / "g"
+    ledger = build_ledger(run_dir)
+    assert sum(ledger.seconds.values()) == pytest.approx(ledger.wall_s, abs=1e-6)
+    assert all(ledger.seconds[c] >= 0 for c in CATEGORIES if c != "other"), ledger.seconds
+    assert ledger.attempts == 2 and ledger.lost_steps in (1, 2)  # step 5 (and 6 if logged)
+    steps = [
+        json.loads(x) for x in (run_dir / "metrics" / "steps.jsonl").read_text().split("\n") if x
+    ]
+    assert ledger.seconds["productive"] + ledger.seconds["lost"] == pytest.approx(
+        sum(s["step_time_s"] for s in steps)
+    )
+    assert ledger.seconds["downtime"] > 0 and ledger.seconds["restore"] > 0
+    proc = subprocess.run(
+        [sys.executable, "-m", "resiliency", "goodput", str(run_dir), "--json"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["lost_steps"] == ledger.lost_steps
+    prom = (run_dir / "metrics" / "metrics.prom").read_text()
+    assert 'training_goodput_seconds{category="lost",run_id="g"}' in prom
+    assert "training_goodput_ratio" in prom
+
+
+def test_goodput_cli_refuses_a_non_run_dir(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "resiliency", "goodput", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "is not a run dir" in proc.stdout
