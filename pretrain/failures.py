@@ -14,6 +14,7 @@ from typing import ClassVar
 
 from pretrain import exit_codes
 from recipes import ConfigError
+from recipes.inputs import DataInputError
 
 # Local storage refusing writes: the same on fresh hardware, so not worth a retry.
 LOCAL_IO_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT})
@@ -54,11 +55,13 @@ class Failure:
 def classify(exc: BaseException) -> Failure:
     """Map an exception raised in the trainer to its class and exit code."""
     message = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, DataInputError):
+        return Failure("data", exit_codes.DATA, False, message)
     if isinstance(exc, ConfigError):
         return Failure("config", exit_codes.CONFIG_ERROR, False, message)
     if isinstance(exc, ClassifiedError):
         return Failure(exc.kind, exc.exit_code, exc.retryable, message)
-    if isinstance(exc, NonFiniteError):
+    if isinstance(exc, NonFiniteError) or _is_megatron_nan_check(exc):
         return Failure("numeric", exit_codes.NUMERIC, False, message)
     if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower():
         return Failure("oom", exit_codes.OOM, False, message)
@@ -69,6 +72,14 @@ def classify(exc: BaseException) -> Failure:
     if _is_infrastructure(exc):
         return Failure("infrastructure", exit_codes.INFRASTRUCTURE, True, message)
     return Failure("user_code", exit_codes.USER_CODE, False, message)
+
+
+def _is_megatron_nan_check(exc: BaseException) -> bool:
+    """megatron-core DDP's check_for_nan_in_grad: "found NaN (Inf) in local grad norm ..." (a
+    real NaN in the backward pass), the same numeric failure as the loop's own check."""
+    text = str(exc)
+    markers = ("found NaN in local grad", "found Inf in local grad")
+    return isinstance(exc, RuntimeError) and any(m in text for m in markers)
 
 
 def _is_infrastructure(exc: BaseException) -> bool:

@@ -1,15 +1,19 @@
 """Test-only fault injection, driven by ``train.fault`` ("<kind>@<step>[:<rank>]", ';'-separated).
 
 Kinds: kill (SIGKILL self before the step), hang (block forever), raise (deterministic
-exception), nan (poison gradients after backward), kill_save (SIGKILL once this step's shards
-are written, before the commit), kill_publish (SIGKILL after COMMITTED is written, before the
-rename), kill_writer (SIGKILL this rank's checkpoint writer process once this step's async
-save is handed to it), stop / stop_save / stop_restore / stop_eval (SIGSTOP this rank: before
-the step, at the save point, at the start of restoring this step, in the validation after it;
-the process freezes as a stuck node does, every thread with it), slow (from this step on,
-this rank's step burns ``factor`` times its CPU time: "slow@<step>:<rank>:<factor>", a
-straggler). A "/<round>" suffix limits an entry to one launcher round
-(TORCHELASTIC_RESTART_COUNT), so a fault can hit once and the restarted group run clean.
+exception), nan (poison gradients after backward, at that step number whatever it trains on),
+spike (a bad batch: the N-th global batch of the data, the one step N trains on until a
+rollback moves the cursor, has its loss, and so its gradients, multiplied by ``factor``,
+default 1000, every time it is trained on: "spike@<batch>[:<rank>][:<factor>]"), kill_save
+(SIGKILL once this step's shards are written, before the commit), kill_publish (SIGKILL
+after COMMITTED is written, before the rename), kill_writer (SIGKILL this rank's checkpoint
+writer process once this step's async save is handed to it), stop / stop_save /
+stop_restore / stop_eval (SIGSTOP this rank: before the step, at the save point, at the start
+of restoring this step, in the validation after it; the process freezes as a stuck node
+does, every thread with it), slow (from this step on, this rank's step burns ``factor`` times
+its CPU time: "slow@<step>:<rank>:<factor>", a straggler). A "/<round>" suffix limits an
+entry to one launcher round (TORCHELASTIC_RESTART_COUNT), so a fault can hit once and the
+restarted group run clean.
 Empty in every shipped recipe.
 """
 
@@ -28,6 +32,7 @@ KINDS = (
     "hang",
     "raise",
     "nan",
+    "spike",
     "kill_save",
     "kill_publish",
     "kill_writer",
@@ -38,6 +43,7 @@ KINDS = (
     "stop_eval",
 )
 ROUND_ENV = "TORCHELASTIC_RESTART_COUNT"
+SPIKE_FACTOR = 1000.0  # spike@N without a factor
 
 
 @dataclass(frozen=True)
@@ -45,7 +51,7 @@ class Fault:
     kind: str
     step: int
     rank: int | None
-    factor: float = 1.0  # slow only
+    factor: float = 1.0  # slow and spike only
     round: int | None = None  # launcher round the entry is limited to (None: every round)
 
 
@@ -108,6 +114,15 @@ class FaultInjector:
                 pass
         self._cpu_start = time.process_time()
 
+    def loss_scale(self, batch: int) -> float:
+        """What the loss of global batch ``batch`` (1-based) is multiplied by: 1.0 but for
+        a spike."""
+        scale = 1.0
+        for fault in self._due(batch, ("spike",)):
+            log.warning("fault injection: loss x %g on batch %d", fault.factor, batch)
+            scale *= fault.factor
+        return scale
+
     def after_backward(self, step: int, ddp_chunks: list[Any]) -> None:
         if self._cpu_start is not None:  # the burn ran before _cpu_start: this is unslowed
             self._step_cpu_s = time.process_time() - self._cpu_start
@@ -130,19 +145,19 @@ def _parse_entry(item: str) -> Fault:
         and (not on_rank or on_rank.isdigit())
         and not any(rest)
         and (not round_ or round_.isdigit())
-        and (not factor or (kind == "slow" and _is_factor(factor)))
+        and (not factor or (kind in ("slow", "spike") and _is_factor(factor)))
     )
     if not ok or (kind == "slow" and not (on_rank and factor)):
         raise ValueError(
             f"train.fault: bad entry {item!r}; expected "
             f"<kind>@<step>[:<rank>][/<round>] with kind in {KINDS}, or "
-            "slow@<step>:<rank>:<factor>"
+            "slow@<step>:<rank>:<factor>, or spike@<batch>[:<rank>][:<factor>]"
         )
     return Fault(
         kind,
         int(step),
         int(on_rank) if on_rank else None,
-        float(factor) if factor else 1.0,
+        float(factor) if factor else (SPIKE_FACTOR if kind == "spike" else 1.0),
         int(round_) if round_ else None,
     )
 

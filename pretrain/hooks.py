@@ -41,6 +41,9 @@ class StepResult:
     tflops_per_device: float = 0.0
     mfu: float | None = None
     memory_gib: dict[str, float] | None = None  # on logged steps only
+    # train.guard: this step's update was not applied (policy skip, or rollback), and why
+    skipped: bool = False
+    anomaly: str | None = None  # non-finite loss or gradients, a loss spike; None: a normal step
 
 
 @dataclass
@@ -68,9 +71,9 @@ class TrainHook:
         pass
 
     def wants_stop(self, trainer: Trainer) -> bool:
-        """Asked on every rank at the end of each step: if any rank answers True, every rank's
-        StepResult has ``stop_asked`` set. Ranks agree on it in the step's loss all-reduce,
-        so asking costs no collective of its own."""
+        """Asked on every rank in each step, after its backward pass and before its optimizer
+        step: if any rank answers True, every rank's StepResult has ``stop_asked`` set. Ranks
+        agree on it in the step's loss all-reduce, so asking costs no collective of its own."""
         return False
 
     def on_checkpoint_begin(self, trainer: Trainer, what: str) -> None:
@@ -88,6 +91,18 @@ class TrainHook:
 
     def on_resumed(self, trainer: Trainer, load_s: float) -> None:
         """The loop continues from a restored checkpoint that took ``load_s`` to load."""
+
+    def roll_back(self, trainer: Trainer, bad_step: int) -> int | None:
+        """``train.guard.policy=rollback``, on every rank at once: restore the newest verified
+        checkpoint older than ``bad_step`` in place and return its step; None: this hook keeps
+        no checkpoints (the next hook is asked; if none restores, the run stops)."""
+        return None
+
+    def on_anomaly(self, trainer: Trainer, result: StepResult, action: str) -> None:
+        """The numeric guard acted on ``result.step`` (``result.anomaly`` says why): "skip"
+        (its update was dropped; ``after_step`` follows as usual), "rollback" (done: the loop
+        continues after ``trainer.state.step`` and ``after_step`` never sees this step) or
+        "stop" (the run fails next)."""
 
     def on_end(self, trainer: Trainer) -> None:
         pass

@@ -24,8 +24,8 @@ from pretrain import model as model_lib
 from pretrain.compat import fix_uninitialised_tp_attributes
 from pretrain.distributed import DistEnv, init_model_parallel
 from pretrain.evaluate import eval_loss, params_synced
-from pretrain.failures import NonFiniteError
 from pretrain.faults import FaultInjector
+from pretrain.guard import NumericGuard, answer_anomaly, nonfinite_grads
 from pretrain.hooks import EvalResult, StepResult, TrainHook
 from pretrain.progress import Progress
 from pretrain.schedule import run_schedule
@@ -95,7 +95,16 @@ def build_components(run: RunConfig, env: DistEnv, dp: int, run_dir: Path) -> Co
         fix_uninitialised_tp_attributes(chunks)
     for chunk in chunks:
         chunk.to(env.torch_device)
-    ddp = model_lib.wrap_ddp(chunks, tcfg, run.optimizer.use_distributed_optimizer, bf16, run.perf)
+    # megatron's own NaN check raises inside the backward pass (a RuntimeError); a guard that
+    # skips or rolls back must see the non-finite gradients itself (train.guard).
+    ddp = model_lib.wrap_ddp(
+        chunks,
+        tcfg,
+        run.optimizer.use_distributed_optimizer,
+        bf16,
+        run.perf,
+        check_for_nan_in_grad=run.train.guard.policy == "stop",
+    )
     optimizer = optim.build_optimizer(run.optimizer, ddp, tcfg, bf16, run.perf)
     scheduler = optim.build_scheduler(
         run.scheduler, run.optimizer, optimizer, run.train.train_steps
@@ -153,6 +162,7 @@ class Trainer:
         self.rebuild(run)
         self.state = TrainState()
         self.faults = FaultInjector.parse(run.train.fault, env.rank)
+        self.guard = NumericGuard(run.train.guard)
         self.stop_requested = False
         self.exit_code = 0  # non-zero for planned exits (request_stop: preemption, straggler)
         self._checkpointing: str | None = None
@@ -200,6 +210,12 @@ class Trainer:
         if load_s is not None:
             for hook in self.hooks:
                 hook.on_resumed(self, load_s)
+
+    def resume_from_record(self, record: dict[str, Any], load_s: float | None = None) -> None:
+        """``resume_from`` a checkpoint's train-state record, the numeric guard's state too."""
+        self.guard.load_state_dict(record.get("guard"))
+        state = TrainState(record["step"], record["consumed_samples"], record["consumed_tokens"])
+        self.resume_from(state, load_s)
 
     def _progress(self) -> Progress:
         plan, train = self.parts.plan, self.run.train
@@ -296,11 +312,8 @@ class Trainer:
             self.faults.before_step(self.state.step + 1)
             result = self.train_step()
             self._log(result)
-            if not (math.isfinite(result.loss) and math.isfinite(result.grad_norm)):
-                raise NonFiniteError(
-                    f"step {result.step}: loss {result.loss}, grad norm "
-                    f"{result.grad_norm}; not retrying a numeric failure"
-                )
+            if result.anomaly is not None and not answer_anomaly(self, result):
+                continue  # rolled back: the loop goes on from the restored step
             for hook in self.hooks:
                 hook.after_step(self, result)
             interval = self.run.train.eval_interval
@@ -314,41 +327,71 @@ class Trainer:
         parts.optimizer.zero_grad()
         # lr for step s is the scheduler's value at s: advance before the update, not after.
         parts.scheduler.step(increment=1)
+        lr, gbs = self.lr, parts.plan.global_batch_size
         batches = data.microbatches(parts.dataset, parts.plan, self.state.consumed_samples)
         losses = run_schedule(
-            parts, self.env.torch_device, self.run.model.seq_length, batches, forward_only=False
+            parts,
+            self.env.torch_device,
+            self.run.model.seq_length,
+            batches,
+            forward_only=False,
+            loss_scale=self.faults.loss_scale(self.state.consumed_samples // gbs + 1),
         )
         self.faults.after_backward(self.state.step + 1, parts.ddp)
-        _, grad_norm, _ = parts.optimizer.step()
+        loss, stop_asked, bad_grads = self._reduce_loss(losses)
+        anomaly = self.guard.inspect(loss, bad_grads) if self.guard.active else None
+        skipped = anomaly is not None
+        if skipped:
+            grad_norm = self._drop_update(anomaly)
+        else:
+            _, grad_norm, _ = parts.optimizer.step()
+            grad_norm = float(grad_norm or 0.0)
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                anomaly = "non-finite loss or grad norm"  # the update is applied already
         self.state.step += 1
-        self.state.consumed_samples += parts.plan.global_batch_size
+        self.state.consumed_samples += gbs
         self.state.consumed_tokens += self.tokens_per_step
-        loss, stop_asked = self._reduce_loss(losses)
         elapsed = time.perf_counter() - start
         return StepResult(
             self.state.step,
             loss,
-            float(grad_norm or 0.0),
-            self.lr,
+            grad_norm,
+            lr,
             elapsed,
             self.tokens_per_step / elapsed,
             stop_asked,
+            skipped=skipped,
+            anomaly=anomaly,
         )
 
-    def _reduce_loss(self, losses: list[dict]) -> tuple[float, bool]:
-        """Mean loss over microbatches and DP ranks, and whether any rank's hook wants to
-        stop, known on every rank (one all-reduce)."""
+    def _drop_update(self, anomaly: str) -> float:
+        """The guard refused this step's update: the optimizer does not step, and neither does
+        the LR schedule (Megatron-LM advances it with successful updates only). Returns the
+        grad norm for the record (NaN for non-finite gradients)."""
+        self.parts.scheduler.step(increment=-1)
+        if anomaly.startswith("non-finite"):
+            return float("nan")
+        # The norm megatron would have clipped with (collective; every rank skips alike).
+        self.parts.optimizer.prepare_grads()
+        return float(self.parts.optimizer.get_grad_norm())
+
+    def _reduce_loss(self, losses: list[dict]) -> tuple[float, bool, bool]:
+        """Mean loss over microbatches and DP ranks, whether any rank's hook wants to stop,
+        and (train.guard) whether any rank has a non-finite gradient: known on every rank
+        from one all-reduce, before the optimizer step."""
         # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
         from megatron.core import parallel_state as ps
 
-        local = torch.zeros(2, dtype=torch.float64, device=self.env.torch_device)
+        local = torch.zeros(3, dtype=torch.float64, device=self.env.torch_device)
         if losses and ps.is_pipeline_last_stage(ignore_virtual=True):
             local[0] += torch.stack([x["lm loss"].double() for x in losses]).mean()
         local[1] = float(any(hook.wants_stop(self) for hook in self.hooks))
+        if self.guard.checks_grads:
+            local[2] = nonfinite_grads(self.parts.ddp)
         dist.all_reduce(local)
-        loss_sum, stop_votes = local.tolist()
+        loss_sum, stop_votes, bad_grads = local.tolist()
         last_stage_ranks = self.env.world_size // self.run.parallel.pp
-        return loss_sum / last_stage_ranks, stop_votes > 0
+        return loss_sum / last_stage_ranks, stop_votes > 0, bad_grads > 0
 
     def _log(self, result: StepResult) -> None:
         """Throughput on every rank's result (hooks read it); the line and steps.jsonl on 0."""

@@ -193,6 +193,7 @@ def wrap_ddp(
     use_distributed_optimizer: bool,
     bf16: bool,
     perf: PerfConfig,
+    check_for_nan_in_grad: bool = True,
 ) -> list[Any]:
     # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -203,7 +204,7 @@ def wrap_ddp(
         overlap_grad_reduce=perf.overlap_grad_reduce,
         overlap_param_gather=perf.overlap_param_gather,
         use_distributed_optimizer=use_distributed_optimizer,
-        check_for_nan_in_grad=True,
+        check_for_nan_in_grad=check_for_nan_in_grad,
     )
     wrapped = []
     for index, chunk in enumerate(chunks):

@@ -197,3 +197,20 @@ def test_sigterm_saves_requeues_and_resumes_exactly(
         )
         == 1
     )
+
+
+@pytest.mark.parametrize("kind", ["NaN", "Inf"])
+def test_megatron_nan_check_is_numeric(kind: str) -> None:
+    """megatron DDP's own grad check raises before the loop's: the same class, exit 5."""
+    from pretrain.failures import classify
+
+    exc = RuntimeError(
+        f"Rank 1: found {kind} in local grad norm for bucket #0 in backward pass before "
+        "data-parallel communication collective"
+    )
+    failure = classify(exc)
+    assert (failure.kind, failure.exit_code, failure.retryable) == (
+        "numeric",
+        exit_codes.NUMERIC,
+        False,
+    )

@@ -51,6 +51,11 @@ def _writer_main(requests: Any, done: Any, checksum_queue: Any) -> None:
     die_with_parent()
     os.nice(WRITER_NICE)
     install_writer_checksums(checksum_queue)
+    # What the first save's write function needs, loaded now: the process starts with the
+    # run, so this overlaps the restore and the first steps instead of blocking a save.
+    import megatron.core.dist_checkpointing.strategies.filesystem_async  # noqa: F401
+    import megatron.core.dist_checkpointing.strategies.torch  # noqa: F401
+
     while True:
         item = requests.get()
         if item is None:
@@ -74,20 +79,27 @@ class SpawnedWriter(AsyncCaller):
         self.process: Any = None
         self._in_flight: int | None = None
 
+    def start(self) -> None:
+        """Spawn the writer now (idempotent): its start-up (a fresh interpreter importing torch
+        and megatron-core, seconds) then overlaps the run's restore and first steps; started
+        lazily, the first save of every attempt waited for it."""
+        if self.process is not None:
+            return
+        # Not a daemon: megatron's write function forks its writer processes from here.
+        self.process = self._ctx.Process(
+            target=_writer_main,
+            name="checkpoint-writer",
+            args=(self._requests, self._done, self._checksum_queue),
+        )
+        self.process.start()
+        # A rank leaving on an error must not wait for (or keep) its writer; normal exits
+        # close the queue first, which waits for the last save.
+        atexit.register(self.close, abort=True)
+
     def schedule_async_call(self, async_req: AsyncRequest) -> None:
         if async_req.async_fn is None:
             return
-        if self.process is None:
-            # Not a daemon: megatron's write function forks its writer processes from here.
-            self.process = self._ctx.Process(
-                target=_writer_main,
-                name="checkpoint-writer",
-                args=(self._requests, self._done, self._checksum_queue),
-            )
-            self.process.start()
-            # A rank leaving on an error must not wait for (or keep) its writer; normal exits
-            # close the queue first, which waits for the last save.
-            atexit.register(self.close, abort=True)
+        self.start()
         args = list(async_req.async_fn_args)
         if async_req.preload_fn is not None:
             # The write buckets (argument 1, as megatron's own callers do); every tensor in

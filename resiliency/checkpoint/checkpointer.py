@@ -28,7 +28,6 @@ from pretrain.data import dataset_fingerprint
 from pretrain.distributed import broadcast_object
 from pretrain.failures import ClassifiedError, classify
 from pretrain.faults import FaultInjector
-from pretrain.loop import TrainState
 from resiliency.checkpoint import rank_state as state_io
 from resiliency.checkpoint.async_writer import SpawnedWriterQueue
 from resiliency.checkpoint.shard_writer import in_process_writes, writer_checksums
@@ -105,6 +104,8 @@ class Checkpointer:
         self._strategy: Any = None  # megatron save strategy, built by the first save
         self.staging = self._staging() if self.cfg.staging_buffers else None
         fix_orphaned_writer_manager()
+        if self.cfg.async_save and self.staging is not None and self.staging.shared:
+            self._async_queue().writer.start()  # warm before the first save needs it
 
     # ---------------------------------------------------------------- save
     def save(self) -> None:
@@ -271,6 +272,7 @@ class Checkpointer:
                 "consumed_samples": trainer.state.consumed_samples,
                 "shuffle_seed": trainer.run.data.seed,
             },
+            "guard": trainer.guard.state_dict(),  # train.guard: loss window and run totals
         }
 
     def _commit(self) -> None:
@@ -488,12 +490,8 @@ class Checkpointer:
             self._schedule_from_config()
         self._scale_lr_for_batch_change(train_state)
         trainer.parts.scheduler.load_state_dict(train_state["scheduler"])
-        trainer.resume_from(
-            TrainState(
-                train_state["step"], train_state["consumed_samples"], train_state["consumed_tokens"]
-            ),
-            load_s=None if started is None else time.perf_counter() - started,
-        )
+        load_s = None if started is None else time.perf_counter() - started
+        trainer.resume_from_record(train_state, load_s=load_s)
         if rank_state is not None:
             state_io.restore_rng(rank_state, trainer.env.device)
         else:

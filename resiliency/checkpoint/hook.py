@@ -240,6 +240,42 @@ class CheckpointHook(TrainHook):
                 assert self.local is not None
                 self.local.save()
 
+    def roll_back(self, trainer: "Trainer", bad_step: int) -> int | None:
+        """train.guard.policy=rollback: restore, in place, the newest persistent step older than
+        ``bad_step`` that verifies (re-hashed unless checkpoint.full_verify is off); local-tier
+        steps after it belong to the abandoned trajectory and are dropped."""
+        assert self.checkpointer is not None
+        with trainer.checkpointing("rollback"):
+            self.checkpointer.finalize(blocking=True)  # a save in flight predates the bad step
+            plan = self._rollback_plan(trainer, bad_step)
+            if plan is None:
+                return None
+            step = self.checkpointer.restore(plan.step_dir, plan.manifest, plan.report.same_layout)
+            if self.local is not None:
+                self.local.discard_after(step)
+        return step
+
+    def _rollback_plan(self, trainer: "Trainer", bad_step: int) -> "RestorePlan | None":
+        rejected: dict[int, str] = {}
+        vocab = trainer.parts.tokenizer.vocab_size
+        while True:
+            _, plan = plan_restore(
+                trainer.run, self.layout, self.env.world_size, trainer.dp, vocab, rejected
+            )
+            if plan is None:
+                return None
+            step = plan.manifest.step
+            problem = f"not older than step {bad_step}" if step >= bad_step else plan.confirm()
+            if problem is None:
+                return plan
+            rejected[step] = problem
+            log.warning("rollback: step %d rejected: %s", step, problem)
+
+    def on_anomaly(self, trainer: "Trainer", result: StepResult, action: str) -> None:
+        """The guard's run totals and this attempt's events go into the attempt record."""
+        status = self.ownership.info.get("status", "running")
+        self.ownership.record(status, guard=trainer.guard.record())
+
     def save_now(self, trainer: "Trainer") -> None:
         """Persist the current step unless it is already published (planned exits)."""
         assert self.checkpointer is not None

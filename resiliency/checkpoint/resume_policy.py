@@ -53,6 +53,8 @@ RULES: tuple[tuple[str, KeyClass], ...] = (
     ("model.make_vocab_size_divisible_by", "free"),  # the padded vocab is the checkpoint's
     ("data.cache_dir", "free"),
     ("train.fault", "free"),
+    # What an anomaly does from now on; data already skipped is in the saved cursor.
+    ("train.guard.", "free"),
     ("train.device", "free"),
     # Validation and reporting move no training state (tests/test_training.py).
     ("train.eval_interval", "free"),

@@ -182,6 +182,11 @@ class FaultToleranceHook(TrainHook):
             return
         self._close("step")
 
+    def on_anomaly(self, trainer: "Trainer", result: StepResult, action: str) -> None:
+        # A rolled-back step never reaches after_step: its section ends here.
+        if action == "rollback" and not self.heartbeats_only and "step" in self.open:
+            self._close("step", observe=False)
+
     def on_end(self, trainer: "Trainer") -> None:
         if trainer.exit_code in exit_codes.DO_NOT_RETRY:
             self._request_shutdown(f"planned exit {trainer.exit_code}")

@@ -84,7 +84,7 @@ class PostRestoreWatchHook(TrainHook):
             self.restored, self.until = restored, restored + self.cfg.steps
 
     def after_step(self, trainer: "Trainer", result: StepResult) -> None:
-        if result.step > self.until:
+        if result.step > self.until or result.skipped:  # train.guard dropped that update
             return
         reference = self.history.get(result.step) or self.history[max(self.history)]
         self.checked += 1
@@ -101,6 +101,13 @@ class PostRestoreWatchHook(TrainHook):
             raise RestoreDivergedError("post-restore watch: " + "; ".join(found))
         if result.step == self.until:
             self._finish()
+
+    def on_anomaly(self, trainer: "Trainer", result: StepResult, action: str) -> None:
+        # After a rollback (train.guard) the run leaves the logged trajectory on purpose.
+        if action == "rollback" and self.until >= 0:
+            if self.checked:
+                self._finish()
+            self.until = -1
 
     def on_end(self, trainer: "Trainer") -> None:
         if self.checked and trainer.state.step < self.until:
