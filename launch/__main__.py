@@ -6,20 +6,33 @@ import argparse
 import importlib
 import logging
 import sys
+from types import ModuleType
 
 from pretrain import exit_codes
 from pretrain.logs import setup_logging
 from recipes import ConfigError
+from recipes.cli_args import has_sweep, point_run_id, sweep_points, translate
+from recipes.inputs import DataInputError
 
 # backend name -> module with add_arguments(parser) and run(args, overrides) -> int
 BACKENDS = {"local": "launch.local", "slurm": "launch.slurm", "k8s": "launch.k8s"}
+SWEEP_FLAGS = ("-m", "--multirun")
+OVERRIDES_EPILOG = (
+    "Everything after the options is a Hydra override of the run config: key=value, "
+    "+key=value, ~key (unset), hydra.run.dir=DIR (= output_dir); with -m/--multirun, "
+    "a=1,2 b=range(3) sweep: one launch per point (Slurm and Kubernetes: one job per point). "
+    "Keys: python -m pretrain --show-keys; recipes: python -m pretrain --help."
+)
 log = logging.getLogger(__name__)
 
 
-def main(argv: list[str]) -> int:
-    setup_logging("INFO")
-    parser = argparse.ArgumentParser(prog="python -m launch")
-    sub = parser.add_subparsers(dest="backend", required=True)
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, ModuleType]]:
+    parser = argparse.ArgumentParser(
+        prog="python -m launch",
+        description="Launch a run here (local), on Slurm, or on Kubernetes (PyTorchJob).",
+        epilog=OVERRIDES_EPILOG,
+    )
+    sub = parser.add_subparsers(dest="backend", required=True, metavar="{local,slurm,k8s}")
     modules = {}
     for name, module_name in BACKENDS.items():
         try:
@@ -28,14 +41,41 @@ def main(argv: list[str]) -> int:
             if exc.name != module_name:
                 raise
             continue
-        backend_parser = sub.add_parser(name, help=modules[name].__doc__.splitlines()[0])
+        doc = modules[name].__doc__ or name
+        backend_parser = sub.add_parser(
+            name,
+            help=doc.splitlines()[0],
+            description=doc,
+            epilog=OVERRIDES_EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         modules[name].add_arguments(backend_parser)
+    return parser, modules
+
+
+def main(argv: list[str]) -> int:
+    setup_logging("INFO")
+    parser, modules = _parser()
     args, overrides = parser.parse_known_args(argv)
+    sweep = any(o in SWEEP_FLAGS for o in overrides)
+    overrides = [o for o in overrides if o not in SWEEP_FLAGS]
     try:
-        return modules[args.backend].run(args, overrides)
+        overrides = translate(overrides)
+        if not (sweep or has_sweep(overrides)):
+            return modules[args.backend].run(args, overrides)
+        points = sweep_points(overrides)
+        for i, point in enumerate(points):
+            log.info("sweep point %d/%d: %s", i + 1, len(points), " ".join(point))
+            code = modules[args.backend].run(args, point_run_id(point, i))
+            if code != 0:
+                log.error(
+                    "sweep point %d/%d ended with exit %d; stopping", i + 1, len(points), code
+                )
+                return code
+        return 0
     except ConfigError as exc:
         log.error("%s", exc)
-        return exit_codes.CONFIG_ERROR
+        return exit_codes.DATA if isinstance(exc, DataInputError) else exit_codes.CONFIG_ERROR
 
 
 if __name__ == "__main__":

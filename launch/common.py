@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recipes import ConfigError, RunConfig, load_config, to_yaml
+from recipes.inputs import check_inputs
 from recipes.validate import new_launch_id, resolve_run_id, validate_runtime
 from resiliency.storage.layout import RunLayout, atomic_write_json
 from resiliency.storage.lease import read_lease, stale_reason
@@ -22,8 +23,10 @@ class LaunchPlan:
     dp: int
 
 
-def plan_launch(overrides: Sequence[str]) -> LaunchPlan:
-    """Compose and validate for the launch layout (nodes x ranks per node), before submitting."""
+def plan_launch(overrides: Sequence[str], check_files: bool = True) -> LaunchPlan:
+    """Compose and validate for the launch layout (nodes x ranks per node), before submitting.
+    ``check_files``: the data, tokenizer and output dir are paths this machine sees (not so
+    for a pod's volumes)."""
     # A launch that names no run starts one; the pinned config keeps the name for every rank,
     # restart and requeue of this launch.
     run = resolve_run_id(load_config(list(overrides)), new_launch_id(), world_size=1)
@@ -37,6 +40,8 @@ def plan_launch(overrides: Sequence[str]) -> LaunchPlan:
             f"{run.launch.world_size} ranks)"
         ) from None
     _check_shrunk_layout(run, device)
+    if check_files:
+        check_inputs(run)
     return LaunchPlan(run, list(overrides), Path(run.output_dir) / run.run_id, device, dp)
 
 

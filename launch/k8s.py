@@ -77,7 +77,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def render_run(overrides: list[str]) -> tuple[LaunchPlan, Rendered]:
     """Plan, render and validate: everything short of writing or submitting."""
-    plan = plan_launch(overrides)
+    plan = plan_launch(overrides, check_files=False)  # pod paths: checked against the mounts
     submission = os.environ.get(SUBMISSION_ENV) or secrets.token_hex(4)
     rendered = render(plan, submission, code_commit())
     validate_objects(rendered.objects)

@@ -82,7 +82,7 @@ def _check_data_paths(run: RunConfig) -> None:
     keys: list[tuple[str, str]] = []
     if data.kind == "indexed":
         keys += [(f"data.paths[{i}]", path) for i, path in enumerate(data.paths)]
-    if data.tokenizer == "huggingface" and data.tokenizer_path:
+    if data.tokenizer != "byte" and data.tokenizer_path:
         keys.append(("data.tokenizer_path", data.tokenizer_path))
     if data.cache_dir:
         keys.append(("data.cache_dir", data.cache_dir))

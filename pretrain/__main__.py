@@ -4,51 +4,130 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import sys
+
+from omegaconf import OmegaConf
 
 from pretrain import exit_codes
 from pretrain.logs import setup_logging
-from recipes import ConfigError, load_config, to_yaml
-from recipes.load import load_config_file, schema_keys
+from recipes import ConfigError, RunConfig, load_config, to_yaml
+from recipes.cli_args import CliRequest, has_sweep, parse_args, point_run_id, sweep_points
+from recipes.cli_args import translate as translate_overrides
+from recipes.describe import catalogue, describe_keys, format_keys
+from recipes.inputs import DataInputError, check_inputs
+from recipes.load import CONF_DIR, compose_tree, load_config_file
 from recipes.validate import resolve_device, resolve_run_id, validate_runtime
 
 log = logging.getLogger(__name__)
 # Set by torchrun and ft_launcher: one id per launch, kept by its in-place restarts.
 LAUNCH_ID_ENV = "TORCHELASTIC_RUN_ID"
-USAGE = (
-    "usage: python -m pretrain (recipe=<name> | --config RESOLVED.yaml) [key=value ...]\n"
-    "                          [--show-keys | --show-config]\n"
-    "  Hydra override grammar; run under `torchrun --nproc-per-node N -m pretrain ...`.\n"
-    "  --config loads a resolved config written by a launcher (python -m launch ...)."
-)
+USAGE = """\
+usage: python -m pretrain (recipe=<name> | --config RESOLVED.yaml) [key=value ...] [options]
+  Hydra override grammar (key=value, +key=value, ~key); run the ranks under
+  `torchrun --nproc-per-node N -m pretrain ...`, or use `python -m launch local|slurm|k8s ...`.
+options:
+  --cfg job|hydra|all  print the composed config (Hydra's --cfg) and exit; --resolve resolves it
+  --info               where the config comes from: search path, the options each group got
+  -m, --multirun       sweep (a=1,2 b=range(3)...): one run per point, one after another
+  --show-keys          every key with its type, default and description
+  --config FILE        a resolved config written by a launcher (pins the run)
+  hydra.run.dir=DIR    the output dir (as output_dir=DIR); other hydra.* keys are refused
+exit codes: 0 ok, 2 config error, 9 missing data or tokenizer files (see README "Exit codes")
+"""
 
 
 def main(argv: list[str]) -> int:
     setup_logging("INFO")
-    if "-h" in argv or "--help" in argv:
-        print(USAGE)
-        return 0
-    if "--show-keys" in argv:
-        print("\n".join(schema_keys()))
-        return 0
-    config_file, overrides = _split_args([a for a in argv if a != "--show-config"])
     try:
-        run = load_config_file(config_file, overrides) if config_file else load_config(overrides)
-        if "--show-config" in argv:
-            print(to_yaml(run), end="")
+        req = parse_args(argv)
+        req.overrides = translate_overrides(req.overrides)
+        if req.help or req.show_keys:
+            print(USAGE + "\n" + catalogue() if req.help else format_keys(describe_keys()))
             return 0
-        # torch and megatron-core: not for --help/--show-config
-        import torch
-
-        from pretrain.distributed import launch_env
-
-        rank, world_size, _ = launch_env()
-        named = resolve_run_id(run, os.environ.get(LAUNCH_ID_ENV), world_size)
-        device = resolve_device(run.train.device, torch.cuda.is_available())
-        dp = validate_runtime(named, world_size, device)
+        if req.cfg or req.info:
+            return _print_config(req)
+        if req.multirun or has_sweep(req.overrides):
+            return _sweep(req)
+        run, device, dp = _prepare(_load(req))
     except ConfigError as exc:
         log.error("config error: %s", exc)
-        return exit_codes.CONFIG_ERROR
+        return exit_codes.DATA if isinstance(exc, DataInputError) else exit_codes.CONFIG_ERROR
+    # torch and megatron-core: not for --help/--cfg
+    from pretrain.session import train
+
+    return train(run, device, dp)
+
+
+def _load(req: CliRequest) -> RunConfig:
+    if req.config_file:
+        return load_config_file(req.config_file, req.overrides)
+    return load_config(req.overrides)
+
+
+def _print_config(req: CliRequest) -> int:
+    """Hydra's --cfg / --info: composed and validated like a run, then printed."""
+    run = _load(req)
+    if req.config_file:  # a pinned config has no composition to show: it is the config
+        print(to_yaml(run), end="")
+        return 0
+    tree = compose_tree(req.overrides, with_hydra=req.info or req.cfg in ("hydra", "all"))
+    if req.info:
+        choices = OmegaConf.to_container(tree.hydra.runtime.choices)
+        print(f"config search path: {CONF_DIR} (primary config: config.yaml)")
+        print("options chosen per group (defaults list, after recipe and overrides):")
+        for group, option in sorted(choices.items()):
+            if not group.startswith("hydra/"):
+                print(f"  {group}: {option}")
+        print(f"overrides: {req.overrides}")
+        return 0
+    if req.cfg == "job":
+        OmegaConf.set_struct(tree, False)
+        tree.pop("hydra", None)
+    elif req.cfg == "hydra":
+        tree = tree.hydra
+    if req.cfg != "job":
+        print("# Hydra's own node as composed; only hydra.run.dir and hydra.sweep.dir act here")
+    print(OmegaConf.to_yaml(tree, resolve=req.resolve), end="")
+    return 0
+
+
+def _sweep(req: CliRequest) -> int:
+    """Each point a complete run in its own process, one after another (Hydra's basic
+    launcher); under torchrun every rank would run every point, so that is refused."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(
+            "a -m sweep under torchrun would run every point in every rank: sweep with "
+            "`python -m launch local -m ...` (one launch per point) or `python -m launch "
+            "slurm -m ...` (one job per point)"
+        )
+    points = [point_run_id(p, i) for i, p in enumerate(sweep_points(req.overrides))]
+    for point in points:  # every point validated before the first one trains
+        _load(CliRequest(overrides=point, config_file=req.config_file))
+    for i, point in enumerate(points):
+        log.info("sweep point %d/%d: %s", i + 1, len(points), " ".join(point))
+        extra = ["--config", req.config_file] if req.config_file else []
+        code = subprocess.call([sys.executable, "-m", "pretrain", *extra, *point])
+        if code != 0:
+            log.error(
+                "sweep point %d/%d failed (exit %d); stopping the sweep", i + 1, len(points), code
+            )
+            return code
+    return 0
+
+
+def _prepare(run: RunConfig) -> tuple[RunConfig, str, int]:
+    """Checks that need no process group: files, the run's name, the device and layout."""
+    check_inputs(run)  # before torch, megatron-core and the process group
+    # torch: not for --help/--cfg
+    import torch
+
+    from pretrain.distributed import launch_env
+
+    rank, world_size, _ = launch_env()
+    named = resolve_run_id(run, os.environ.get(LAUNCH_ID_ENV), world_size)
+    device = resolve_device(run.train.device, torch.cuda.is_available())
+    dp = validate_runtime(named, world_size, device)
     if run.run_id is None and rank == 0:
         log.info(
             "run_id not set: new run %r in %s/ (continue it later with run_id=%s)",
@@ -56,20 +135,7 @@ def main(argv: list[str]) -> int:
             named.output_dir,
             named.run_id,
         )
-    run = named
-    # torch and megatron-core: not for --help/--show-config
-    from pretrain.session import train
-
-    return train(run, device, dp)
-
-
-def _split_args(argv: list[str]) -> tuple[str | None, list[str]]:
-    if "--config" not in argv:
-        return None, argv
-    index = argv.index("--config")
-    if index + 1 >= len(argv):
-        raise SystemExit("--config needs a path")
-    return argv[index + 1], argv[:index] + argv[index + 2 :]
+    return named, device, dp
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from recipes.checks import require
 
 @dataclass(kw_only=True)
 class HealthConfig:
-    enabled: bool = True
+    enabled: bool = True  # check every node before training and after every restart
     # Free space under output_dir (the checkpoint tier) and the local tier's dir: a save that
     # cannot fit fails minutes later, after the step's work is lost.
     min_free_gib: float = 1.0
@@ -20,7 +20,7 @@ class HealthConfig:
     # A site check (e.g. `dcgmi diag -r 1`, a filesystem probe): run on every node with the
     # node's name in $MCORE_RECIPES_NODE; non-zero exit = the node is unhealthy.
     script: Optional[str] = None
-    script_timeout_s: float = 300.0
+    script_timeout_s: float = 300.0  # the site script's time limit
     # One all-reduce over every rank after the process group is up: a dead link or a stuck
     # peer fails the attempt now, as infrastructure, instead of the first step hanging.
     allreduce_timeout_s: float = 120.0

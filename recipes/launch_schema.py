@@ -11,9 +11,9 @@ from recipes.checks import one_of, positive, require
 
 @dataclass(kw_only=True)
 class SlurmConfig:
-    partition: Optional[str] = None
-    account: Optional[str] = None
-    time_limit: str = "01:00:00"
+    partition: Optional[str] = None  # #SBATCH --partition
+    account: Optional[str] = None  # #SBATCH --account
+    time_limit: str = "01:00:00"  # #SBATCH --time; a save and requeue happen before it
     signal_grace_s: int = 120  # --signal=B:USR1@<grace>: emergency-save window before the kill
     # Requeues after failures (infrastructure deaths, unhealthy nodes) before the job stops
     # for good; requeues after a time-limit or preemption save are planned and not counted.
@@ -21,7 +21,7 @@ class SlurmConfig:
     # Resources of each node's one task (the launcher and its ranks). None: all of the node
     # with --exclusive (the default on GPU nodes), else one CPU per rank.
     exclusive: Optional[bool] = None  # None: exclusive when launch.gpus_per_node > 0
-    cpus_per_task: Optional[int] = None
+    cpus_per_task: Optional[int] = None  # CPUs of each node's task (launcher and ranks)
     mem: Optional[str] = None  # --mem per node, e.g. 480G; None: all of it (0) when exclusive
     # Exclusion of failed or unhealthy nodes on requeue: at most this many per job, and never
     # so many that the partition has fewer nodes left than the job needs.
@@ -62,26 +62,26 @@ class SlurmConfig:
 
 @dataclass(kw_only=True)
 class K8sConfig:
-    image: Optional[str] = None
-    namespace: str = "default"
+    image: Optional[str] = None  # container image with this repo installed (pin by digest)
+    namespace: str = "default"  # Kubernetes namespace
     job_name: Optional[str] = None  # None: derived from run_id
     shared_pvc: Optional[str] = None  # RWX claim for the persistent checkpoint tier
-    shared_mount: str = "/checkpoints"
+    shared_mount: str = "/checkpoints"  # where the shared claim is mounted in pods
     # Node-local checkpoint tier (rendered only with checkpoint.local.interval set). hostPath
     # outlives the pod, so a pod the operator recreates on the same node finds its shards;
     # emptyDir goes with the pod (for namespaces whose Pod Security level forbids hostPath).
     local_volume: str = "hostPath"  # hostPath | emptyDir
     local_host_path: Optional[str] = None  # None: /var/lib/mcore-recipes/<namespace>/<job name>
-    local_mount: str = "/local-ckpt"
-    termination_grace_s: int = 180
-    backoff_limit: int = 3
+    local_mount: str = "/local-ckpt"  # where the local tier is mounted in pods
+    termination_grace_s: int = 180  # pod grace period: the emergency save's window
+    backoff_limit: int = 3  # PyTorchJob runPolicy.backoffLimit
     queue: Optional[str] = None  # gang scheduling queue (Volcano/Kueue)
-    priority_class: Optional[str] = None
+    priority_class: Optional[str] = None  # pod priorityClassName
     # Per pod (one pod per node); requests are set equal to limits (Guaranteed QoS). Required
     # for GPU pods; e.g. a node's allocatable CPU and memory less what its daemons need.
     cpu: Optional[str] = None
-    memory: Optional[str] = None
-    env: dict[str, str] = field(default_factory=dict)
+    memory: Optional[str] = None  # per pod, requests = limits (e.g. 900Gi)
+    env: dict[str, str] = field(default_factory=dict)  # extra environment for every rank
     tolerations: list[dict] = field(default_factory=list)  # pod tolerations, as in the pod API
     node_selector: dict[str, str] = field(default_factory=dict)  # node label -> value
     image_pull_secrets: list[str] = field(default_factory=list)  # Secret names in the namespace
@@ -186,9 +186,9 @@ class K8sConfig:
 @dataclass(kw_only=True)
 class LaunchConfig:
     backend: str = "torchrun"  # torchrun | ft_launcher
-    nodes: int = 1
-    nproc_per_node: int = 1
-    gpus_per_node: int = 0
+    nodes: int = 1  # nodes (one launcher each)
+    nproc_per_node: int = 1  # ranks per node
+    gpus_per_node: int = 0  # 0: CPU; else one GPU per rank
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     k8s: K8sConfig = field(default_factory=K8sConfig)
 

@@ -47,6 +47,18 @@ def load_config(overrides: Sequence[str] = ()) -> RunConfig:
     return run
 
 
+def compose_tree(overrides: Sequence[str], with_hydra: bool = False) -> Any:
+    """The composed tree before conversion (interpolations unresolved), for ``--cfg``; with
+    Hydra's own node (``hydra.*``: its runtime choices, search path, ...) when asked."""
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return compose(
+                config_name="config", overrides=list(overrides), return_hydra_config=with_hydra
+            )
+    except (HydraException, OmegaConfBaseException, ValueError) as exc:
+        raise ConfigError(_explain(exc, list(overrides))) from None
+
+
 def load_config_file(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
     """Load a resolved config written by a launcher (pins the run), plus dotlist overrides."""
     overrides = list(overrides)
@@ -114,9 +126,33 @@ def _explain(exc: BaseException, overrides: list[str]) -> str:
     bad = _unknown_override_key(overrides, text)
     if bad is not None:
         return _unknown_key_message(bad)
+    typed = _type_error(text)
+    if typed is not None:
+        return typed
     return f"invalid config: {text.splitlines()[0]}" + (
         "\n" + "\n".join(text.splitlines()[1:4]) if len(text.splitlines()) > 1 else ""
     )
+
+
+def _type_error(text: str) -> str | None:
+    """'train.train_steps=abc: expected int, got 'abc'' from OmegaConf's conversion error."""
+    value = re.search(r"Value '(.*?)' (?:of type '\w+' )?could not be converted to (\w+)", text)
+    key = re.search(r"full_key: (\S+)", text)
+    if value is None or key is None:
+        return None
+    expected = _schema_types().get(key.group(1), value.group(2))
+    return f"{key.group(1)}={value.group(1)}: expected {expected}, got {value.group(1)!r}"
+
+
+def _schema_types(node: Any = RunConfig, prefix: str = "") -> dict[str, str]:
+    types: dict[str, str] = {}
+    for f in dataclasses.fields(node):
+        factory = f.default_factory
+        if isinstance(factory, type) and dataclasses.is_dataclass(factory):
+            types.update(_schema_types(factory, f"{prefix}{f.name}."))
+        else:
+            types[f"{prefix}{f.name}"] = re.sub(r"Optional\[(.*)\]", r"\1 or null", str(f.type))
+    return types
 
 
 def _unknown_override_key(overrides: list[str], text: str) -> str | None:

@@ -11,10 +11,10 @@ from recipes.checks import one_of, positive
 @dataclass(kw_only=True)
 class WandbConfig:
     enabled: bool = False  # needs the extra: pip install -e '.[wandb]'
-    project: str = "mcore-recipes"
-    entity: Optional[str] = None
+    project: str = "mcore-recipes"  # W&B project
+    entity: Optional[str] = None  # W&B entity (team); None: the default
     name: Optional[str] = None  # None: the run_id
-    group: Optional[str] = None
+    group: Optional[str] = None  # W&B run group
     mode: str = "offline"  # offline | online | disabled; offline: `wandb sync <run_dir>/wandb`
 
     def __post_init__(self) -> None:
@@ -23,7 +23,7 @@ class WandbConfig:
 
 @dataclass(kw_only=True)
 class LoggingConfig:
-    level: str = "INFO"
+    level: str = "INFO"  # DEBUG | INFO | WARNING
     log_interval: int = 1  # steps per console line; the line averages them
     tensorboard: bool = True  # event files in <run_dir>/tensorboard
     wandb: WandbConfig = field(default_factory=WandbConfig)

@@ -20,6 +20,7 @@ class PerfConfig:
     # mcore DDP: overlap the data-parallel gradient reduce with the backward pass, and the
     # distributed optimizer's parameter all-gather with the next forward pass.
     overlap_grad_reduce: bool = False
+    # overlap the distributed optimizer's param all-gather with the next forward
     overlap_param_gather: bool = False
     # Transformer Engine userbuffers: overlap TP communication with GEMMs (CUDA, TP > 1, SP).
     tp_comm_overlap: bool = False

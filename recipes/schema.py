@@ -12,6 +12,7 @@ from typing import Optional
 # Callers import ConfigError and the launch configs from here too: explicit re-exports.
 from recipes.checks import ConfigError as ConfigError
 from recipes.checks import one_of, positive, require
+from recipes.guard_schema import GuardConfig
 from recipes.health_schema import HealthConfig
 from recipes.launch_schema import K8sConfig as K8sConfig
 from recipes.launch_schema import LaunchConfig
@@ -23,27 +24,28 @@ from recipes.perf_schema import PerfConfig
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    name: str = "gpt"
-    num_layers: int = 4
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    num_query_groups: Optional[int] = None
-    ffn_hidden_size: Optional[int] = None
-    seq_length: int = 64
-    max_position_embeddings: Optional[int] = None
+    name: str = "gpt"  # model family name; new runs are named <name>-<launch id>
+    num_layers: int = 4  # transformer layers
+    hidden_size: int = 64  # model width
+    num_attention_heads: int = 4  # query heads per layer
+    num_query_groups: Optional[int] = None  # key/value heads (GQA); None: one per query head (MHA)
+    ffn_hidden_size: Optional[int] = None  # MLP width; None: 4 x hidden_size
+    seq_length: int = 64  # tokens per sample
+    max_position_embeddings: Optional[int] = None  # None: seq_length
     # Padded vocab size; None = Megatron's rule (multiple of make_vocab_size_divisible_by * tp).
     # Fix it to keep logits identical across TP sizes (parallelism equivalence, resharding).
     padded_vocab_size: Optional[int] = None
-    make_vocab_size_divisible_by: int = 128
-    position_embedding_type: str = "rope"
-    rotary_base: int = 10000
-    normalization: str = "LayerNorm"
-    activation: str = "gelu"
-    add_bias_linear: bool = True
+    make_vocab_size_divisible_by: int = 128  # vocab padding multiple (times TP), as Megatron-LM
+    position_embedding_type: str = "rope"  # rope | learned_absolute
+    rotary_base: int = 10000  # RoPE theta
+    normalization: str = "LayerNorm"  # LayerNorm | RMSNorm
+    activation: str = "gelu"  # gelu | swiglu
+    add_bias_linear: bool = True  # biases in linear layers (off for Llama-style models)
+    # tie the input embedding and the output projection
     share_embeddings_and_output_weights: bool = True
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
-    init_method_std: float = 0.02
+    hidden_dropout: float = 0.0  # dropout after attention and MLP
+    attention_dropout: float = 0.0  # dropout on attention probabilities
+    init_method_std: float = 0.02  # std of the normal weight init
     # Initialise every weight from (seed, global parameter name) so any TP/PP/DP layout starts
     # from identical weights. Costs a full-tensor RNG draw per shard: meant for small models.
     layout_invariant_init: bool = False
@@ -52,10 +54,10 @@ class ModelConfig:
     # parameter anyway (0.5 s of a 1.5 GiB model's restart here); without a step to restore
     # it is refused.
     perform_initialization: bool = True
-    num_experts: Optional[int] = None
-    moe_router_topk: int = 2
-    moe_ffn_hidden_size: Optional[int] = None
-    moe_aux_loss_coeff: float = 0.0
+    num_experts: Optional[int] = None  # MoE experts per MLP; None: dense
+    moe_router_topk: int = 2  # experts each token is routed to
+    moe_ffn_hidden_size: Optional[int] = None  # expert MLP width; None: ffn_hidden_size
+    moe_aux_loss_coeff: float = 0.0  # load-balancing loss weight
 
     def __post_init__(self) -> None:
         positive(
@@ -106,12 +108,13 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class ParallelConfig:
-    tp: int = 1
-    pp: int = 1
+    tp: int = 1  # tensor-parallel size
+    pp: int = 1  # pipeline-parallel size
     vpp: Optional[int] = None  # virtual pipeline stages per pipeline rank (interleaved 1F1B)
-    cp: int = 1
-    ep: int = 1
+    cp: int = 1  # context-parallel size (CUDA only: Transformer Engine attention)
+    ep: int = 1  # expert-parallel size (MoE)
     dp: Optional[int] = None  # None: derived from the world size
+    # shard activations along the sequence in TP regions (needs tp > 1)
     sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
@@ -165,14 +168,15 @@ class ParallelConfig:
 
 @dataclass(kw_only=True)
 class OptimizerConfig:
-    name: str = "adam"
-    lr: float = 3e-3
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
+    name: str = "adam"  # adam (megatron-core's AdamW)
+    lr: float = 3e-3  # peak learning rate
+    min_lr: float = 0.0  # floor of the decay
+    weight_decay: float = 0.0  # decoupled weight decay
+    adam_beta1: float = 0.9  # Adam beta1
+    adam_beta2: float = 0.95  # Adam beta2
+    adam_eps: float = 1e-8  # Adam epsilon
+    clip_grad: float = 1.0  # global gradient-norm clip; 0: off
+    # shard optimizer state over data-parallel ranks (ZeRO-1)
     use_distributed_optimizer: bool = True
 
     def __post_init__(self) -> None:
@@ -187,12 +191,12 @@ class OptimizerConfig:
 
 @dataclass(kw_only=True)
 class SchedulerConfig:
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # linear warm-up steps from 0 to optimizer.lr
     decay_steps: Optional[int] = None  # None: train.train_steps
-    decay_style: str = "cosine"
+    decay_style: str = "cosine"  # cosine | linear | constant
     start_weight_decay: Optional[float] = None  # None: optimizer.weight_decay
-    end_weight_decay: Optional[float] = None
-    weight_decay_incr_style: str = "constant"
+    end_weight_decay: Optional[float] = None  # None: start_weight_decay
+    weight_decay_incr_style: str = "constant"  # constant | linear | cosine
 
     def __post_init__(self) -> None:
         require(self.warmup_steps >= 0, "scheduler.warmup_steps must be >= 0")
@@ -215,20 +219,29 @@ class SchedulerConfig:
 class DataConfig:
     # indexed: megatron .bin/.idx prefixes in `paths`; mock: mcore's MockGPTDataset (smoke only)
     kind: str = "mock"
-    paths: list[str] = field(default_factory=list)
-    weights: Optional[list[float]] = None
-    split: str = "98,2,0"
-    tokenizer: str = "byte"  # byte | huggingface
-    tokenizer_path: Optional[str] = None  # local directory for tokenizer=huggingface
+    paths: list[str] = field(default_factory=list)  # dataset prefixes: <prefix>.bin/.idx
+    weights: Optional[list[float]] = None  # blend weights per path; None: by size
+    split: str = "98,2,0"  # train,valid,test weights of each dataset
+    # byte | huggingface | sentencepiece | tiktoken (as `python -m pretrain.prepare --tokenizer`)
+    tokenizer: str = "byte"
+    # huggingface: a tokenizer.json or a local tokenizer directory; sentencepiece: a .model file;
+    # tiktoken: a megatron tiktoken vocabulary .json; byte: none. Never downloaded.
+    tokenizer_path: Optional[str] = None
     cache_dir: Optional[str] = None  # None: <run dir>/data-cache
-    seed: int = 1234
-    reset_position_ids: bool = False
-    reset_attention_mask: bool = False
-    eod_mask_loss: bool = False
+    seed: int = 1234  # sample shuffling seed of megatron's GPTDataset
+    reset_position_ids: bool = False  # restart position ids after each eod
+    reset_attention_mask: bool = False  # no attention across eod (document masking)
+    eod_mask_loss: bool = False  # no loss on eod tokens
 
     def __post_init__(self) -> None:
         one_of("data", "kind", self.kind, ("indexed", "mock"))
-        one_of("data", "tokenizer", self.tokenizer, ("byte", "huggingface"))
+        # The same kinds as pretrain.tokenizer.TOKENIZER_KINDS (tests/test_prepare.py checks).
+        files = {
+            "huggingface": "a tokenizer.json file or a local Hugging Face tokenizer directory",
+            "sentencepiece": "a SentencePiece .model file",
+            "tiktoken": "a megatron tiktoken vocabulary .json file",
+        }
+        one_of("data", "tokenizer", self.tokenizer, ("byte", *files))
         require(
             self.kind != "indexed" or len(self.paths) > 0,
             "data.kind=indexed needs data.paths (prefixes of .bin/.idx files made by "
@@ -239,8 +252,14 @@ class DataConfig:
             f"data.weights has {len(self.weights or [])} entries for {len(self.paths)} data.paths",
         )
         require(
-            self.tokenizer != "huggingface" or self.tokenizer_path is not None,
-            "data.tokenizer=huggingface needs data.tokenizer_path (a local directory)",
+            self.tokenizer == "byte" or bool(self.tokenizer_path),
+            f"data.tokenizer={self.tokenizer} needs data.tokenizer_path "
+            f"({files.get(self.tokenizer)})",
+        )
+        require(
+            self.tokenizer != "byte" or self.tokenizer_path is None,
+            f"data.tokenizer_path={self.tokenizer_path!r} is not read by data.tokenizer=byte; "
+            f"drop it or set data.tokenizer to one of {list(files)}",
         )
         parts = self.split.split(",")
         require(
@@ -256,21 +275,22 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    train_steps: int = 20
-    micro_batch_size: int = 2
-    global_batch_size: int = 8
-    seed: int = 1234
+    train_steps: int = 20  # optimizer steps of the run (may grow on resume)
+    micro_batch_size: int = 2  # samples per forward/backward per rank
+    global_batch_size: int = 8  # samples per optimizer step over all data-parallel ranks
+    seed: int = 1234  # model init and dropout seed
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16
     # Validation on the held-out split every eval_interval steps (None: never) and once at the
     # end, eval_iters global batches each time; the test split too at the end if data.split
     # gives it any weight.
     eval_interval: Optional[int] = None
-    eval_iters: int = 10
+    eval_iters: int = 10  # validation batches per evaluation
     # Dense peak TFLOP/s per device for MFU; None: looked up for A100/H100/H200, n/a elsewhere.
     peak_tflops: Optional[float] = None
     # A test-only fault hook ("<kind>@<step>[:rank]"); empty in every shipped recipe.
     fault: str = ""
+    guard: GuardConfig = field(default_factory=GuardConfig)  # NaN/inf and loss-spike policy
 
     def __post_init__(self) -> None:
         positive(
@@ -299,7 +319,7 @@ class LocalCheckpointConfig:
     dir: Optional[str] = None  # node-local disk; each node writes <dir>/node-<node_rank>/<run_id>
     replication_factor: int = 2  # copies of each rank's shard, on distinct nodes; 1: no replicas
     replication_jump: Optional[int] = None  # rank distance between copies; None: ranks per node
-    keep_last: int = 2
+    keep_last: int = 2  # local steps kept per node
 
     @property
     def enabled(self) -> bool:
@@ -318,10 +338,11 @@ class LocalCheckpointConfig:
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
-    enabled: bool = True
+    enabled: bool = True  # save and restore at all
     save_interval: Optional[int] = None  # steps between persistent saves; None: only at the end
+    # fully_reshardable (any layout) | dp_reshardable (faster, same TP/PP)
     optim_format: str = "fully_reshardable"
-    async_save: bool = False
+    async_save: bool = False  # write in a background process; published at a later step boundary
     # Keep a host copy of the checkpointed state between saves and save from it: saves skip
     # page faults on fresh memory (and async saves need no fork). Costs host memory equal to
     # the rank's checkpoint bytes.
@@ -329,12 +350,13 @@ class CheckpointConfig:
     # Shard files each rank writes in parallel (megatron's thread_count). On one local disk
     # one sequential stream per rank was fastest; parallel file systems may want more.
     writer_threads: int = 1
-    resume: bool = True
-    load_optimizer: bool = True
-    keep_last: int = 2
+    resume: bool = True  # restore the newest verified step at start
+    load_optimizer: bool = True  # restore optimizer state too (false: weights only)
+    keep_last: int = 2  # published steps kept (older ones collected)
+    # steps whose checkpoints are never collected; None: none
     milestone_interval: Optional[int] = None
-    full_verify: bool = True
-    lease_timeout_s: float = 60.0
+    full_verify: bool = True  # checksum every byte at restore, not only sizes
+    lease_timeout_s: float = 60.0  # a run dir's lease is stale after this long without a heartbeat
     # Restoring with a different train.global_batch_size: refuse, or scale the LR by this rule.
     batch_change_lr_scaling: str = "refuse"
     # Resuming with other optimizer/scheduler values than the checkpoint's: refuse, keep the
@@ -383,18 +405,19 @@ class FtConfig:
     # (model build, data, restore) and checkpointing also get this rank's checkpoint bytes at
     # min_io_mb_per_s on top: a bound from what is known rather than one fixed 15 minutes.
     setup_timeout_s: float = 600.0
-    step_timeout_s: float = 600.0
-    eval_timeout_s: float = 600.0
+    step_timeout_s: float = 600.0  # prior timeout of a training step (before learned)
+    eval_timeout_s: float = 600.0  # prior timeout of a validation pass
+    # prior timeout of a save or restore, plus bytes / min_io_mb_per_s
     checkpointing_timeout_s: float = 60.0
-    out_of_section_timeout_s: float = 600.0
+    out_of_section_timeout_s: float = 600.0  # prior timeout between sections (data loading, hooks)
     min_io_mb_per_s: float = 50.0  # conservative per-rank checkpoint write/read bandwidth
     # Once observed: timeout_multiplier x the section's p99, never below timeout_floor_s. With
     # 3 x p99 and 30 s a hung rank is torn down within max(3 x p99, 30 s) + a check interval.
     learn_timeouts: bool = True
     learn_after_steps: int = 10  # steps (and out-of-section gaps) before those two are learned
-    timeout_multiplier: float = 3.0
-    timeout_floor_s: float = 30.0
-    check_interval_s: float = 1.0
+    timeout_multiplier: float = 3.0  # learned timeout = max(multiplier x p99, floor)
+    timeout_floor_s: float = 30.0  # lowest learned timeout
+    check_interval_s: float = 1.0  # how often the rank monitor checks
     # Dump every rank's Python stacks shortly before its section times out, and keep a
     # per-rank liveness heartbeat (evidence: which rank hung or stopped, which only waited).
     stack_dumps: bool = True
@@ -419,7 +442,7 @@ class FtConfig:
 class StragglerConfig:
     """Straggler reports from nvidia-resiliency-ext's Detector (sections; CUDA kernels on GPU)."""
 
-    enabled: bool = False
+    enabled: bool = False  # time every rank's steps and report slow ones
     report_interval: int = 20  # steps between reports
     warmup_steps: int = 5  # first steps of every attempt are not timed (allocator, caches)
     # A rank whose score (best rank's time / its time) is below this is named a straggler.
@@ -438,8 +461,8 @@ class StragglerConfig:
 class MetricsConfig:
     """Prometheus metrics: <run_dir>/metrics/metrics.prom (rank 0), optionally served over HTTP."""
 
-    enabled: bool = True
-    write_interval_steps: int = 10
+    enabled: bool = True  # Prometheus text metrics in <run_dir>/metrics
+    write_interval_steps: int = 10  # steps between metric file writes
     http_port: int = 0  # 0: no HTTP endpoint
 
     def __post_init__(self) -> None:
@@ -453,7 +476,7 @@ class WatchConfig:
 
     steps: int = 10  # 0: off
     loss_tolerance: float = 0.1  # relative increase that counts as a jump
-    grad_norm_tolerance: float = 1.0
+    grad_norm_tolerance: float = 1.0  # relative grad-norm increase that counts as a jump
     stop_on_jump: bool = False  # fail the run (numeric, not retried) instead of only logging
 
     def __post_init__(self) -> None:
@@ -468,7 +491,7 @@ class WatchConfig:
 class ResiliencyConfig:
     # SIGTERM / SIGUSR1 -> emergency persistent save at the next step boundary -> exit REQUEUE.
     preemption: bool = True
-    emergency_save_timeout_s: float = 120.0
+    emergency_save_timeout_s: float = 120.0  # an emergency save longer than this is abandoned
     # Restarts after infrastructure failures (python -m launch local); other failures stop.
     max_restarts: int = 2
     ft: FtConfig = field(default_factory=FtConfig)
@@ -489,7 +512,7 @@ class RunConfig:
     # None: each launch starts a new run, named by recipes.validate.resolve_run_id; continuing a
     # run needs its run_id (README "Resume").
     run_id: Optional[str] = None
-    output_dir: str = "runs"
+    output_dir: str = "runs"  # where run dirs live: <output_dir>/<run_id>
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)

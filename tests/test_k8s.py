@@ -143,7 +143,8 @@ def test_rendered_job_validates_against_crd(recipe: str, tmp_path: Path) -> None
     assert job["spec"]["runPolicy"]["schedulingPolicy"]["minAvailable"] == launch.nodes
     limits = container(job)["resources"].get("limits", {})
     assert limits.get("nvidia.com/gpu", 0) == launch.gpus_per_node
-    env = {e["name"]: e["value"] for e in container(job)["env"]}
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container(job)["env"]}
+    assert env["MCORE_RECIPES_NODE"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     assert env["MCORE_RECIPES_CODE_COMMIT"] == COMMIT
     assert env["MCORE_RECIPES_IMAGE_DIGEST"] == "sha256:0123456789abcdef"
     # The pods load the embedded config, which pins output_dir to the shared claim's mount.
@@ -963,3 +964,46 @@ def test_ft_launcher_entry_gets_its_config(tmp_path: Path) -> None:
     assert flag == "--ft-cfg-path" and Path(path).is_file()
     assert "rank_section_timeouts" in Path(path).read_text() or "section" in Path(path).read_text()
     assert args[1:] == ["--nnodes=2", "-m", "pretrain", "--config", str(pinned)]
+
+
+def test_pod_on_an_unhealthy_node_exits_before_torchrun(tmp_path: Path) -> None:
+    """The node health check runs in the pod before the launcher: a failing one exits as an
+    infrastructure failure (the operator retries it), counted in the budget, no rank started."""
+    from recipes import load_config, to_yaml
+
+    pinned = tmp_path / "launch-config.yaml"
+    run = load_config(
+        ["recipe=gpt_tiny", f"output_dir={tmp_path}", "resiliency.health.script=/bin/false"]
+    )
+    pinned.write_text(to_yaml(run))
+    env = {**os.environ, "MCORE_RECIPES_JOB_ID": "job-sick", "MCORE_RECIPES_NODE": "pod-0"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.k8s_entry",
+            "--retries",
+            "2",
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--",
+            "--standalone",
+            "-m",
+            "pretrain",
+            "--config",
+            str(pinned),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == exit_codes.INFRASTRUCTURE, proc.stderr[-3000:]
+    assert "UNHEALTHY: script: '/bin/false' exit 1" in proc.stderr
+    assert "torchrun" not in proc.stderr.lower().replace("launch.k8s_entry", "")
+    health = tmp_path / "state" / "job-sick" / "health"
+    [report] = [json.loads(p.read_text()) for p in health.glob("*.json")]
+    assert report["ok"] is False
+    state = json.loads((tmp_path / "state" / "job-sick" / "node-0.json").read_text())
+    assert state == {"retries": 1, "running": False}

@@ -1,0 +1,167 @@
+"""Hydra's command-line conventions on top of the Compose API this project uses.
+
+``@hydra.main`` would change directories, make per-rank ``${now:}`` output dirs and own the
+logging; composing instead keeps every rank's config identical, so the flags a Hydra user types
+are implemented here: ``--cfg job|hydra|all`` with ``--resolve``, ``--info``, ``-m/--multirun``
+(Hydra's own sweep grammar, expanded by its BasicSweeper), ``~key`` deletion, and the ``hydra.*``
+keys that have a meaning here. The rest of ``hydra.*`` is refused, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+
+from recipes.checks import ConfigError
+from recipes.schema import RunConfig
+
+# hydra.* keys with a meaning here -> the key they set. Hydra's run dir is the job's output
+# dir; here a run's dir is <output_dir>/<run_id>, so both name output_dir.
+HYDRA_KEYS = {"hydra.run.dir": "output_dir", "hydra.sweep.dir": "output_dir"}
+CFG_CHOICES = ("job", "hydra", "all")
+FLAGS = {"--resolve", "--info", "-m", "--multirun", "--show-keys", "--show-config", "--cfg", "-c"}
+
+
+@dataclass
+class CliRequest:
+    """What one command line asks for: the overrides, and the Hydra flags among them."""
+
+    overrides: list[str] = field(default_factory=list)
+    config_file: str | None = None
+    cfg: str | None = None  # --cfg job|hydra|all: print the config, run nothing
+    resolve: bool = False
+    info: bool = False
+    multirun: bool = False
+    show_keys: bool = False
+    help: bool = False
+
+
+def parse_args(argv: Sequence[str]) -> CliRequest:
+    """Split flags from Hydra overrides; ConfigError for a flag this CLI does not know."""
+    req, args = CliRequest(), list(argv)
+    while args:
+        arg = args.pop(0)
+        if arg in ("-h", "--help"):
+            req.help = True
+        elif arg in ("--cfg", "-c"):
+            req.cfg = _value(arg, args, CFG_CHOICES)
+        elif arg == "--show-config":  # this project's older spelling of --cfg job --resolve
+            req.cfg, req.resolve = "job", True
+        elif arg == "--config":
+            req.config_file = _value(arg, args)
+        elif arg == "--resolve":
+            req.resolve = True
+        elif arg == "--info":
+            req.info = True
+        elif arg in ("-m", "--multirun"):
+            req.multirun = True
+        elif arg == "--show-keys":
+            req.show_keys = True
+        elif arg.startswith("-"):
+            raise ConfigError(
+                f"unknown option {arg!r}; options: {sorted(FLAGS | {'--config', '--help'})}, "
+                "then Hydra overrides key=value"
+            )
+        else:
+            req.overrides.append(arg)
+    return req
+
+
+def _value(flag: str, args: list[str], choices: Sequence[str] | None = None) -> str:
+    if not args or (choices is not None and args[0] not in choices):
+        allowed = f" one of {list(choices)}" if choices else " a value"
+        raise ConfigError(f"{flag} needs{allowed}")
+    return args.pop(0)
+
+
+def translate(overrides: Sequence[str]) -> list[str]:
+    """Hydra keys to the keys they mean here, ``~key`` to ``key=null`` where the schema allows
+    null; ConfigError for the rest."""
+    out = []
+    for item in overrides:
+        key, eq, value = item.partition("=")
+        bare = key.lstrip("+")
+        if bare.startswith("hydra.") or bare == "hydra":
+            out.append(_hydra_key(bare, value, item))
+        elif key.startswith("~"):
+            out.append(_deletion(key[1:]))
+        else:
+            out.append(item)
+    return out
+
+
+def _hydra_key(key: str, value: str, item: str) -> str:
+    if key in HYDRA_KEYS and value:
+        return f"{HYDRA_KEYS[key]}={value}"
+    honoured = ", ".join(f"{k} (= {v})" for k, v in HYDRA_KEYS.items())
+    raise ConfigError(
+        f"{item!r}: this project composes configs with Hydra's Compose API (no Hydra job, "
+        f"working-dir change or Hydra logging), so this key would do nothing; honoured: "
+        f"{honoured}; logging: logging.level"
+    )
+
+
+def _deletion(key: str) -> str:
+    f = _schema_field(key)
+    if f is None:
+        raise ConfigError(f"~{key}: unknown config key; `python -m pretrain --show-keys`")
+    if f.default is None or "Optional" in str(f.type) or "None" in str(f.type):
+        return f"{key}=null"
+    if f.default == "":  # e.g. train.fault: empty means unset
+        return f"{key}=''"
+    if f.default_factory in (list, dict):
+        return f"{key}={'[]' if f.default_factory is list else '{}'}"
+    raise ConfigError(
+        f"~{key}: a {f.type} key cannot be deleted (it has no unset value); "
+        f"set it instead: {key}=<value>"
+    )
+
+
+def _schema_field(key: str) -> dataclasses.Field | None:
+    node: Any = RunConfig
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        fields = {f.name: f for f in dataclasses.fields(node)}
+        if part not in fields:
+            return None
+        f = fields[part]
+        if i == len(parts) - 1:
+            return f
+        node = f.default_factory
+        if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
+            return None
+    return None
+
+
+def sweep_points(overrides: Sequence[str]) -> list[list[str]]:
+    """Every combination of a ``-m`` sweep (``a=1,2 b=x,y``, ``range()``, ``choice()``...), in
+    Hydra's own order; one point without sweep values."""
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+        [points] = BasicSweeper.split_arguments(parsed, max_batch_size=None)
+    except HydraException as exc:
+        raise ConfigError(f"bad sweep: {exc}") from None
+    return [list(p) for p in points]
+
+
+def has_sweep(overrides: Sequence[str]) -> bool:
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException:
+        return False  # compose reports the syntax error itself
+    return any(o.is_sweep_override() for o in parsed)
+
+
+def point_run_id(point: list[str], index: int) -> list[str]:
+    """A sweep point with its own run: ``run_id=<given>-<index>``, or a new run of its own."""
+    given = [o for o in point if o.split("=", 1)[0].lstrip("+") == "run_id"]
+    if not given:
+        return point
+    name = given[-1].split("=", 1)[1]
+    return [o for o in point if o not in given] + [f"run_id={name}-{index}"]
