@@ -104,6 +104,10 @@ class TrainHook:
         continues after ``trainer.state.step`` and ``after_step`` never sees this step) or
         "stop" (the run fails next)."""
 
+    def on_report(self, trainer: Trainer, scalars: dict[str, float], step: int) -> None:
+        """Another hook has run-level scalars for the run's reports (TensorBoard, W&B), e.g.
+        the goodput ledger at the end; sent with ``Trainer.report``."""
+
     def on_end(self, trainer: Trainer) -> None:
         pass
 

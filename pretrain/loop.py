@@ -408,6 +408,11 @@ class Trainer:
         record = {**asdict(result), "consumed_tokens": extra["consumed_tokens"]}
         self._append_metrics(self.metrics_path.name, {**record, "time": time.time()})
 
+    def report(self, scalars: dict[str, float], step: int) -> None:
+        """Hand run-level scalars to every hook's ``on_report`` (the reporting hooks write them)."""
+        for hook in self.hooks:
+            hook.on_report(self, scalars, step)
+
     def _append_metrics(self, name: str, record: dict[str, Any]) -> None:
         """One JSON line in <run_dir>/metrics/<name> (rank 0: steps.jsonl, eval.jsonl)."""
         path = self.metrics_path.with_name(name)

@@ -89,6 +89,9 @@ class ScalarHook(TrainHook):
     def on_resumed(self, trainer: "Trainer", load_s: float) -> None:
         self.write({"checkpoint/load_s": load_s}, trainer.state.step)
 
+    def on_report(self, trainer: "Trainer", scalars: dict[str, float], step: int) -> None:
+        self.write(scalars, step)
+
     def on_checkpoint_begin(self, trainer: "Trainer", what: str) -> None:
         self.blocked_since = time.perf_counter()
 

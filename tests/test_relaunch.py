@@ -220,7 +220,8 @@ def test_an_unwritable_output_dir_is_one_config_error_line(
     blocker.write_text("a file where the output dir should be")
     proc = _relaunch([*tiny_overrides, f"output_dir={blocker}", "run_id=x"])
     assert proc.returncode == exit_codes.CONFIG_ERROR, proc.stderr[-3000:]
-    assert "cannot write the run directory" in proc.stderr and "Traceback" not in proc.stderr
+    # Refused before any rank starts (recipes.inputs), in one line.
+    assert "exists and is not a directory" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_local_storage_refusals_are_not_retried() -> None:

@@ -110,6 +110,20 @@ def test_checkpoint_and_memory_scalars(reported: dict) -> None:
     assert [e.value for e in tb["train/consumed_tokens"]][-1] == tokens
 
 
+def test_goodput_ledger_reaches_tensorboard(reported: dict) -> None:
+    """At the end the metrics hook hands the goodput ledger to the reporting hooks: the same
+    numbers `python -m resiliency goodput` prints for the run at that moment."""
+    from resiliency.monitor.goodput import CATEGORIES
+
+    tb = reported["tb"]
+    [ratio] = tb["goodput/ratio"]
+    assert ratio.step == STEPS and 0 < ratio.value < 1
+    seconds = {c: tb[f"goodput/{c}_s"][0].value for c in CATEGORIES}
+    assert seconds["lost"] > 0 and seconds["restore"] > 0 and seconds["downtime"] > 0
+    wall = sum(seconds.values())
+    assert ratio.value == pytest.approx(seconds["productive"] / wall, rel=1e-5)
+
+
 def test_wandb_continues_the_run_by_its_id(reported: dict) -> None:
     runs = sorted((reported["run_dir"] / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(r.name.endswith("-rep") for r in runs)  # one run, two attempts

@@ -167,18 +167,21 @@ class MetricsHook(TrainHook):
 
     def on_end(self, trainer: "Trainer") -> None:
         self._update(trainer, trainer.state.step)
-        self._update_goodput()
+        self._update_goodput(trainer)
         self.write_or_warn()
 
-    def _update_goodput(self) -> None:
+    def _update_goodput(self, trainer: "Trainer") -> None:
         """The ledger across every attempt so far (read from the run's own files; the
-        current attempt's end is not recorded yet, so it counts up to its last step)."""
+        current attempt's end is not recorded yet, so it counts up to its last step), as
+        gauges and as the run's goodput/* scalars (TensorBoard, W&B)."""
         ledger = build_ledger(self.path.parent.parent)
         if ledger.goodput is None:
             return
         self.m.labels(self.m.goodput).set(ledger.goodput)
         for category, seconds in ledger.seconds.items():
             self.m.labels(self.m.goodput_seconds, category=category).set(seconds)
+        scalars = {f"goodput/{c}_s": v for c, v in ledger.seconds.items()}
+        trainer.report({"goodput/ratio": ledger.goodput, **scalars}, trainer.state.step)
 
     def on_exception(self, trainer: "Trainer | None", exc: BaseException) -> None:
         if trainer is None:
