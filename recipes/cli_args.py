@@ -12,14 +12,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
 from recipes.checks import ConfigError
-from recipes.schema import RunConfig
+from recipes.load import is_group, schema_fields
 
 # hydra.* keys with a meaning here -> the key they set. Hydra's run dir is the job's output
 # dir; here a run's dir is <output_dir>/<run_id>, so both name output_dir.
@@ -124,19 +123,8 @@ def _deletion(key: str) -> str:
 
 
 def _schema_field(key: str) -> dataclasses.Field | None:
-    node: Any = RunConfig
-    parts = key.split(".")
-    for i, part in enumerate(parts):
-        fields = {f.name: f for f in dataclasses.fields(node)}
-        if part not in fields:
-            return None
-        f = fields[part]
-        if i == len(parts) - 1:
-            return f
-        node = f.default_factory
-        if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
-            return None
-    return None
+    f = schema_fields().get(key)
+    return None if f is None or is_group(f) else f
 
 
 def sweep_points(overrides: Sequence[str]) -> list[list[str]]:

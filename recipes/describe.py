@@ -12,9 +12,8 @@ import functools
 import inspect
 import re
 from dataclasses import dataclass
-from typing import Any
 
-from recipes.load import CONF_DIR
+from recipes.load import CONF_DIR, is_group, type_name
 from recipes.schema import RunConfig
 
 _FIRST_SENTENCE = re.compile(r"(?<!e\.g)(?<!i\.e)\.\s")  # one line per key
@@ -35,18 +34,11 @@ def describe_keys(node: type = RunConfig, prefix: str = "") -> list[KeyInfo]:
     keys: list[KeyInfo] = []
     for f in dataclasses.fields(node):
         path = f"{prefix}{f.name}"
-        factory = f.default_factory
-        if isinstance(factory, type) and dataclasses.is_dataclass(factory):
-            keys.extend(describe_keys(factory, path + "."))
+        if is_group(f):
+            keys.extend(describe_keys(f.default_factory, path + "."))
             continue
-        keys.append(KeyInfo(path, _type_name(f.type), _default(f), comments.get(f.name, "")))
+        keys.append(KeyInfo(path, type_name(f), _default(f), comments.get(f.name, "")))
     return keys
-
-
-def _type_name(annotation: Any) -> str:
-    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
-    text = re.sub(r"Optional\[(.*)\]", r"\1 | None", str(text))
-    return text.replace("typing.", "")
 
 
 def _default(f: dataclasses.Field) -> str:

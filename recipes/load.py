@@ -80,14 +80,30 @@ def to_yaml(run: RunConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(run))
 
 
-def schema_keys(node: Any = RunConfig, prefix: str = "") -> list[str]:
-    keys: list[str] = []
+def schema_fields(node: Any = RunConfig, prefix: str = "") -> dict[str, dataclasses.Field]:
+    """Every key of the schema (groups such as ``model`` included) -> its dataclass field."""
+    fields: dict[str, dataclasses.Field] = {}
     for f in dataclasses.fields(node):
         path = f"{prefix}{f.name}"
-        keys.append(path)
-        if isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory):
-            keys.extend(schema_keys(f.default_factory, path + "."))
-    return keys
+        fields[path] = f
+        if is_group(f):
+            fields.update(schema_fields(f.default_factory, path + "."))
+    return fields
+
+
+def is_group(f: dataclasses.Field) -> bool:
+    """A nested config (``model``, ``launch.slurm``), not a value."""
+    return isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory)
+
+
+def type_name(f: dataclasses.Field) -> str:
+    """A field's type as a user writes the value: ``int``, ``int or null``, ``list[str]``."""
+    text = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    return re.sub(r"Optional\[(.*)\]", r"\1 or null", text).replace("typing.", "")
+
+
+def schema_keys() -> list[str]:
+    return list(schema_fields())
 
 
 def _reject_unknown_keys(tree: Any, overrides: list[str], prefix: str = "") -> None:
@@ -140,19 +156,9 @@ def _type_error(text: str) -> str | None:
     key = re.search(r"full_key: (\S+)", text)
     if value is None or key is None:
         return None
-    expected = _schema_types().get(key.group(1), value.group(2))
+    field = schema_fields().get(key.group(1))
+    expected = type_name(field) if field is not None else value.group(2)
     return f"{key.group(1)}={value.group(1)}: expected {expected}, got {value.group(1)!r}"
-
-
-def _schema_types(node: Any = RunConfig, prefix: str = "") -> dict[str, str]:
-    types: dict[str, str] = {}
-    for f in dataclasses.fields(node):
-        factory = f.default_factory
-        if isinstance(factory, type) and dataclasses.is_dataclass(factory):
-            types.update(_schema_types(factory, f"{prefix}{f.name}."))
-        else:
-            types[f"{prefix}{f.name}"] = re.sub(r"Optional\[(.*)\]", r"\1 or null", str(f.type))
-    return types
 
 
 def _unknown_override_key(overrides: list[str], text: str) -> str | None:
