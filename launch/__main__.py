@@ -63,10 +63,10 @@ def main(argv: list[str]) -> int:
         overrides = translate(overrides)
         if not (sweep or has_sweep(overrides)):
             return modules[args.backend].run(args, overrides)
-        points = sweep_points(overrides)
+        points = [point_run_id(p, i) for i, p in enumerate(sweep_points(overrides))]
         for i, point in enumerate(points):
             log.info("sweep point %d/%d: %s", i + 1, len(points), " ".join(point))
-            code = modules[args.backend].run(args, point_run_id(point, i))
+            code = modules[args.backend].run(args, point)
             if code != 0:
                 log.error(
                     "sweep point %d/%d ended with exit %d; stopping", i + 1, len(points), code
