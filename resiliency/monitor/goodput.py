@@ -139,29 +139,26 @@ def _attempt(
     saves: list[dict[str, Any]],
     evals: list[dict[str, Any]],
 ) -> None:
-    seconds, (begin, end) = ledger.seconds, window
-    mine = _in(steps, window)
+    begin, end = window
+    parts = dict.fromkeys(CATEGORIES, 0.0)
     # Steps after the next attempt's restored step were done again: lost.
     redo_after = None if following is None else (following.get("restored_step") or 0)
-    for step in mine:
+    for step in _in(steps, window):
         lost = redo_after is not None and step["step"] > redo_after
-        seconds["lost" if lost else "productive"] += step.get("step_time_s", 0.0)
+        parts["lost" if lost else "productive"] += step.get("step_time_s", 0.0)
         ledger.lost_steps += int(lost)
-    seconds["checkpoint_save"] += sum(s.get("blocked_s", 0.0) for s in _in(saves, window))
-    seconds["evaluation"] += sum(e.get("seconds", 0.0) for e in _in(evals, window))
+    parts["checkpoint_save"] = sum(s.get("blocked_s", 0.0) for s in _in(saves, window))
+    parts["evaluation"] = sum(e.get("seconds", 0.0) for e in _in(evals, window))
     startup = record.get("startup") or {}
     first = startup.get("first_step_started_at")
     first = min(float(first), end) if first is not None else end
-    restore = 0.0
     if record.get("restored_step") is not None and startup.get("load_started_at") is not None:
-        restore = max(0.0, first - float(startup["load_started_at"]))
-    seconds["restore"] += restore
-    seconds["startup"] += max(0.0, first - begin - restore)
-    accounted = sum(s.get("step_time_s", 0.0) for s in mine)
-    accounted += sum(s.get("blocked_s", 0.0) for s in _in(saves, window))
-    accounted += sum(e.get("seconds", 0.0) for e in _in(evals, window))
+        parts["restore"] = max(0.0, first - float(startup["load_started_at"]))
+    parts["startup"] = max(0.0, first - begin - parts["restore"])
     # The remainder, so the categories add up to the attempt's duration exactly.
-    seconds["other"] += (end - begin) - accounted - max(0.0, first - begin)
+    parts["other"] = (end - begin) - sum(parts.values())
+    for name, value in parts.items():
+        ledger.seconds[name] += value
 
 
 def format_ledger(ledger: Ledger) -> str:
