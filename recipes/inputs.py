@@ -75,11 +75,17 @@ def _nearest(path: str, what: str = "path") -> str:
     return f" ({what}: nearest existing parent is {str(parent)!r})"
 
 
+def existing_ancestor(path: Path) -> Path:
+    """``path`` itself if it exists, else its nearest existing parent (a dir a run creates
+    later is judged by the one it will be created in)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def check_writable(directory: Path, key: str) -> None:
     """The nearest existing ancestor of ``directory`` accepts a file: the run can create it."""
-    probe = directory
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
+    probe = existing_ancestor(directory)
     if not probe.is_dir():
         raise ConfigError(f"{key}={directory}: {probe} exists and is not a directory")
     try:

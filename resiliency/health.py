@@ -26,6 +26,7 @@ from typing import Any
 
 from recipes import RunConfig
 from recipes.health_schema import HealthConfig
+from recipes.inputs import existing_ancestor
 from recipes.load import load_config_file
 
 HEALTH_DIR_ENV = "MCORE_RECIPES_HEALTH_DIR"  # where this attempt's node reports are
@@ -64,9 +65,7 @@ def node_name() -> str:
 
 
 def free_space(name: str, path: Path, min_gib: float) -> Check:
-    probe = path
-    while not probe.exists() and probe != probe.parent:  # the dir may not exist yet
-        probe = probe.parent
+    probe = existing_ancestor(path)  # the dir may not exist yet
     free = shutil.disk_usage(probe).free / GIB
     return Check(name, free >= min_gib, f"{free:.1f} GiB free at {probe} (need {min_gib:g})")
 
