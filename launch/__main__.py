@@ -11,7 +11,7 @@ from types import ModuleType
 from pretrain import exit_codes
 from pretrain.logs import setup_logging
 from recipes import ConfigError
-from recipes.cli_args import has_sweep, point_run_id, sweep_points, translate
+from recipes.cli_args import has_sweep, sweep_points, translate
 from recipes.inputs import DataInputError
 
 # backend name -> module with add_arguments(parser) and run(args, overrides) -> int
@@ -63,7 +63,7 @@ def main(argv: list[str]) -> int:
         overrides = translate(overrides)
         if not (sweep or has_sweep(overrides)):
             return modules[args.backend].run(args, overrides)
-        points = [point_run_id(p, i) for i, p in enumerate(sweep_points(overrides))]
+        points = sweep_points(overrides)
         for i, point in enumerate(points):
             log.info("sweep point %d/%d: %s", i + 1, len(points), " ".join(point))
             code = modules[args.backend].run(args, point)

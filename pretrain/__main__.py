@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from pretrain import exit_codes
 from pretrain.logs import setup_logging
 from recipes import ConfigError, RunConfig, load_config, to_yaml
-from recipes.cli_args import CliRequest, has_sweep, parse_args, point_run_id, sweep_points
+from recipes.cli_args import CliRequest, has_sweep, parse_args, sweep_points
 from recipes.cli_args import translate as translate_overrides
 from recipes.describe import catalogue, describe_keys, format_keys
 from recipes.inputs import DataInputError, check_inputs
@@ -101,7 +101,7 @@ def _sweep(req: CliRequest) -> int:
             "`python -m launch local -m ...` (one launch per point) or `python -m launch "
             "slurm -m ...` (one job per point)"
         )
-    points = [point_run_id(p, i) for i, p in enumerate(sweep_points(req.overrides))]
+    points = sweep_points(req.overrides)
     for point in points:  # every point validated before the first one trains
         _load(CliRequest(overrides=point, config_file=req.config_file))
     for i, point in enumerate(points):

@@ -129,13 +129,13 @@ def _schema_field(key: str) -> dataclasses.Field | None:
 
 def sweep_points(overrides: Sequence[str]) -> list[list[str]]:
     """Every combination of a ``-m`` sweep (``a=1,2 b=x,y``, ``range()``, ``choice()``...), in
-    Hydra's own order; one point without sweep values."""
+    Hydra's own order, each its own run; one point without sweep values."""
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
         [points] = BasicSweeper.split_arguments(parsed, max_batch_size=None)
     except HydraException as exc:
         raise ConfigError(f"bad sweep: {exc}") from None
-    return [list(p) for p in points]
+    return [_point_run_id(list(p), i) for i, p in enumerate(points)]
 
 
 def has_sweep(overrides: Sequence[str]) -> bool:
@@ -146,7 +146,7 @@ def has_sweep(overrides: Sequence[str]) -> bool:
     return any(o.is_sweep_override() for o in parsed)
 
 
-def point_run_id(point: list[str], index: int) -> list[str]:
+def _point_run_id(point: list[str], index: int) -> list[str]:
     """A sweep point with its own run: ``run_id=<given>-<index>``, or a new run of its own."""
     given = [o for o in point if o.split("=", 1)[0].lstrip("+") == "run_id"]
     if not given:
