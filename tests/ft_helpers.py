@@ -34,14 +34,19 @@ STRAGGLER = [
 ]
 
 
-def base_overrides(tiny: Sequence[str], root: Path, run_id: str) -> list[str]:
+def base_overrides(
+    tiny: Sequence[str], root: Path, run_id: str, floor_s: float = FLOOR_S
+) -> list[str]:
     return [
         *tiny,
         f"output_dir={root}",
         f"run_id={run_id}",
         f"train.train_steps={STEPS}",
         f"checkpoint.save_interval={SAVE_EVERY}",
-        *FT,
+        *(
+            o if "timeout_floor_s" not in o else f"resiliency.ft.timeout_floor_s={floor_s}"
+            for o in FT
+        ),
         *STRAGGLER,
     ]
 
