@@ -150,6 +150,13 @@ def bench_save(config: str, work: Path, data: str, reps: int) -> dict[str, Any]:
         "P2_save_call_s": stats([a["save_call_s"] for a in asyn]),
         "P2_commit_s": stats([a["commit_s"] for a in asyn]),
         "P2_goal_met": statistics.median(blocked) <= 2 * statistics.median(memcpy) + 0.05,
+        # The first async save of an attempt (writer spawned at start, buffers allocated):
+        # once per attempt, so one sample per run; the goal applies to it as well.
+        "P2_first_blocked_s": raw["async_first"]["blocked_s"],
+        "P2_first_blocked_over_memcpy": raw["async_first"]["blocked_s"]
+        / raw["async_first"]["memcpy_s"],
+        "P2_first_goal_met": raw["async_first"]["blocked_s"]
+        <= 2 * raw["async_first"]["memcpy_s"] + 0.05,
         "P2_step_slowdown": stats(slowdown) if slowdown else None,
         "P2_busy_steps": sum(len(a["busy_steps"]) for a in asyn),
         "P2_raw_write_slowdown": stats(raw_slowdown) if raw_slowdown else None,
@@ -242,7 +249,38 @@ def _startup_phases(run_dir: Path, launched: float) -> dict[str, float]:
     return phases
 
 
+def _time_to_training(config: str, work: Path, data: str, run_dir: Path) -> dict[str, float]:
+    """Launch the job, wait for its first step, kill it; where the time went (the attempt
+    record's startup clock). A run dir with a checkpoint restores it; an empty one starts
+    fresh."""
+    start = time.time()
+    proc = subprocess.Popen(
+        [
+            TORCHRUN,
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "pretrain",
+            *overrides(config, work, data),
+            f"output_dir={run_dir.parent}",
+        ],
+        cwd=REPO,
+        env=ENV,
+        text=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        first = _first_step_after(run_dir, start, proc, 900) - start
+    finally:  # the kill of "restore after a kill": the next rep restores again
+        _kill_tree(proc)
+    return {"first_step_s": first, **_startup_phases(run_dir, start)}
+
+
 def bench_restore(config: str, work: Path, data: str, reps: int) -> dict[str, Any]:
+    """P3: (launch -> training resumes) - (launch -> training starts, same job, fresh) over
+    the checkpoint's cold read time: what restoring adds to a start, per byte-read time."""
     run_dir = work / "runs" / config
     step_dir = max((run_dir / "steps").glob("step-?????????"))
     files = [p for p in step_dir.rglob("*") if p.is_file()]
@@ -250,56 +288,32 @@ def bench_restore(config: str, work: Path, data: str, reps: int) -> dict[str, An
     samples = []
     for rep in range(reps):
         sample: dict[str, float] = {}
-        for which in ("floor", "restore") if rep % 2 == 0 else ("restore", "floor"):
-            if which == "floor":
-                out = work / "floor.json"
-                start = time.time()
-                torchrun([WORKER, "floor", f"--out={out}", *overrides(config, work, data)], tries=2)
-                sample["floor_s"] = json.loads(out.read_text())["ready_time"] - start
+        for which in ("fresh", "restore") if rep % 2 == 0 else ("restore", "fresh"):
+            if which == "fresh":
+                fresh = work / "fresh" / f"rep{rep}" / config  # no checkpoint: a fresh start
+                sample["fresh_s"] = _time_to_training(config, work, data, fresh)["resumed_s"]
                 continue
             sample["read_s"] = _cold_read(files)
             time.sleep(3.5)  # the killed run's lease goes stale (checkpoint.lease_timeout_s=3)
-            start = time.time()
-            proc = subprocess.Popen(
-                [
-                    TORCHRUN,
-                    "--standalone",
-                    "--nproc-per-node=2",
-                    "-m",
-                    "pretrain",
-                    *overrides(config, work, data),
-                ],
-                cwd=REPO,
-                env=ENV,
-                text=True,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-            )
-            try:
-                sample["first_step_s"] = _first_step_after(run_dir, start, proc, 900) - start
-            finally:  # the kill of "restore after a kill": the next rep restores again
-                _kill_tree(proc)
-            sample.update(_startup_phases(run_dir, start))
+            sample.update(_time_to_training(config, work, data, run_dir))
         samples.append(sample)
     # Restore ends when training resumes (the first step starts); the step itself is training
     # and is reported next to it.
-    ratios = [(s["resumed_s"] - s["floor_s"]) / s["read_s"] for s in samples]
-    met = [(s["resumed_s"] - s["floor_s"]) <= 1.25 * s["read_s"] + 2 for s in samples]
+    ratios = [(s["resumed_s"] - s["fresh_s"]) / s["read_s"] for s in samples]
     return {
         "bytes": nbytes,
         "P3": stats(ratios),
         "resumed_s": stats([s["resumed_s"] for s in samples]),
+        "fresh_s": stats([s["fresh_s"] for s in samples]),
         "first_step_s": stats([s["first_step_s"] for s in samples]),
         "read_s": stats([s["read_s"] for s in samples]),
-        "floor_s": stats([s["floor_s"] for s in samples]),
         "read_GiBps": stats([nbytes / s["read_s"] / GIB for s in samples]),
         "phases_s": {
             k: statistics.median(s[k] for s in samples if k in s)
             for k in ("start_s", "plan_and_build_s", "load_s", "first_step_s_only")
             if any(k in s for s in samples)
         },
-        "P3_goal_met": sum(met) * 2 > len(met),
+        "P3_goal_met": statistics.median(ratios) <= 1.25,
     }
 
 
@@ -426,6 +440,16 @@ def table(results: dict[str, Any]) -> str:
             f"{r['P2_save_call_s']['median']:.3f} + commit "
             f"{r['P2_commit_s']['median']:.3f}), memcpy {r['P2_memcpy_s']['median']:.3f} s",
         )
+        row(
+            "P2 first async save of an attempt, blocked ÷ (bytes ÷ memcpy)",
+            config,
+            _one(r["P2_first_blocked_over_memcpy"]),
+            "≤ 2× + 50 ms",
+            r["P2_first_goal_met"],
+            1,
+            note=f"blocked {r['P2_first_blocked_s']:.3f} s (writer spawned at start; "
+            "one sample per run)",
+        )
         sd = r["P2_step_slowdown"]
         row(
             "P2 step slowdown while writing",
@@ -437,15 +461,15 @@ def table(results: dict[str, Any]) -> str:
         )
     for config, r in results.get("restore", {}).items():
         row(
-            "P3 (launch→training resumes − floor) ÷ (bytes ÷ read)",
+            "P3 (launch→resumed − launch→fresh start) ÷ (bytes ÷ cold read)",
             config,
             r["P3"],
-            "≤ 1.25× + 2 s",
+            "≤ 1.25",
             r["P3_goal_met"],
             2,
             note=f"resumed {r['resumed_s']['median']:.1f} s (first step done "
-            f"{r['first_step_s']['median']:.1f} s), floor "
-            f"{r['floor_s']['median']:.1f} s, cold read "
+            f"{r['first_step_s']['median']:.1f} s), fresh start "
+            f"{r['fresh_s']['median']:.1f} s, cold read "
             f"{r['read_GiBps']['median']:.2f} GiB/s, {r['bytes'] / GIB:.3f} GiB; "
             + ", ".join(f"{k} {v:.1f}" for k, v in r.get("phases_s", {}).items()),
         )

@@ -135,12 +135,14 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def with_ft_config(launcher_args: list[str], state_dir: Path) -> list[str]:
     """ft_launcher refuses to start without its section/timeout config: write it from the
-    pinned run config (the ``--config`` after ``-m pretrain``) into the shared state dir."""
+    pinned run config (the ``--config`` after ``-m pretrain``) into the shared state dir, and
+    pass the restart grace (resiliency.ft.workers_stop_timeout_s) from the same config."""
     if any(a.startswith("--ft-cfg-path") for a in launcher_args) or "--config" not in launcher_args:
         return launcher_args
     run = load_config_file(launcher_args[launcher_args.index("--config") + 1])
     path = write_launcher_config(run, state_dir)
-    return [f"--ft-cfg-path={path}", *launcher_args]
+    grace = f"--workers-stop-timeout={run.resiliency.ft.workers_stop_timeout_s:g}"
+    return [f"--ft-cfg-path={path}", grace, *launcher_args]
 
 
 def node_healthy(launcher_args: list[str], state_dir: Path) -> bool:

@@ -92,6 +92,7 @@ def launcher_command(plan: LaunchPlan, config: Path, restarts: int) -> list[str]
         *common,
         f"--max-restarts={restarts}",
         f"--monitor-interval={ft.check_interval_s}",
+        f"--workers-stop-timeout={ft.workers_stop_timeout_s:g}",
         # SIGTERM -> SIGKILL grace: room for the ranks' emergency save.
         f"--term-timeout={run.resiliency.emergency_save_timeout_s + 30:.0f}",
         f"--ft-cfg-path={write_launcher_config(run, plan.run_dir)}",
@@ -117,7 +118,11 @@ class LocalSupervisor:
                 used = self._restarts_used(before)
                 if not self._healthy(len(self.events.launches)):
                     return exit_codes.INFRASTRUCTURE
-                self._launch(max(0, self.max_restarts - used))
+                code = self._launch(max(0, self.max_restarts - used))
+                if code == exit_codes.OK and not self._attempts(before):
+                    # Runs without checkpoints keep no attempt records: nothing to decide.
+                    log.info("launch local: finished (no attempt record: checkpoints are off)")
+                    return exit_codes.OK
                 decision = self._decide(before)
                 if decision.action == STOP:
                     return decision.exit_code

@@ -251,6 +251,7 @@ def _launcher(run: RunConfig, inputs: ScriptInputs) -> str:
     if run.launch.backend == "ft_launcher":
         # ft_launcher refuses to start without its section/timeout config (written at submit).
         launcher += f" --ft-cfg-path={_q(inputs.run_dir / LAUNCHER_CONFIG_FILE)}"
+        launcher += f" --workers-stop-timeout={run.resiliency.ft.workers_stop_timeout_s:g}"
     return launcher
 
 

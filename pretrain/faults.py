@@ -11,7 +11,11 @@ writer process once this step's async save is handed to it), stop / stop_save /
 stop_restore / stop_eval (SIGSTOP this rank: before the step, at the save point, at the start
 of restoring this step, in the validation after it; the process freezes as a stuck node
 does, every thread with it), slow (from this step on, this rank's step burns ``factor`` times
-its CPU time: "slow@<step>:<rank>:<factor>", a straggler). A "/<round>" suffix limits an
+its CPU time: "slow@<step>:<rank>:<factor>", a straggler), sdc (a transient silent data
+corruption: NaN gradients at that step once per process, so a replay of the step computes them
+clean), corrupt (once step N is committed, flip one byte of the largest model file of that
+step, then SIGKILL this rank: a newest checkpoint that rots on disk, which the restore must
+refuse). A "/<round>" suffix limits an
 entry to one launcher round (TORCHELASTIC_RESTART_COUNT), so a fault can hit once and the
 restarted group run clean.
 Empty in every shipped recipe.
@@ -24,6 +28,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -41,6 +46,8 @@ KINDS = (
     "stop_save",
     "stop_restore",
     "stop_eval",
+    "sdc",
+    "corrupt",
 )
 ROUND_ENV = "TORCHELASTIC_RESTART_COUNT"
 SPIKE_FACTOR = 1000.0  # spike@N without a factor
@@ -105,6 +112,21 @@ class FaultInjector:
             else:
                 os.kill(pid or os.getpid(), signal.SIGKILL)
 
+    def after_commit(self, step: int, model_dir: Path) -> None:
+        """Step ``step`` is committed, its model state in ``model_dir``: ``corrupt`` flips one
+        byte of its largest file, then SIGKILLs this rank, so the next restore meets it."""
+        if not self._due(step, ("corrupt",)):
+            return
+        files = [p for p in model_dir.rglob("*") if p.is_file()]
+        target = max(files, key=lambda p: (p.stat().st_size, p.name))
+        with target.open("r+b") as f:
+            f.seek(target.stat().st_size // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        log.warning("fault injection: flipped a byte of %s, then SIGKILL", target)
+        os.kill(os.getpid(), signal.SIGKILL)
+
     def _slow_down(self, step: int) -> None:
         """Busy-burn CPU (not sleep) so the rank is slower at computing, not just late."""
         slow = [f for f in self.faults if f.kind == "slow" and step >= f.step]
@@ -126,9 +148,12 @@ class FaultInjector:
     def after_backward(self, step: int, ddp_chunks: list[Any]) -> None:
         if self._cpu_start is not None:  # the burn ran before _cpu_start: this is unslowed
             self._step_cpu_s = time.process_time() - self._cpu_start
-        if not self._due(step, ("nan",)):
+        due = self._due(step, ("nan", "sdc"))
+        if not due:
             return
-        log.warning("fault injection: NaN gradients at step %d", step)
+        # sdc is transient: gone once it hit, so a replay of this step in this process is clean
+        self.faults = [f for f in self.faults if f not in due or f.kind != "sdc"]
+        log.warning("fault injection: NaN gradients at step %d (%s)", step, due[0].kind)
         for chunk in ddp_chunks:
             for param in chunk.parameters():
                 if getattr(param, "main_grad", None) is not None:

@@ -1,5 +1,6 @@
 """The numeric guard (``train.guard``): a non-finite loss or gradient, or a loss spike, and the
-policy that answers it (stop, skip the update, roll back to the last verified checkpoint).
+policy that answers it (stop, skip the update, roll back to the last verified checkpoint and
+skip the data since, or replay that data and roll back only if the anomaly recurs).
 
 The guard judges a step after its forward/backward pass and before the optimizer step, from
 values every rank already agrees on: the loss all-reduce carries a non-finite-gradient flag,
@@ -110,6 +111,7 @@ class NumericGuard:
         self.skipped_steps = 0  # run totals: restored with checkpoints, never rolled back
         self.rollbacks = 0
         self.skipped_samples = 0
+        self.replayed: set[int] = set()  # steps replayed in this process (replay policy)
         self.events: list[dict[str, Any]] = []  # this attempt's, for the attempt record
 
     def inspect(self, loss: float, grads_nonfinite: bool) -> str | None:
@@ -122,13 +124,16 @@ class NumericGuard:
         return verdict
 
     def action(self, result: StepResult) -> str:
-        """stop | skip | rollback for a step with an anomaly. An update that was applied (the
-        anomaly showed only after the step) cannot be skipped, only rolled back."""
+        """stop | skip | rollback | replay for a step with an anomaly. An update that was applied
+        (the anomaly showed only after the step) cannot be skipped, only rolled back. A step
+        that was replayed and failed again is the data's fault: it is rolled back past."""
         policy = self.cfg.policy
         if policy == "skip" and not result.skipped:
             return "stop"
-        if policy == "rollback" and self.rollbacks >= self.cfg.max_rollbacks:
+        if policy in ("rollback", "replay") and self.rollbacks >= self.cfg.max_rollbacks:
             return "stop"
+        if policy == "replay" and result.step in self.replayed:
+            return "rollback"
         return policy
 
     def stop_error(self, result: StepResult) -> NonFiniteError:
@@ -143,7 +148,7 @@ class NumericGuard:
         )
 
     def _budget(self) -> str:
-        if self.cfg.policy == "rollback" and self.rollbacks >= self.cfg.max_rollbacks:
+        if self.cfg.policy in ("rollback", "replay") and self.rollbacks >= self.cfg.max_rollbacks:
             return f"train.guard.max_rollbacks={self.cfg.max_rollbacks} spent; "
         return ""
 
@@ -152,11 +157,16 @@ class NumericGuard:
         self.skipped_samples += samples
         self._event(result, "skip")
 
-    def rolled_back(self, result: StepResult, restored: int, window: tuple[int, int]) -> None:
-        """Step ``result.step`` rolled back to ``restored``; samples [start, end) skipped."""
+    def rolled_back(
+        self, result: StepResult, restored: int, window: tuple[int, int], action: str
+    ) -> None:
+        """Step ``result.step`` rolled back to ``restored``; samples [start, end) skipped (an
+        empty window: replayed)."""
         self.rollbacks += 1
         self.skipped_samples += window[1] - window[0]
-        self._event(result, "rollback", restored_step=restored, skipped_samples=list(window))
+        if action == "replay":
+            self.replayed.add(result.step)
+        self._event(result, action, restored_step=restored, skipped_samples=list(window))
 
     def stopped(self, result: StepResult) -> None:
         self._event(result, "stop")
@@ -202,8 +212,8 @@ def answer_anomaly(trainer: Trainer, result: StepResult) -> bool:
     step was rolled back and never reaches ``after_step``."""
     guard = trainer.guard
     action = guard.action(result)
-    if action == "rollback":
-        _roll_back(trainer, result)
+    if action in ("rollback", "replay"):
+        _roll_back(trainer, result, skip_data=action == "rollback")
         return False
     if action == "skip":
         guard.skipped(result, trainer.parts.plan.global_batch_size)
@@ -223,10 +233,12 @@ def answer_anomaly(trainer: Trainer, result: StepResult) -> bool:
     return True
 
 
-def _roll_back(trainer: Trainer, result: StepResult) -> None:
-    """A hook restores the newest verified checkpoint in place, then the data cursor moves
-    past every batch since it, the bad one included. The jump is in the next checkpoint's
-    consumed_samples, so a later resume continues exactly."""
+def _roll_back(trainer: Trainer, result: StepResult, skip_data: bool) -> None:
+    """A hook restores the newest verified checkpoint in place, then (``skip_data``) the data
+    cursor moves past every batch since it, the bad one included. The jump is in the next
+    checkpoint's consumed_samples, so a later resume continues exactly. Without it the same
+    batches are trained again: a replay, exactly what a resume from that checkpoint does."""
+    action = "rollback" if skip_data else "replay"
     guard, state = trainer.guard, trainer.state
     bad_cursor = state.consumed_samples, state.consumed_tokens
     # megatron's scheduler.load_state_dict adds the saved step count to the live one.
@@ -238,21 +250,23 @@ def _roll_back(trainer: Trainer, result: StepResult) -> None:
     if restored is None:
         guard.stopped(result)
         raise NonFiniteError(
-            f"step {result.step}: {result.anomaly}; train.guard.policy=rollback found no "
+            f"step {result.step}: {result.anomaly}; train.guard.policy={action} found no "
             "verified checkpoint to roll back to (it needs checkpoint.enabled=true and a "
             "save before the anomaly); not retrying a numeric failure"
         )
     state = trainer.state  # the restore replaced it
-    _check_data_left(trainer, bad_cursor[0], restored)
-    window = (state.consumed_samples, bad_cursor[0])
-    state.consumed_samples, state.consumed_tokens = bad_cursor
-    guard.rolled_back(result, restored, window)
+    window = (state.consumed_samples, state.consumed_samples)
+    if skip_data:
+        _check_data_left(trainer, bad_cursor[0], restored)
+        window = (state.consumed_samples, bad_cursor[0])
+        state.consumed_samples, state.consumed_tokens = bad_cursor
+    guard.rolled_back(result, restored, window, action)
     if trainer.env.rank == 0:
         log.warning(
-            "guard: step %d: %s; rolled back to step %d, data cursor %d -> %d samples "
-            "(%d/%d rollbacks)",
+            "guard: step %d: %s; %s to step %d, data cursor %d -> %d samples (%d/%d rollbacks)",
             result.step,
             result.anomaly,
+            "rolled back" if skip_data else "replaying from",
             restored,
             window[0],
             window[1],
@@ -260,7 +274,7 @@ def _roll_back(trainer: Trainer, result: StepResult) -> None:
             guard.cfg.max_rollbacks,
         )
     for hook in trainer.hooks:
-        hook.on_anomaly(trainer, result, "rollback")
+        hook.on_anomaly(trainer, result, action)
 
 
 def _check_data_left(trainer: Trainer, cursor: int, restored: int) -> None:

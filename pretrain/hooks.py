@@ -100,9 +100,9 @@ class TrainHook:
 
     def on_anomaly(self, trainer: Trainer, result: StepResult, action: str) -> None:
         """The numeric guard acted on ``result.step`` (``result.anomaly`` says why): "skip"
-        (its update was dropped; ``after_step`` follows as usual), "rollback" (done: the loop
-        continues after ``trainer.state.step`` and ``after_step`` never sees this step) or
-        "stop" (the run fails next)."""
+        (its update was dropped; ``after_step`` follows as usual), "rollback" or "replay"
+        (done: the loop continues after ``trainer.state.step``, past the skipped data or on the
+        same data, and ``after_step`` never sees this step) or "stop" (the run fails next)."""
 
     def on_report(self, trainer: Trainer, scalars: dict[str, float], step: int) -> None:
         """Another hook has run-level scalars for the run's reports (TensorBoard, W&B), e.g.

@@ -8,7 +8,7 @@ from typing import Optional
 
 from recipes.checks import one_of, require
 
-POLICIES = ("stop", "skip", "rollback")
+POLICIES = ("stop", "skip", "rollback", "replay")
 
 
 @dataclass(kw_only=True)
@@ -16,8 +16,11 @@ class GuardConfig:
     # stop fails the run (exit 5, not retried); skip drops that step's update (step counter and
     # data cursor advance, the LR schedule does not, as in Megatron-LM); rollback restores the
     # last verified persistent checkpoint in place and skips every batch since it, the bad one
-    # too, at most max_rollbacks times per run.
-    policy: str = "stop"  # stop | skip | rollback: what a NaN/inf loss or grad, or a spike, does
+    # too, at most max_rollbacks times per run; replay restores it the same way but trains the
+    # same batches again (a transient fault, e.g. a silent data corruption, does not recur:
+    # Megatron-LM's rerun state machine draws the same line) and rolls back as rollback does
+    # only if the anomaly recurs at the same step; replays count against max_rollbacks.
+    policy: str = "stop"  # stop | skip | rollback | replay: what a NaN/inf or a spike does
     # A loss spike is a loss above mean + spike_sigma x std of the last spike_window losses
     # (OLMo-core's skip-step rule: 6 over 128); null: only non-finite values count.
     spike_sigma: Optional[float] = None
@@ -36,7 +39,7 @@ class GuardConfig:
             f"got {self.spike_window}",
         )
         require(
-            self.max_rollbacks >= 1 or self.policy != "rollback",
-            "train.guard.policy=rollback needs train.guard.max_rollbacks >= 1",
+            self.max_rollbacks >= 1 or self.policy not in ("rollback", "replay"),
+            f"train.guard.policy={self.policy} needs train.guard.max_rollbacks >= 1",
         )
         require(self.max_rollbacks >= 0, "train.guard.max_rollbacks must be >= 0")

@@ -418,6 +418,10 @@ class FtConfig:
     timeout_multiplier: float = 3.0  # learned timeout = max(multiplier x p99, floor)
     timeout_floor_s: float = 30.0  # lowest learned timeout
     check_interval_s: float = 1.0  # how often the rank monitor checks
+    # ft_launcher's SIGTERM -> SIGKILL grace when it stops a failed group to restart it: a
+    # peer is gone, so no collective save can finish and a hung rank ignores SIGTERM; a long
+    # grace only delays the restart (nvrx's own default: 30 s on 0.4, 15 s on 0.7).
+    workers_stop_timeout_s: float = 10.0
     # Dump every rank's Python stacks shortly before its section times out, and keep a
     # per-rank liveness heartbeat (evidence: which rank hung or stopped, which only waited).
     stack_dumps: bool = True
@@ -432,6 +436,7 @@ class FtConfig:
             "out_of_section_timeout_s",
             "timeout_floor_s",
             "check_interval_s",
+            "workers_stop_timeout_s",
         ):
             require(getattr(self, key) > 0, f"resiliency.ft.{key} must be > 0")
         require(self.timeout_multiplier >= 1, "resiliency.ft.timeout_multiplier must be >= 1")

@@ -53,6 +53,7 @@ def test_launcher_command_per_backend(tiny_overrides: list[str], tmp_path: Path)
     ft_cmd = launcher_command(ft_plan, tmp_path / "c.yaml", restarts=2)
     assert Path(ft_cmd[0]).name == "ft_launcher" and "--max-restarts=2" in ft_cmd
     assert any(a.startswith("--ft-cfg-path=") for a in ft_cmd)
+    assert "--workers-stop-timeout=10" in ft_cmd  # a restart's SIGTERM grace, not nvrx's 30 s
     tr_plan = plan_launch([*tiny_overrides, f"output_dir={tmp_path}", "launch.backend=torchrun"])
     tr_cmd = launcher_command(tr_plan, tmp_path / "c.yaml", restarts=2)
     # torchrun never restarts by itself: the wrapper decides from the attempt records.

@@ -91,7 +91,7 @@ def test_policy_decisions_and_the_rollback_budget() -> None:
     assert skip.action(_result(skipped=False)) == "stop"  # applied already: cannot be skipped
     rollback = NumericGuard(GuardConfig(policy="rollback", max_rollbacks=1))
     assert rollback.action(_result(skipped=False)) == "rollback"
-    rollback.rolled_back(_result(), restored=4, window=(32, 40))
+    rollback.rolled_back(_result(), restored=4, window=(32, 40), action="rollback")
     assert rollback.action(_result()) == "stop"
     error = rollback.stop_error(_result(anomaly="loss spike: 9 > 1"))
     assert isinstance(error, LossSpikeError) and "max_rollbacks=1 spent" in str(error)
@@ -99,6 +99,31 @@ def test_policy_decisions_and_the_rollback_budget() -> None:
     plain = NumericGuard(GuardConfig()).stop_error(_result(loss=2.5, skipped=False))
     assert type(plain) is NonFiniteError
     assert str(plain) == "step 5: loss 2.5, grad norm nan; not retrying a numeric failure"
+
+
+def test_replay_first_then_rollback_when_the_same_step_fails_again() -> None:
+    """A transient fault does not recur on a replay; an anomaly that does is the data's."""
+    replay = NumericGuard(GuardConfig(policy="replay", max_rollbacks=3))
+    assert replay.action(_result(step=7)) == "replay"
+    replay.rolled_back(_result(step=7), restored=4, window=(32, 32), action="replay")
+    assert replay.skipped_samples == 0 and replay.events[-1]["action"] == "replay"
+    assert replay.action(_result(step=9)) == "replay"  # another step: replayed first too
+    assert replay.action(_result(step=7)) == "rollback"  # step 7 again: skip its data
+    replay.rolled_back(_result(step=7), restored=4, window=(32, 64), action="rollback")
+    assert (replay.rollbacks, replay.skipped_samples) == (2, 32)
+    replay.rolled_back(_result(step=9), restored=8, window=(72, 72), action="replay")
+    assert replay.action(_result(step=11)) == "stop"  # three spent
+    assert "max_rollbacks=3 spent" in str(replay.stop_error(_result(step=11)))
+
+
+def test_sdc_poisons_a_step_once_and_nan_every_time() -> None:
+    grads = torch.zeros(4)
+    chunk = SimpleNamespace(parameters=lambda: [SimpleNamespace(main_grad=grads)])
+    faults = FaultInjector.parse("sdc@3;nan@5", rank=0)
+    for step, poisoned in ((3, True), (3, False), (5, True), (5, True)):
+        grads.zero_()
+        faults.after_backward(step, [chunk])
+        assert bool(grads.isnan().all()) is poisoned, step
 
 
 def test_state_round_trip_and_totals_never_go_back() -> None:
@@ -114,7 +139,7 @@ def test_state_round_trip_and_totals_never_go_back() -> None:
         "skipped_samples": 8,
     }
     guard.inspect(9.0, False)
-    guard.rolled_back(_result(), restored=4, window=(32, 48))
+    guard.rolled_back(_result(), restored=4, window=(32, 48), action="rollback")
     guard.load_state_dict(saved)  # an in-process rollback to the checkpoint saved above
     assert guard.window is not None and list(guard.window.losses) == [2.0, 1.0, 0.5]
     assert (guard.rollbacks, guard.skipped_samples) == (1, 24)

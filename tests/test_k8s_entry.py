@@ -167,7 +167,8 @@ def test_ft_launcher_entry_gets_its_config(tmp_path: Path) -> None:
     flag, path = args[0].split("=", 1)
     assert flag == "--ft-cfg-path" and Path(path).is_file()
     assert "rank_section_timeouts" in Path(path).read_text() or "section" in Path(path).read_text()
-    assert args[1:] == ["--nnodes=2", "-m", "pretrain", "--config", str(pinned)]
+    assert args[1] == "--workers-stop-timeout=10"  # resiliency.ft.workers_stop_timeout_s
+    assert args[2:] == ["--nnodes=2", "-m", "pretrain", "--config", str(pinned)]
 
 
 def test_pod_on_an_unhealthy_node_exits_before_torchrun(tmp_path: Path) -> None:

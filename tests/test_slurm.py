@@ -254,7 +254,7 @@ def test_render_gpus_container_and_ft_launcher(stdlib_corpus: str, tmp_path: Pat
     assert "export MCORE_RECIPES_IMAGE_DIGEST=nvcr.io/nvidia/pytorch:25.01-py3" in script
     # inside the container the image's launcher runs, not the submitting venv's
     assert re.search(
-        r"^\s+ft_launcher --ft-cfg-path=\S+/ft_launcher.yaml "
+        r"^\s+ft_launcher --ft-cfg-path=\S+/ft_launcher.yaml --workers-stop-timeout=10 "
         r"--nnodes=\"\$SLURM_NNODES\" --nproc-per-node=2 "
         r"\\\n\s+--rdzv-backend=c10d --rdzv-endpoint=",
         script,

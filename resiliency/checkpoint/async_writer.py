@@ -26,29 +26,39 @@ from megatron.core.dist_checkpointing.strategies.async_utils import (
     AsyncRequest,
 )
 
+from pretrain import exit_codes
+from pretrain.failures import ClassifiedError
 from resiliency.checkpoint.shard_writer import install_writer_checksums
 
 WRITER_NICE = 19
 POLL_S = 0.05
 
 
-def die_with_parent() -> None:
+def die_with_parent(parent: int | None = None) -> None:
     """For helper processes of a rank (the checkpoint writer): SIGKILLed when the rank dies,
-    deaf to the SIGTERM/SIGUSR1 that Slurm sends every process of a step."""
+    deaf to the SIGTERM/SIGUSR1 that Slurm sends every process of a step. ``parent``: the
+    rank's pid; a rank that died before this ran (a spawned child needs seconds to get here)
+    sent no signal, so the child leaves at once instead of living on as an orphan."""
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if parent is not None and os.getppid() != parent:
+        os._exit(0)
     # Slurm signals every process of a step: outlive the rank's emergency save.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
-class WriterDied(RuntimeError):
-    """The writer process exited before reporting the save it was given."""
+class WriterDied(ClassifiedError):
+    """The writer process exited before reporting the save it was given: killed from outside
+    (the host's OOM killer, an operator), not a fault of the storage or of the run's code, so
+    retried from the last published step like a lost peer."""
+
+    kind, exit_code, retryable = "infrastructure", exit_codes.INFRASTRUCTURE, True
 
 
-def _writer_main(requests: Any, done: Any, checksum_queue: Any) -> None:
+def _writer_main(requests: Any, done: Any, checksum_queue: Any, parent: int) -> None:
     """Writer process: run each save's write function; report (call_idx, error or None)."""
-    die_with_parent()
+    die_with_parent(parent)
     os.nice(WRITER_NICE)
     install_writer_checksums(checksum_queue)
     # What the first save's write function needs, loaded now: the process starts with the
@@ -89,7 +99,7 @@ class SpawnedWriter(AsyncCaller):
         self.process = self._ctx.Process(
             target=_writer_main,
             name="checkpoint-writer",
-            args=(self._requests, self._done, self._checksum_queue),
+            args=(self._requests, self._done, self._checksum_queue, os.getpid()),
         )
         self.process.start()
         # A rank leaving on an error must not wait for (or keep) its writer; normal exits

@@ -309,6 +309,7 @@ class Checkpointer:
         self.stats.durations_s.append(duration)
         self.stats.last_success_time, self.stats.last_step = time.time(), pending.step
         self.pending = None
+        self.faults.after_commit(pending.step, self.layout.step_dir(pending.step) / MODEL_DIR)
 
     def _describe_payload(self, tmp_dir: Path) -> list[Any]:
         """This rank's manifest entries: the files its writers hashed while writing them, plus

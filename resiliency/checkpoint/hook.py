@@ -241,9 +241,9 @@ class CheckpointHook(TrainHook):
                 self.local.save()
 
     def roll_back(self, trainer: "Trainer", bad_step: int) -> int | None:
-        """train.guard.policy=rollback: restore, in place, the newest persistent step older than
-        ``bad_step`` that verifies (re-hashed unless checkpoint.full_verify is off); local-tier
-        steps after it belong to the abandoned trajectory and are dropped."""
+        """train.guard.policy=rollback|replay: restore, in place, the newest persistent step
+        older than ``bad_step`` that verifies (re-hashed unless checkpoint.full_verify is off);
+        local-tier steps after it belong to the abandoned trajectory and are dropped."""
         assert self.checkpointer is not None
         with trainer.checkpointing("rollback"):
             self.checkpointer.finalize(blocking=True)  # a save in flight predates the bad step

@@ -30,6 +30,7 @@ def commands_epilog(commands: dict[str, Command]) -> str:
     width = max(map(len, commands)) + 2
     lines = ["commands:"]
     lines += [f"  {name:<{width}}{command.help}" for name, command in commands.items()]
+    lines.append(f"  {'soak':<{width}}chaos soak under random faults (python -m drill.soak)")
     takes = [name for name, command in commands.items() if command.overrides]
     lines += [
         "",

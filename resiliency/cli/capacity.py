@@ -100,6 +100,16 @@ class Interval:
         return max(1, round(self.young_s / step_s))
 
 
+def predicted_goodput(interval_s: float, save_s: float, restart_s: float, mtbf_s: float) -> float:
+    """The first-order (Young/Daly) goodput of saving every ``interval_s`` of training at a
+    blocking cost ``save_s`` each, with failures every ``mtbf_s`` of wall time, each costing
+    ``restart_s`` (detection to the first step again) plus half an interval of lost work:
+    wall = T (1 + C/tau) + (wall / M) (R + tau/2), so goodput = T / wall =
+    (1 - (R + tau/2) / M) / (1 + C/tau). 0 where failures come faster than recovery."""
+    lost = (restart_s + interval_s / 2) / mtbf_s
+    return max(0.0, 1.0 - lost) / (1.0 + save_s / interval_s)
+
+
 def parse_count(text: str) -> float:
     """``70e9``, ``7B``, ``405b``, ``1.5T``, ``125M`` or a plain integer."""
     value = text.strip().lower().replace("_", "").replace(",", "")

@@ -27,21 +27,27 @@ STALL_MIN_S = 4 * BEAT_S
 DOMINANCE = 2.0  # the stopped rank's stall must be this many times any other rank's
 
 
-def rank_stalls(dumps: dict[int, dict[str, Any]]) -> dict[int, tuple[float, float]]:
+def rank_stalls(
+    dumps: dict[int, dict[str, Any]], killed_at: dict[int, float] | None = None
+) -> dict[int, tuple[float, float]]:
     """rank -> (longest stall in seconds, when it began) from the heartbeat slots.
 
     A rank that stopped for good has its stall end at the last beat any rank made (the peers
-    beat until the group was torn down); one continued before its kill shows the gap itself.
+    beat until the group was torn down), or at its own rank monitor's kill (``killed_at``):
+    a rank killed for waiting too long stops beating too, and its silence after the kill is
+    no stall (without this, a peer waiting in a collective, killed first, read as the stopped
+    rank while the hung one slept on, beating). One continued before its kill shows the gap.
     """
     beats = [d["beat_at"] for d in dumps.values() if d.get("beat_at")]
     if not beats:
         return {}
     last_alive = max(beats)
+    killed_at = killed_at or {}
     stalls = {}
     for rank, dump in dumps.items():
         if not dump.get("beat_at"):
             continue
-        silent = last_alive - dump["beat_at"]
+        silent = max(0.0, min(last_alive, killed_at.get(rank, last_alive)) - dump["beat_at"])
         if silent >= dump.get("stall_s", 0.0):
             stalls[rank] = (silent, dump["beat_at"])
         else:
@@ -49,8 +55,10 @@ def rank_stalls(dumps: dict[int, dict[str, Any]]) -> dict[int, tuple[float, floa
     return stalls
 
 
-def _by_heartbeat(dumps: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
-    stalls = rank_stalls(dumps)
+def _by_heartbeat(
+    dumps: dict[int, dict[str, Any]], killed_at: dict[int, float]
+) -> dict[str, Any] | None:
+    stalls = rank_stalls(dumps, killed_at)
     stalled = {r: s for r, s in stalls.items() if s[0] >= STALL_MIN_S}
     if not stalled:
         return None
@@ -105,11 +113,14 @@ def _undetermined(rule: str, reason: str, candidates: list[int] | None = None) -
     return found
 
 
-def attribute_hang(dumps: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """The hung rank and the reasoning (``rank`` is ``"undetermined"`` where nothing tells)."""
+def attribute_hang(
+    dumps: dict[int, dict[str, Any]], killed_at: dict[int, float] | None = None
+) -> dict[str, Any]:
+    """The hung rank and the reasoning (``rank`` is ``"undetermined"`` where nothing tells).
+    ``killed_at``: rank -> when its rank monitor killed it (a section timeout)."""
     if not dumps:
         return _undetermined("none", "no rank left liveness or stack evidence")
-    found = _by_heartbeat(dumps) or _by_stack(dumps)
+    found = _by_heartbeat(dumps, killed_at or {}) or _by_stack(dumps)
     if found is not None:
         return found
     dumped = sorted(r for r, d in dumps.items() if d.get("dumped"))

@@ -184,7 +184,7 @@ class FaultToleranceHook(TrainHook):
 
     def on_anomaly(self, trainer: "Trainer", result: StepResult, action: str) -> None:
         # A rolled-back step never reaches after_step: its section ends here.
-        if action == "rollback" and not self.heartbeats_only and "step" in self.open:
+        if action in ("rollback", "replay") and not self.heartbeats_only and "step" in self.open:
             self._close("step", observe=False)
 
     def on_end(self, trainer: "Trainer") -> None:

@@ -351,7 +351,11 @@ def summarize(
     first = first_failure(evidence)
     if _is_hang(evidence, monitor):
         dumps = rank_stacks(layout, attempt, (start, end))
-        summary["hang"] = attribute_hang(dumps)
+        killed_at: dict[int, float] = {}
+        for timeout in monitor:
+            rank = timeout["rank"]
+            killed_at[rank] = min(killed_at.get(rank, timeout["time"]), timeout["time"])
+        summary["hang"] = attribute_hang(dumps, killed_at)
         first = _hang_culprit(summary["hang"], dumps, evidence)
     summary.update(_failure_fields(record, first, evidence))
     if first is not None and following is not None:
