@@ -13,7 +13,7 @@ RUN_ID ?= gpt_tiny-$(shell date +%Y%m%d-%H%M%S)
 CORPUS := data/stdlib_text_document.bin
 PYTEST_ARGS ?=
 
-.PHONY: install pretrain test lint corpus clean
+.PHONY: install pretrain test test-all lint corpus clean
 
 install: $(STAMP)
 
@@ -50,6 +50,10 @@ pretrain: $(STAMP) $(CORPUS)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Everything, the exhaustive tests too (matrix remainders, random-stop repeats): ~10 min more.
+test-all: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "slow or not slow" $(PYTEST_ARGS)
 
 # ruff (lint + format) and import-linter's layer contracts (pyproject.toml [tool.importlinter]).
 lint: $(STAMP)

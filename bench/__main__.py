@@ -27,6 +27,7 @@ from typing import Any
 import psutil
 
 from bench import hang_detection
+from bench.table import table
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
@@ -153,6 +154,8 @@ def bench_save(config: str, work: Path, data: str, reps: int) -> dict[str, Any]:
         # The first async save of an attempt (writer spawned at start, buffers allocated):
         # once per attempt, so one sample per run; the goal applies to it as well.
         "P2_first_blocked_s": raw["async_first"]["blocked_s"],
+        "P2_first_save_call_s": raw["async_first"]["save_call_s"],
+        "P2_first_commit_s": raw["async_first"]["commit_s"],
         "P2_first_blocked_over_memcpy": raw["async_first"]["blocked_s"]
         / raw["async_first"]["memcpy_s"],
         "P2_first_goal_met": raw["async_first"]["blocked_s"]
@@ -317,6 +320,46 @@ def bench_restore(config: str, work: Path, data: str, reps: int) -> dict[str, An
     }
 
 
+# ---------------------------------------------------------------- P6
+SOAK_COST_MULTIPLE = 20  # MTBF = 20 x (save + restart cost): a long-run regime, not a storm
+
+
+def bench_soak(work: Path, data: str, minutes: float) -> dict[str, Any]:
+    """P6: the chaos soak's measured goodput over the planner's prediction for the costs the
+    soak measured, at MTBF = 20 x (save + restart cost); run through its public CLI (the
+    drill is an application beside this one, not a library of it)."""
+    out = work / "soak"
+    cmd = [
+        sys.executable,
+        "-m",
+        "drill.soak",
+        f"--out={out}",
+        f"--minutes={minutes}",
+        f"--mtbf-x-cost={SOAK_COST_MULTIPLE}",
+        "recipe=gpt_tiny",
+        f"data.paths=[{data}]",
+        "logging.level=WARNING",
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, env=ENV, text=True, capture_output=True, check=False)
+    if not (out / "soak.json").exists():
+        raise RuntimeError(f"soak failed ({proc.returncode}): {proc.stderr[-4000:]}")
+    report = json.loads((out / "soak.json").read_text())
+    measured, predicted = report.get("goodput"), report.get("goodput_predicted")
+    return {
+        "P6": measured / predicted if measured and predicted else None,
+        "goodput": measured,
+        "goodput_predicted": predicted,
+        "faults": sum(o["fired"] for o in report["outcomes"]),
+        "kinds": sorted({o["spec"].split("@")[0] for o in report["outcomes"] if o["fired"]}),
+        "passed": report["passed"],
+        "problems": report["problems"],
+        "costs": report["costs"],
+        "mtbf_s": report.get("mtbf_s"),
+        "wall_s": report["wall_s"],
+        "steps": report["steps"],
+    }
+
+
 # ---------------------------------------------------------------- P4, P5
 def bench_hang(work: Path, data: str, reps: int, stops: int) -> dict[str, Any]:
     seed = random.SystemRandom().randrange(1 << 30)  # in the result: rerun the same stops
@@ -365,164 +408,17 @@ def bench_overhead(config: str, work: Path, data: str, reps: int) -> dict[str, A
     }
 
 
-# ---------------------------------------------------------------- table
-def fmt(s: dict[str, float] | None, digits: int = 3) -> tuple[str, str, str]:
-    if not s:
-        return ("n/a", "", "")
-    return (f"{s['median']:.{digits}f}", f"{s['min']:.{digits}f}", f"{s['max']:.{digits}f}")
+SECTIONS = ("P1", "P2", "P3", "P4", "P5", "P6")
 
 
-def _one(value: float | None) -> dict[str, float] | None:
-    return None if value is None else {"median": value, "min": value, "max": value}
-
-
-def _hang_rows(hang: dict[str, Any], row: Callable[..., None]) -> None:
-    """P4: one row per section, then the attribution rate of random stops."""
-    for name, r in hang.get("sections", {}).items():
-        row(
-            f"P4 hang detection, {name}",
-            "tiny",
-            _one(r["detection_s"]),
-            f"≤ {r['goal_s']:.1f} s",
-            r["goal_met"],
-            1,
-            note=f"section {r['section']}, timeout {r['timeout_s']:.1f} s; stopped rank "
-            f"named {r['named_right']} ({', '.join(r['rules'])})",
-        )
-    if "random" in hang:
-        r = hang["random"]
-        row(
-            "P4 random SIGSTOPs: stopped rank named",
-            "tiny",
-            _one(r["named_right"]),
-            f"{r['stops']}/{r['stops']}",
-            r["named_right"] == r["stops"],
-            0,
-            note=f"of {r['stops']} (undetermined {r['undetermined']}); sections "
-            + ", ".join(f"{k} {v}" for k, v in sorted(r["sections"].items())),
-        )
-
-
-def table(results: dict[str, Any]) -> str:
-    rows = []
-
-    def row(
-        metric: str,
-        config: str,
-        s: dict | None,
-        goal: str,
-        met: Any,
-        digits: int = 3,
-        note: str = "",
-    ) -> None:
-        verdict = "" if met is None else ("yes" if met else "**no**")
-        rows.append((metric, config, *fmt(s, digits), goal, verdict, note))
-
-    for config, r in results.get("save", {}).items():
-        gib = r["bytes"] / GIB
-        row(
-            "P1 save ÷ raw fsync'd write bandwidth",
-            config,
-            r["P1"],
-            "≥ 0.8",
-            r["P1"]["median"] >= 0.8,
-            note=f"{gib:.3f} GiB; save {r['save_GiBps']['median']:.2f} GiB/s, raw "
-            f"{r['raw_write_GiBps']['median']:.2f} GiB/s",
-        )
-        row(
-            "P2 async blocked ÷ (bytes ÷ memcpy)",
-            config,
-            r["P2_blocked_over_memcpy"],
-            "≤ 2× + 50 ms",
-            r["P2_goal_met"],
-            1,
-            note=f"blocked {r['P2_blocked_s']['median']:.3f} s (call "
-            f"{r['P2_save_call_s']['median']:.3f} + commit "
-            f"{r['P2_commit_s']['median']:.3f}), memcpy {r['P2_memcpy_s']['median']:.3f} s",
-        )
-        row(
-            "P2 first async save of an attempt, blocked ÷ (bytes ÷ memcpy)",
-            config,
-            _one(r["P2_first_blocked_over_memcpy"]),
-            "≤ 2× + 50 ms",
-            r["P2_first_goal_met"],
-            1,
-            note=f"blocked {r['P2_first_blocked_s']:.3f} s (writer spawned at start; "
-            "one sample per run)",
-        )
-        sd = r["P2_step_slowdown"]
-        row(
-            "P2 step slowdown while writing",
-            config,
-            sd,
-            "≤ 0.05",
-            None if sd is None else sd["median"] <= 0.05,
-            note=_slowdown_note(r) if sd else "no step started while the writer ran",
-        )
-    for config, r in results.get("restore", {}).items():
-        row(
-            "P3 (launch→resumed − launch→fresh start) ÷ (bytes ÷ cold read)",
-            config,
-            r["P3"],
-            "≤ 1.25",
-            r["P3_goal_met"],
-            2,
-            note=f"resumed {r['resumed_s']['median']:.1f} s (first step done "
-            f"{r['first_step_s']['median']:.1f} s), fresh start "
-            f"{r['fresh_s']['median']:.1f} s, cold read "
-            f"{r['read_GiBps']['median']:.2f} GiB/s, {r['bytes'] / GIB:.3f} GiB; "
-            + ", ".join(f"{k} {v:.1f}" for k, v in r.get("phases_s", {}).items()),
-        )
-    _hang_rows(results.get("hang", {}), row)
-    for config, r in results.get("overhead", {}).items():
-        row(
-            "P5 framework step ÷ bare megatron-core step",
-            config,
-            r["P5"],
-            "≤ 1.01",
-            r["P5"]["median"] <= 1.01,
-            note=f"bare {r['bare_step_s']['median'] * 1e3:.1f} ms/step; framework without "
-            f"TensorBoard ÷ bare {r['P5_without_reporting']['median']:.3f}, with ÷ without "
-            f"{r['reporting_share']['median']:.3f}; CPU shim (not product "
-            f"cost) ≈ {r['shim_s_per_step'] * 1e3:.1f} ms/step = "
-            f"{r['shim_fraction_of_bare_step']:.1%} of the bare step; hooks (ms/step): "
-            + ", ".join(
-                f"{k} {v:.1f}"
-                for k, v in sorted(r["hooks_ms_per_step"].items(), key=lambda kv: -kv[1])[:3]
-            ),
-        )
-    head = (
-        "| metric | model | median | min | max | goal | met | notes |\n"
-        "|---|---|---|---|---|---|---|---|\n"
-    )
-    return head + "\n".join("| " + " | ".join(r) + " |" for r in rows) + "\n"
-
-
-def _slowdown_note(r: dict[str, Any]) -> str:
-    note = (
-        f"{r['P2_busy_steps']} steps started while the writer ran; training time lost per "
-        f"save {r['P2_lost_s_per_save']['median']:.2f} s (idle step "
-        f"{r['idle_step_s']['median']:.2f} s)"
-    )
-    raw = r.get("P2_raw_write_slowdown")
-    if raw:
-        note += (
-            f"; floor: a nice-19 process writing the same bytes + fsync slows steps by "
-            f"{raw['median']:.2f} (lost {r['P2_raw_write_lost_s']['median']:.2f} s)"
-        )
-    return note
-
-
-SECTIONS = ("P1", "P2", "P3", "P4", "P5")
-
-
-def main(argv: list[str]) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="add the 1.5 GiB model and P4")
     parser.add_argument("--reps", type=int, default=5, help="repetitions per figure (>= 5)")
     parser.add_argument("--hang-reps", type=int, default=1, help="P4 runs per section (~40 s)")
     parser.add_argument("--hang-stops", type=int, default=10, help="P4 random SIGSTOPs")
     parser.add_argument("--only", default="", help="comma-separated sections, e.g. P1,P5")
+    parser.add_argument("--soak-minutes", type=float, default=20.0, help="P6's training time")
     parser.add_argument(
         "--configs",
         default="",
@@ -537,10 +433,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the work dir")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--md", type=Path, default=None)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     only = {s.strip().upper() for s in args.only.split(",") if s.strip()} or set(SECTIONS)
     if not args.full and not args.only:
-        only.discard("P4")  # ~40 s per run: full mode, or asked for by name
+        only -= {"P4", "P6"}  # minutes each: full mode, or asked for by name
     configs = list(CONFIGS) if args.full else ["tiny"]
     if args.configs:
         configs = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -582,6 +483,8 @@ def main(argv: list[str]) -> int:
             results.setdefault("overhead", {})["tiny"] = section(
                 "P5 tiny", lambda: bench_overhead("tiny", work, data, args.reps)
             )
+        if "P6" in only:
+            results["soak"] = section("P6", lambda: bench_soak(work, data, args.soak_minutes))
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -24,6 +24,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=5.0, help="training time of the job")
     p.add_argument("--mtbf", type=float, default=30.0, help="mean training seconds per fault")
     p.add_argument("--mtbf-steps", type=float, help="mean steps between faults (not --mtbf)")
+    p.add_argument(
+        "--mtbf-x-cost",
+        type=float,
+        help="MTBF = this x (save + start cost), measured on the clean run (not --mtbf)",
+    )
     p.add_argument("--steps", type=int, help="train this many steps (instead of --minutes)")
     p.add_argument("--nproc", type=int, default=2, help="ranks on this machine")
     p.add_argument("--seed", type=int, help="fault schedule seed (in the report; rerun with it)")
@@ -40,8 +45,8 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown or not kinds:
         raise DrillError(f"--kinds: unknown {unknown or 'none given'}; choose from {list(KINDS)}")
-    if args.mtbf <= 0 or args.minutes <= 0 or (args.mtbf_steps or 1) <= 0:
-        raise DrillError("--mtbf, --mtbf-steps and --minutes must be > 0")
+    if min(args.mtbf, args.minutes, args.mtbf_steps or 1, args.mtbf_x_cost or 1) <= 0:
+        raise DrillError("--mtbf, --mtbf-steps, --mtbf-x-cost and --minutes must be > 0")
     if args.steps is not None and args.steps < 4:
         raise DrillError("--steps must be >= 4")
     return SoakConfig(
@@ -50,6 +55,7 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
         minutes=args.minutes,
         mtbf_s=args.mtbf,
         mtbf_steps=args.mtbf_steps,
+        mtbf_cost_multiple=args.mtbf_x_cost,
         steps=args.steps,
         nproc=args.nproc,
         seed=args.seed,

@@ -67,6 +67,8 @@ class SoakConfig:
     minutes: float = 5.0
     mtbf_s: float = 30.0
     mtbf_steps: float | None = None  # mean steps between faults instead (reproducible counts)
+    # MTBF = this x (save + restart cost), both measured on the clean run (the bench's P6)
+    mtbf_cost_multiple: float | None = None
     steps: int | None = None  # None: sized from the probe to ``minutes``
     nproc: int = 2
     seed: int | None = None
@@ -87,6 +89,7 @@ class SoakRuns:
     exits: dict[str, int] = field(default_factory=dict)
     wall_s: dict[str, float] = field(default_factory=dict)
     overrides: list[str] = field(default_factory=list)
+    mtbf_s: float | None = None  # derived from measured costs (mtbf_cost_multiple)
 
     def run_dir(self, name: str) -> Path:
         return self.out / "runs" / name / "soak"
@@ -204,6 +207,20 @@ def _mean_step_s(run_dir: Path) -> float:
     return times[len(times) // 2]
 
 
+def clean_costs(run_dir: Path) -> tuple[float, float]:
+    """(mean blocking save, start: process start -> first step done) of a finished run: what
+    a save and, roughly, a restart cost it."""
+    saves = [
+        json.loads(line)["blocked_s"]
+        for line in (run_dir / "metrics" / "checkpoints.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
+    record = json.loads(sorted((run_dir / "attempts").glob("attempt-*.json"))[0].read_text())
+    startup = record.get("startup") or {}
+    start = startup.get("first_step_done_at", 0.0) - startup.get("process_start", 0.0)
+    return (sum(saves) / len(saves) if saves else 0.0), max(start, 0.0)
+
+
 def run_soak(cfg: SoakConfig) -> SoakRuns:
     out = prepare_out(cfg.out)
     seed = cfg.seed if cfg.seed is not None else random.SystemRandom().randrange(1, 1 << 30)
@@ -226,12 +243,19 @@ def run_soak(cfg: SoakConfig) -> SoakRuns:
     _launch(launcher, runs, "clean", [], 0)
     runs.step_s = _mean_step_s(runs.run_dir("clean"))
     learn_after = run.resiliency.ft.learn_after_steps
+    if cfg.mtbf_cost_multiple is not None:
+        runs.mtbf_s = cfg.mtbf_cost_multiple * sum(clean_costs(runs.run_dir("clean")))
+        log.info(
+            "soak: MTBF %.1f s (%g x the clean run's save + start)",
+            runs.mtbf_s,
+            cfg.mtbf_cost_multiple,
+        )
     if cfg.mtbf_steps is not None:  # planned on a nominal 1 s step: reproducible in steps
         shape = JobShape(steps, 1.0, save_every, cfg.nproc, learn_after)
         runs.faults = plan_faults(random.Random(seed), shape, cfg.mtbf_steps, cfg.kinds)
     else:
         shape = JobShape(steps, runs.step_s, save_every, cfg.nproc, learn_after)
-        runs.faults = plan_faults(random.Random(seed), shape, cfg.mtbf_s, cfg.kinds)
+        runs.faults = plan_faults(random.Random(seed), shape, runs.mtbf_s or cfg.mtbf_s, cfg.kinds)
     restarts = sum(f.kind not in IN_PLACE for f in runs.faults)
     schedule = f'train.fault="{";".join(f.spec() for f in runs.faults)}"'
     _launch(launcher, runs, "soak", [schedule] if runs.faults else [], restarts + 1)
@@ -271,5 +295,6 @@ def _plan_record(runs: SoakRuns) -> dict:
         "faults": [asdict(f) | {"spec": f.spec()} for f in runs.faults],
         "exits": runs.exits,
         "wall_s": runs.wall_s,
+        "mtbf_s": runs.mtbf_s,
         "overrides": runs.overrides,
     }

@@ -245,7 +245,8 @@ def write_markdown(runs: SoakRuns, verdict: Verdict, view: GoodputView, path: Pa
         "",
         f"- seed {runs.seed} (rerun: `--seed {runs.seed}`), {runs.steps} steps of "
         f"{runs.step_s:.2f} s (probe), a save every {runs.save_every} steps",
-        f"- wall: clean {_fmt(runs.wall_s.get('clean'))} s, soak {_fmt(runs.wall_s.get('soak'))} s",
+        f"- wall: clean {_fmt(runs.wall_s.get('clean'))} s, soak {_fmt(runs.wall_s.get('soak'))} s"
+        + (f"; planned MTBF {runs.mtbf_s:.1f} s of training" if runs.mtbf_s else ""),
         f"- overrides: `{' '.join(runs.overrides)}`",
         "",
         *(f"- problem: {p}" for p in verdict.problems),

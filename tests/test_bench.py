@@ -5,7 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from bench.__main__ import REPO, stats, table
+from bench.__main__ import REPO, stats
+from bench.table import table
 
 
 def _s(*values: float) -> dict:
@@ -24,6 +25,9 @@ def test_table_has_one_well_formed_row_per_figure():
         "P2_save_call_s": _s(0.9),
         "P2_commit_s": _s(0.1),
         "P2_goal_met": False,
+        "P2_first_blocked_s": 0.2,
+        "P2_first_blocked_over_memcpy": 2.0,
+        "P2_first_goal_met": True,
         "P2_step_slowdown": None,
         "P2_busy_steps": 0,
     }
@@ -32,7 +36,7 @@ def test_table_has_one_well_formed_row_per_figure():
         "P3": _s(1.0),
         "resumed_s": _s(4.0),
         "first_step_s": _s(5.0),
-        "floor_s": _s(3.0),
+        "fresh_s": _s(3.0),
         "read_GiBps": _s(1.0),
         "P3_goal_met": True,
     }
@@ -72,14 +76,28 @@ def test_table_has_one_well_formed_row_per_figure():
                 "shim_fraction_of_bare_step": 0.01,
             }
         },
+        "soak": {
+            "P6": 0.97,
+            "goodput": 0.9,
+            "goodput_predicted": 0.93,
+            "faults": 3,
+            "kinds": ["hang", "kill"],
+            "passed": True,
+            "problems": [],
+            "wall_s": {"clean": 600.0, "soak": 660.0},
+            "mtbf_s": 200.0,
+        },
     }
     lines = table(results).strip().splitlines()
-    assert len(lines) == 2 + 8
+    assert len(lines) == 2 + 10
     assert all(
         line.startswith("|") and line.endswith("|") and len(line.split("|")) == 10 for line in lines
     )
     figures = [line.split(" | ")[0][2:4] for line in lines[2:]]
-    assert figures == ["P1", "P2", "P2", "P3", "P4", "P4", "P4", "P5"]
+    assert figures == ["P1", "P2", "P2", "P2", "P3", "P4", "P4", "P4", "P5", "P6"]
+    assert (
+        "| P6 soak goodput" in lines[-1] and "| 0.970 |" in lines[-1] and "bit-exact" in lines[-1]
+    )
 
 
 def test_bench_command_parses_its_options():

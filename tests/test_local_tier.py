@@ -25,8 +25,9 @@ from resiliency.checkpoint.local_store import (
 )
 from tests.helpers import REPO, TORCHRUN, losses, read_steps
 
-# The current-stack leg runs the exact resume, the peer replica and the unit tests: what
-# touches megatron-core; the fallbacks are this package's own logic (leg 1 only).
+# The current-stack leg runs the peer-replica restore (a local-tier save and load through
+# megatron-core, exact against the persistent run) and the unit tests; the other restores
+# and the fallbacks are this package's own logic (leg 1 only).
 pytestmark = pytest.mark.slow
 
 STEPS, KILL_AT, LOCAL_STEP, PERSISTENT_STEP = 12, 9, 8, 5
@@ -144,7 +145,6 @@ def test_planned_exit_is_persistent_even_after_a_local_save(reference: Path) -> 
     assert kept == {8, 12}  # keep_last=2 (10 was a persistent step)
 
 
-@pytest.mark.current_stack
 def test_exact_resume_from_the_local_tier(
     tmp_path: Path, tiny_overrides: list[str], reference: Path
 ) -> None:

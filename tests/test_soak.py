@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from drill.soak_plan import AT_SAVE, IN_PLACE, KINDS, JobShape, PlannedFault, plan_faults
@@ -87,9 +88,18 @@ def test_predicted_goodput_is_young_daly() -> None:
     assert predicted_goodput(100.0, 5.0, 600.0, 300.0) == 0.0  # failures outpace recovery
 
 
+def _orphans() -> set[int]:
+    """Helper processes (checkpoint writers) whose rank died under them and that lived on."""
+    found = set()
+    for proc in psutil.process_iter(["ppid", "cmdline"]):
+        if proc.info["ppid"] == 1 and "multiprocessing" in " ".join(proc.info["cmdline"] or []):
+            found.add(proc.pid)
+    return found
+
+
 @pytest.mark.slow
 def test_a_short_soak_loses_nothing(tmp_path: Path, tiny_overrides: list[str]) -> None:
-    out = tmp_path / "soak"
+    out, before = tmp_path / "soak", _orphans()
     cmd = [
         sys.executable, "-m", "resiliency", "soak", f"--out={out}", "--steps=24", "--mtbf-steps=2",
         "--seed=1", *tiny_overrides, "checkpoint.save_interval=4",
@@ -110,3 +120,5 @@ def test_a_short_soak_loses_nothing(tmp_path: Path, tiny_overrides: list[str]) -
     assert report["passed"] and "bit-exact" in proc.stdout
     assert 0 < report["goodput"] < 1 and 0 < report["goodput_predicted"] < 1
     assert (out / "soak.md").exists() and (out / "soak.png").stat().st_size > 10_000
+    # Six ranks were killed, one as soon as it had started: none left its writer behind.
+    assert not _orphans() - before

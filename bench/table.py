@@ -1,0 +1,192 @@
+"""``python -m bench``'s markdown table: one row per figure, its goal and whether it was met."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+GIB = 1 << 30
+
+
+def fmt(s: dict[str, float] | None, digits: int = 3) -> tuple[str, str, str]:
+    if not s:
+        return ("n/a", "", "")
+    return (f"{s['median']:.{digits}f}", f"{s['min']:.{digits}f}", f"{s['max']:.{digits}f}")
+
+
+def _one(value: float | None) -> dict[str, float] | None:
+    return None if value is None else {"median": value, "min": value, "max": value}
+
+
+def _hang_rows(hang: dict[str, Any], row: Callable[..., None]) -> None:
+    """P4: one row per section, then the attribution rate of random stops."""
+    for name, r in hang.get("sections", {}).items():
+        row(
+            f"P4 hang detection, {name}",
+            "tiny",
+            _one(r["detection_s"]),
+            f"≤ {r['goal_s']:.1f} s",
+            r["goal_met"],
+            1,
+            note=f"section {r['section']}, timeout {r['timeout_s']:.1f} s; stopped rank "
+            f"named {r['named_right']} ({', '.join(r['rules'])})",
+        )
+    if "random" in hang:
+        r = hang["random"]
+        row(
+            "P4 random SIGSTOPs: stopped rank named",
+            "tiny",
+            _one(r["named_right"]),
+            f"{r['stops']}/{r['stops']}",
+            r["named_right"] == r["stops"],
+            0,
+            note=f"of {r['stops']} (undetermined {r['undetermined']}); sections "
+            + ", ".join(f"{k} {v}" for k, v in sorted(r["sections"].items())),
+        )
+
+
+class Rows:
+    """The table's rows: metric, model, median/min/max, goal, met, notes."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, ...]] = []
+
+    def __call__(
+        self,
+        metric: str,
+        config: str,
+        s: dict | None,
+        goal: str,
+        met: Any,
+        digits: int = 3,
+        note: str = "",
+    ) -> None:
+        verdict = "" if met is None else ("yes" if met else "**no**")
+        self.rows.append((metric, config, *fmt(s, digits), goal, verdict, note))
+
+
+def table(results: dict[str, Any]) -> str:
+    row = Rows()
+    _save_rows(results.get("save", {}), row)
+    _restore_rows(results.get("restore", {}), row)
+    _hang_rows(results.get("hang", {}), row)
+    _overhead_rows(results.get("overhead", {}), row)
+    _soak_rows(results.get("soak"), row)
+    head = (
+        "| metric | model | median | min | max | goal | met | notes |\n"
+        "|---|---|---|---|---|---|---|---|\n"
+    )
+    return head + "\n".join("| " + " | ".join(r) + " |" for r in row.rows) + "\n"
+
+
+def _save_rows(save: dict[str, Any], row: Rows) -> None:
+    for config, r in save.items():
+        gib = r["bytes"] / GIB
+        row(
+            "P1 save ÷ raw fsync'd write bandwidth",
+            config,
+            r["P1"],
+            "≥ 0.8",
+            r["P1"]["median"] >= 0.8,
+            note=f"{gib:.3f} GiB; save {r['save_GiBps']['median']:.2f} GiB/s, raw "
+            f"{r['raw_write_GiBps']['median']:.2f} GiB/s",
+        )
+        row(
+            "P2 async blocked ÷ (bytes ÷ memcpy)",
+            config,
+            r["P2_blocked_over_memcpy"],
+            "≤ 2× + 50 ms",
+            r["P2_goal_met"],
+            1,
+            note=f"blocked {r['P2_blocked_s']['median']:.3f} s (call "
+            f"{r['P2_save_call_s']['median']:.3f} + commit "
+            f"{r['P2_commit_s']['median']:.3f}), memcpy {r['P2_memcpy_s']['median']:.3f} s",
+        )
+        row(
+            "P2 first async save of an attempt, blocked ÷ (bytes ÷ memcpy)",
+            config,
+            _one(r["P2_first_blocked_over_memcpy"]),
+            "≤ 2× + 50 ms",
+            r["P2_first_goal_met"],
+            1,
+            note=f"blocked {r['P2_first_blocked_s']:.3f} s (call "
+            f"{r.get('P2_first_save_call_s', 0):.3f} + commit {r.get('P2_first_commit_s', 0):.3f}; "
+            "writer spawned at start; one sample per run)",
+        )
+        sd = r["P2_step_slowdown"]
+        row(
+            "P2 step slowdown while writing",
+            config,
+            sd,
+            "≤ 0.05",
+            None if sd is None else sd["median"] <= 0.05,
+            note=_slowdown_note(r) if sd else "no step started while the writer ran",
+        )
+
+
+def _restore_rows(restore: dict[str, Any], row: Rows) -> None:
+    for config, r in restore.items():
+        row(
+            "P3 (launch→resumed − launch→fresh start) ÷ (bytes ÷ cold read)",
+            config,
+            r["P3"],
+            "≤ 1.25",
+            r["P3_goal_met"],
+            2,
+            note=f"resumed {r['resumed_s']['median']:.1f} s (first step done "
+            f"{r['first_step_s']['median']:.1f} s), fresh start "
+            f"{r['fresh_s']['median']:.1f} s, cold read "
+            f"{r['read_GiBps']['median']:.2f} GiB/s, {r['bytes'] / GIB:.3f} GiB; "
+            + ", ".join(f"{k} {v:.1f}" for k, v in r.get("phases_s", {}).items()),
+        )
+
+
+def _overhead_rows(overhead: dict[str, Any], row: Rows) -> None:
+    for config, r in overhead.items():
+        row(
+            "P5 framework step ÷ bare megatron-core step",
+            config,
+            r["P5"],
+            "≤ 1.01",
+            r["P5"]["median"] <= 1.01,
+            note=f"bare {r['bare_step_s']['median'] * 1e3:.1f} ms/step; framework without "
+            f"TensorBoard ÷ bare {r['P5_without_reporting']['median']:.3f}, with ÷ without "
+            f"{r['reporting_share']['median']:.3f}; CPU shim (not product "
+            f"cost) ≈ {r['shim_s_per_step'] * 1e3:.1f} ms/step = "
+            f"{r['shim_fraction_of_bare_step']:.1%} of the bare step; hooks (ms/step): "
+            + ", ".join(
+                f"{k} {v:.1f}"
+                for k, v in sorted(r["hooks_ms_per_step"].items(), key=lambda kv: -kv[1])[:3]
+            ),
+        )
+
+
+def _soak_rows(soak: dict[str, Any] | None, row: Rows) -> None:
+    if soak:
+        row(
+            "P6 soak goodput ÷ planner's prediction (MTBF = 20 × (save + restart))",
+            "tiny",
+            _one(soak["P6"]),
+            "≥ 0.95",
+            None if soak["P6"] is None else soak["P6"] >= 0.95 and soak["passed"],
+            note=f"goodput {100 * (soak['goodput'] or 0):.1f} % measured, "
+            f"{100 * (soak['goodput_predicted'] or 0):.1f} % predicted; {soak['faults']} faults "
+            f"({', '.join(soak['kinds'])}) in {soak['wall_s'].get('soak', 0):.0f} s, MTBF "
+            f"{soak['mtbf_s'] or 0:.0f} s; trajectory "
+            + ("bit-exact" if soak["passed"] else "; ".join(soak["problems"])),
+        )
+
+
+def _slowdown_note(r: dict[str, Any]) -> str:
+    note = (
+        f"{r['P2_busy_steps']} steps started while the writer ran; training time lost per "
+        f"save {r['P2_lost_s_per_save']['median']:.2f} s (idle step "
+        f"{r['idle_step_s']['median']:.2f} s)"
+    )
+    raw = r.get("P2_raw_write_slowdown")
+    if raw:
+        note += (
+            f"; floor: a nice-19 process writing the same bytes + fsync slows steps by "
+            f"{raw['median']:.2f} (lost {r['P2_raw_write_lost_s']['median']:.2f} s)"
+        )
+    return note
