@@ -276,9 +276,16 @@ def _time_to_training(config: str, work: Path, data: str, run_dir: Path) -> dict
     )
     try:
         first = _first_step_after(run_dir, start, proc, 900) - start
+        phases = _startup_phases(run_dir, start)
+        deadline = time.time() + 60  # the record's startup clock is written after the step
+        while "resumed_s" not in phases and time.time() < deadline:
+            time.sleep(0.1)
+            phases = _startup_phases(run_dir, start)
     finally:  # the kill of "restore after a kill": the next rep restores again
         _kill_tree(proc)
-    return {"first_step_s": first, **_startup_phases(run_dir, start)}
+    if "resumed_s" not in phases:
+        raise RuntimeError(f"{run_dir}: no first_step_started_at in the attempt record")
+    return {"first_step_s": first, **phases}
 
 
 def bench_restore(config: str, work: Path, data: str, reps: int) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from pathlib import Path
 from drill.experiment import prepare_out
 from drill.jobs import DrillError, _job_env
 from recipes import ConfigError, RunConfig, load_config
+from resiliency.monitor.goodput import read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -196,25 +197,17 @@ class SoakLauncher:
 
 def _mean_step_s(run_dir: Path) -> float:
     """The steady step time: the median of steps after the first (its warm-up excluded)."""
-    records = [
-        json.loads(line)
-        for line in (run_dir / "metrics" / "steps.jsonl").read_text().splitlines()
-        if line.strip()
-    ]
+    records = read_jsonl(run_dir / "metrics" / "steps.jsonl")
     times = sorted(r["step_time_s"] for r in records if r["step"] > 1 and "step_time_s" in r)
     if not times:
-        raise DrillError(f"the probe in {run_dir} logged no step times")
+        raise DrillError(f"{run_dir} logged no step times")
     return times[len(times) // 2]
 
 
 def clean_costs(run_dir: Path) -> tuple[float, float]:
     """(mean blocking save, start: process start -> first step done) of a finished run: what
     a save and, roughly, a restart cost it."""
-    saves = [
-        json.loads(line)["blocked_s"]
-        for line in (run_dir / "metrics" / "checkpoints.jsonl").read_text().splitlines()
-        if line.strip()
-    ]
+    saves = [s["blocked_s"] for s in read_jsonl(run_dir / "metrics" / "checkpoints.jsonl")]
     record = json.loads(sorted((run_dir / "attempts").glob("attempt-*.json"))[0].read_text())
     startup = record.get("startup") or {}
     start = startup.get("first_step_done_at", 0.0) - startup.get("process_start", 0.0)
@@ -236,11 +229,18 @@ def run_soak(cfg: SoakConfig) -> SoakRuns:
             4 * save_every, math.ceil(cfg.minutes * 60 / _mean_step_s(_probe(launcher, base, out)))
         )
     runs = SoakRuns(out, steps, 0.0, seed, save_every)
-    runs.overrides = [*base, f"train.train_steps={steps}", f"checkpoint.keep_last={steps}"]
+    # A rotten newest step falls back to the one before it: at least two are kept.
+    keep = max(run.checkpoint.keep_last, 2)
+    runs.overrides = [*base, f"train.train_steps={steps}", f"checkpoint.keep_last={keep}"]
     # Every NaN may be replayed: the budget is the in-place faults' count, the largest
     # possible being one per step (the clean run's config must be the soak's).
     runs.overrides.append(f"train.guard.max_rollbacks={steps}")
+    log.info("soak: seed %d, %d steps, a save every %d", seed, steps, save_every)
     _launch(launcher, runs, "clean", [], 0)
+    if runs.exits["clean"] != 0:
+        raise DrillError(
+            f"the clean run failed (exit {runs.exits['clean']}); see {out / 'logs' / 'clean.log'}"
+        )
     runs.step_s = _mean_step_s(runs.run_dir("clean"))
     learn_after = run.resiliency.ft.learn_after_steps
     if cfg.mtbf_cost_multiple is not None:

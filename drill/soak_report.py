@@ -12,7 +12,7 @@ from typing import Any
 
 from drill.soak_plan import IN_PLACE, PlannedFault, SoakRuns
 from resiliency.cli.capacity import predicted_goodput
-from resiliency.monitor.goodput import Ledger, build_ledger, format_ledger
+from resiliency.monitor.goodput import Ledger, build_ledger, format_ledger, read_jsonl
 
 REPORT_NAME, PLOT_NAME = "soak.md", "soak.png"
 
@@ -37,21 +37,9 @@ class Verdict:
     outcomes: list[FaultOutcome] = field(default_factory=list)
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a torn last line of a killed rank
-            continue
-    return out
-
-
 def final_losses(run_dir: Path) -> dict[int, float]:
     """step -> loss of the last record of each step (re-trained steps overwrite)."""
-    return {r["step"]: r["loss"] for r in _jsonl(run_dir / "metrics" / "steps.jsonl")}
+    return {r["step"]: r["loss"] for r in read_jsonl(run_dir / "metrics" / "steps.jsonl")}
 
 
 def attempt_records(run_dir: Path) -> list[dict[str, Any]]:
@@ -124,7 +112,7 @@ def goodput_view(runs: SoakRuns, outcomes: list[FaultOutcome]) -> GoodputView:
     """Measured goodput vs the planner's, fed the soak's own measured costs: the clean run's
     mean blocking save, the mean RTO of the restarts, the realised wall time per fault."""
     ledger = build_ledger(runs.run_dir("soak"))
-    saves = _jsonl(runs.run_dir("clean") / "metrics" / "checkpoints.jsonl")
+    saves = read_jsonl(runs.run_dir("clean") / "metrics" / "checkpoints.jsonl")
     save_s = statistics.fmean([s["blocked_s"] for s in saves]) if saves else 0.0
     rtos = [o.rto_s for o in outcomes if o.rto_s is not None]
     restart_s = statistics.fmean(rtos) if rtos else None
@@ -302,7 +290,7 @@ def write_plot(
     top.set_xlabel("step")
     top.set_ylabel("loss")
     top.legend()
-    records = _jsonl(runs.run_dir("soak") / "metrics" / "steps.jsonl")
+    records = read_jsonl(runs.run_dir("soak") / "metrics" / "steps.jsonl")
     if records:
         t0 = min(r["time"] for r in records)
         bottom.plot([r["time"] - t0 for r in records], [r["step"] for r in records], ".", ms=3)

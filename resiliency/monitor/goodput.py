@@ -61,7 +61,8 @@ class Ledger:
         }
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics ``*.jsonl`` file (none if it is missing), skipping a torn line."""
     if not path.exists():
         return []
     out = []
@@ -97,8 +98,8 @@ def build_ledger(run_dir: Path) -> Ledger:
     if not records:
         return ledger
     metrics = run_dir / "metrics"
-    steps, saves = _jsonl(metrics / "steps.jsonl"), _jsonl(metrics / "checkpoints.jsonl")
-    evals = _jsonl(metrics / "eval.jsonl")
+    steps, saves = read_jsonl(metrics / "steps.jsonl"), read_jsonl(metrics / "checkpoints.jsonl")
+    evals = read_jsonl(metrics / "eval.jsonl")
     begins = [_begin(r) for r in records]
     ends = [
         _end(r, begins[i + 1] if i + 1 < len(records) else None, steps)
