@@ -126,31 +126,35 @@ def test_retry_budget_counts_unplanned_restarts(tmp_path: Path) -> None:
     assert budget.start() and not budget.finish(counted=True)  # retry 3 > 2
 
 
-def test_wrapper_recovers_the_worker_exit_code_torchrun_drops(tmp_path: Path) -> None:
-    script = tmp_path / "exit.py"
-    script.write_text("import sys\nsys.exit(75)\n")
-    env = {**os.environ, "MCORE_RECIPES_JOB_ID": "job-test", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
+def _pod_entry(
+    tmp_path: Path, retries: int, env: dict[str, str], launcher_args: list[str]
+) -> subprocess.CompletedProcess:
+    """The pod's entry point, as the manifest runs it, with state under ``tmp_path``."""
+    return subprocess.run(
         [
             sys.executable,
             "-m",
             "launch.k8s_entry",
             "--retries",
-            "1",
+            str(retries),
             "--state-dir",
             str(tmp_path / "state"),
             "--",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(script),
+            *launcher_args,
         ],
         cwd=REPO,
-        env=env,
+        env={**os.environ, **env},
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def test_wrapper_recovers_the_worker_exit_code_torchrun_drops(tmp_path: Path) -> None:
+    script = tmp_path / "exit.py"
+    script.write_text("import sys\nsys.exit(75)\n")
+    env = {"MCORE_RECIPES_JOB_ID": "job-test", "OMP_NUM_THREADS": "1"}
+    proc = _pod_entry(tmp_path, 1, env, ["--standalone", "--nproc-per-node", "2", str(script)])
     assert proc.returncode == 128 + exit_codes.REQUEUE, proc.stderr[-3000:]
     state = json.loads((tmp_path / "state" / "job-test" / "node-0.json").read_text())
     assert state == {"retries": 0, "running": False}
@@ -181,29 +185,8 @@ def test_pod_on_an_unhealthy_node_exits_before_torchrun(tmp_path: Path) -> None:
         ["recipe=gpt_tiny", f"output_dir={tmp_path}", "resiliency.health.script=/bin/false"]
     )
     pinned.write_text(to_yaml(run))
-    env = {**os.environ, "MCORE_RECIPES_JOB_ID": "job-sick", "MCORE_RECIPES_NODE": "pod-0"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launch.k8s_entry",
-            "--retries",
-            "2",
-            "--state-dir",
-            str(tmp_path / "state"),
-            "--",
-            "--standalone",
-            "-m",
-            "pretrain",
-            "--config",
-            str(pinned),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    env = {"MCORE_RECIPES_JOB_ID": "job-sick", "MCORE_RECIPES_NODE": "pod-0"}
+    proc = _pod_entry(tmp_path, 2, env, ["--standalone", "-m", "pretrain", "--config", str(pinned)])
     assert proc.returncode == exit_codes.INFRASTRUCTURE, proc.stderr[-3000:]
     assert "UNHEALTHY: script: '/bin/false' exit 1" in proc.stderr
     assert "torchrun" not in proc.stderr.lower().replace("launch.k8s_entry", "")
