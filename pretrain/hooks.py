@@ -80,6 +80,11 @@ class TrainHook:
         """Checkpoint work starts (``what``: "save", "commit", "final save", "local save"...);
         it may block for much longer than a step. Not nested: one begin, then one end."""
 
+    def on_checkpoint_phase(self, trainer: Trainer, phase: str) -> None:
+        """Inside announced checkpoint work, a new phase starts (``"commit"``: the shards are
+        written, the collective commit begins), so a watchdog can time it on its own: the wait
+        for a slow background writer before it must not eat the commit's budget."""
+
     def on_checkpoint_end(self, trainer: Trainer, what: str) -> None:
         """The checkpoint work that ``on_checkpoint_begin`` announced is over (or failed)."""
 

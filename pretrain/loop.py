@@ -252,6 +252,13 @@ class Trainer:
             for hook in self.hooks:
                 hook.on_checkpoint_end(self, what)
 
+    def checkpoint_phase(self, phase: str) -> None:
+        """Announce a new phase of the checkpoint work in progress (no-op outside one)."""
+        if self._checkpointing is None:
+            return
+        for hook in self.hooks:
+            hook.on_checkpoint_phase(self, phase)
+
     def fit(self) -> TrainState:
         for hook in self.hooks:
             hook.on_start(self)

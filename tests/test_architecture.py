@@ -132,3 +132,27 @@ def test_fault_tolerance_gives_checkpoint_work_its_own_section(tmp_path: Path) -
         "start step",
     ]
     assert monitor.timeouts[-1]["checkpointing"] == FtConfig().timeout_floor_s  # learned
+
+
+def test_a_commit_phase_restarts_the_checkpointing_section(tmp_path: Path) -> None:
+    """The wait on a slow background writer and the collective commit after it are timed
+    apart: a rank that stops in the commit gets a full timeout, so it stalls long enough to be
+    named. Outside checkpoint work the phase is ignored."""
+    hook = FaultToleranceHook(FtConfig(), ENV, tmp_path, checkpoint=None)
+    hook.client = monitor = _FakeRankMonitor()
+    trainer = _bare_trainer([hook])
+    trainer.checkpoint_phase("commit")
+    assert monitor.calls == []
+    hook.before_step(trainer)
+    with trainer.checkpointing("final save"):
+        trainer.checkpoint_phase("commit")
+    assert monitor.calls == [
+        "start step",
+        "end step",
+        "start checkpointing",
+        "end checkpointing",
+        "start checkpointing",
+        "end checkpointing",
+        "start step",
+    ]
+    assert hook.timeouts.samples["out_of_section"] == []  # the phase change is not idle time

@@ -59,13 +59,16 @@ class WriterDied(ClassifiedError):
 def _writer_main(requests: Any, done: Any, checksum_queue: Any, parent: int) -> None:
     """Writer process: run each save's write function; report (call_idx, error or None)."""
     die_with_parent(parent)
-    os.nice(WRITER_NICE)
     install_writer_checksums(checksum_queue)
     # What the first save's write function needs, loaded now: the process starts with the
     # run, so this overlaps the restore and the first steps instead of blocking a save.
+    # Loaded at the rank's priority: at nice 19 beside busy ranks, these seconds of imports
+    # took long enough on a loaded 2-core host that the first saves blocked past the
+    # checkpointing timeout waiting for a writer that was still starting.
     import megatron.core.dist_checkpointing.strategies.filesystem_async  # noqa: F401
     import megatron.core.dist_checkpointing.strategies.torch  # noqa: F401
 
+    os.nice(WRITER_NICE)
     while True:
         item = requests.get()
         if item is None:

@@ -280,6 +280,7 @@ class Checkpointer:
         pending = self.pending
         assert pending is not None
         failure: str | None = None
+        self.trainer.checkpoint_phase("commit")
         self.faults.at_checkpoint("save", pending.step)
         phase = time.perf_counter()
         dist.barrier()  # every rank's shards and rank-state file are on disk

@@ -231,6 +231,14 @@ class FaultToleranceHook(TrainHook):
         # in the preemption hook, at the end); checkpointing has its own timeout.
         self._enter("checkpointing")
 
+    def on_checkpoint_phase(self, trainer: "Trainer", phase: str) -> None:
+        # The commit gets a full timeout of its own: a rank that stops in it must stall long
+        # enough to be named, however long the wait on its writer before it took.
+        if "checkpointing" in self.open and not self.heartbeats_only:
+            self._close("checkpointing")
+            self.idle_since = None  # not time out of section: the work goes on
+            self._open("checkpointing")
+
     def on_checkpoint_end(self, trainer: "Trainer", what: str) -> None:
         self._leave("checkpointing")
 
