@@ -156,6 +156,8 @@ def bench_save(config: str, work: Path, data: str, reps: int) -> dict[str, Any]:
         "P2_first_blocked_s": raw["async_first"]["blocked_s"],
         "P2_first_save_call_s": raw["async_first"]["save_call_s"],
         "P2_first_commit_s": raw["async_first"]["commit_s"],
+        # The dry run that sizes the staging buffers, after the attempt's first step.
+        "P2_first_reserve_s": raw["async_first"].get("reserve_s", 0.0),
         "P2_first_blocked_over_memcpy": raw["async_first"]["blocked_s"]
         / raw["async_first"]["memcpy_s"],
         "P2_first_goal_met": raw["async_first"]["blocked_s"]

@@ -111,7 +111,8 @@ def _save_rows(save: dict[str, Any], row: Rows) -> None:
             1,
             note=f"blocked {r['P2_first_blocked_s']:.3f} s (call "
             f"{r.get('P2_first_save_call_s', 0):.3f} + commit {r.get('P2_first_commit_s', 0):.3f}; "
-            "writer spawned at start; one sample per run)",
+            f"sizing the staging buffers blocked {r.get('P2_first_reserve_s', 0):.3f} s after "
+            "the attempt's first step; writer spawned at start; one sample per run)",
         )
         sd = r["P2_step_slowdown"]
         row(

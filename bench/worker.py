@@ -239,6 +239,10 @@ def _async_save_record(
         ckpt.finalize(blocking=False)
         trainer.train_step()
         record["idle_steps"].append(time.perf_counter() - start)
+        if ckpt.staging_to_reserve:  # as the checkpoint hook does after an attempt's first step
+            start = time.perf_counter()
+            ckpt.reserve_staging()
+            record["reserve_s"] = time.perf_counter() - start
     _barrier()
     trainer.state.step += 1  # a new step dir each time
     start = time.perf_counter()

@@ -207,7 +207,9 @@ def _mean_step_s(run_dir: Path) -> float:
 def clean_costs(run_dir: Path) -> tuple[float, float]:
     """(mean blocking save, start: process start -> first step done) of a finished run: what
     a save and, roughly, a restart cost it."""
-    saves = [s["blocked_s"] for s in read_jsonl(run_dir / "metrics" / "checkpoints.jsonl")]
+    records = read_jsonl(run_dir / "metrics" / "checkpoints.jsonl")
+    # "staging": once per attempt (sizing the buffers), a start cost rather than a save's
+    saves = [s["blocked_s"] for s in records if s.get("tier") != "staging"]
     record = json.loads(sorted((run_dir / "attempts").glob("attempt-*.json"))[0].read_text())
     startup = record.get("startup") or {}
     start = startup.get("first_step_done_at", 0.0) - startup.get("process_start", 0.0)

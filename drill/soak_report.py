@@ -114,6 +114,7 @@ def goodput_view(runs: SoakRuns, outcomes: list[FaultOutcome]) -> GoodputView:
     mean blocking save, the mean RTO of the restarts, the realised wall time per fault."""
     ledger = build_ledger(runs.run_dir("soak"))
     saves = read_jsonl(runs.run_dir("clean") / "metrics" / "checkpoints.jsonl")
+    saves = [s for s in saves if s.get("tier") != "staging"]  # once per attempt, not a save
     save_s = statistics.fmean([s["blocked_s"] for s in saves]) if saves else 0.0
     rtos = [o.rto_s for o in outcomes if o.rto_s is not None]
     restart_s = statistics.fmean(rtos) if rtos else None

@@ -11,11 +11,12 @@ a release: a supported version (``SUPPORTED_MCORE``) missing from a fix's list i
 
 F-I patch megatron's DistributedOptimizer class and are applied by :func:`apply` (table
 ``FIXES``); J-L need objects of the run and are applied where those exist (table
-``CALL_SITE_FIXES`` says where). Two more entries are not bug fixes but the only other places
+``CALL_SITE_FIXES`` says where). Three more entries are not bug fixes but the only other places
 that reach into megatron-core: :func:`route_shard_writer_open` (checksums computed while shards
-are written) and :func:`fully_reshardable_state_from` (the optimizer state built into staging
-buffers). nvidia-resiliency-ext's straggler package is located by :func:`nvrx_straggler`;
-making it run on CPU is in :mod:`pretrain.cpu_shim`.
+are written), :func:`fully_reshardable_state_from` (the optimizer state built into staging
+buffers) and :func:`lean_writer_imports` (a lighter megatron-core import in the checkpoint
+writer process). nvidia-resiliency-ext's straggler package is located by
+:func:`nvrx_straggler`; making it run on CPU is in :mod:`pretrain.cpu_shim`.
 """
 
 from __future__ import annotations
@@ -238,6 +239,35 @@ def route_shard_writer_open(open_fn: Callable[..., Any]) -> None:
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     filesystem_async.open = open_fn
+
+
+@contextlib.contextmanager
+def lean_writer_imports() -> Iterator[None]:
+    """Not a bug fix: for the checkpoint writer process only, which runs megatron's write
+    function and nothing else. Importing any megatron-core module runs ``megatron.core``'s
+    package import, whose fused kernels are decorated with ``torch.compile`` (loading dynamo and
+    inductor, 1.0 s of CPU here) and whose inference context imports ``wandb`` when installed
+    (0.8 s); both of 5.2 s. Inside this block ``torch.compile`` returns the function unchanged
+    and ``wandb`` is not found (megatron-core imports it optionally), so the writer is ready
+    that much sooner. Both are restored on exit; the writer never calls a fused kernel."""
+    compile_fn, hidden = torch.compile, sys.modules.get("wandb", _ABSENT)
+
+    def no_compile(model: Any = None, **_: Any) -> Any:
+        return model if model is not None else (lambda fn: fn)
+
+    torch.compile = no_compile  # type: ignore[assignment]
+    sys.modules["wandb"] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.compile = compile_fn
+        if hidden is _ABSENT:
+            sys.modules.pop("wandb", None)
+        else:
+            sys.modules["wandb"] = hidden  # type: ignore[assignment]
+
+
+_ABSENT = object()
 
 
 @contextlib.contextmanager

@@ -207,3 +207,38 @@ def test_this_stack_applies_what_it_needs() -> None:
         check=True,
     ).stdout.split()
     assert out == [",".join(compat.needed_fixes())]
+
+
+_WRITER_IMPORTS = (
+    "import sys, time, torch\n"
+    "from pretrain.compat import lean_writer_imports\n"
+    "lean = sys.argv[1] == 'lean'\n"
+    "start = time.perf_counter()\n"
+    "with lean_writer_imports() if lean else open('/dev/null'):\n"
+    "    import megatron.core.dist_checkpointing.strategies.filesystem_async\n"
+    "    import megatron.core.dist_checkpointing.strategies.torch\n"
+    "    from resiliency.checkpoint.writer_process import writer_main\n"
+    "loaded = [m for m in ('torch._inductor', 'wandb') if m in sys.modules]\n"
+    "print(round(time.perf_counter() - start, 3), torch.compile.__name__, ','.join(loaded))\n"
+)
+
+
+def test_the_writer_process_imports_megatron_without_inductor_or_wandb() -> None:
+    """What the checkpoint writer loads: with lean_writer_imports, megatron-core's write
+    function but not dynamo/inductor or wandb (and torch.compile is torch's again after);
+    without it, megatron-core's package import loads them."""
+    runs = {}
+    for mode in ("lean", "plain"):
+        out = subprocess.run(
+            [sys.executable, "-c", _WRITER_IMPORTS, mode],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        )
+        seconds, compile_name, loaded = (out.stdout.strip().split(" ") + [""])[:3]
+        runs[mode] = (float(seconds), compile_name, loaded)
+    assert runs["lean"][1:] == ("compile", "")
+    assert "torch._inductor" in runs["plain"][2].split(",")  # what it saves is real
+    assert runs["lean"][0] < runs["plain"][0]

@@ -13,11 +13,9 @@ needs CUDA in the worker.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import multiprocessing as mp
 import os
 import queue
-import signal
 from typing import Any
 
 from megatron.core.dist_checkpointing.strategies.async_utils import (
@@ -28,24 +26,9 @@ from megatron.core.dist_checkpointing.strategies.async_utils import (
 
 from pretrain import exit_codes
 from pretrain.failures import ClassifiedError
-from resiliency.checkpoint.shard_writer import install_writer_checksums
+from resiliency.checkpoint.writer_process import writer_main
 
-WRITER_NICE = 19
 POLL_S = 0.05
-
-
-def die_with_parent(parent: int | None = None) -> None:
-    """For helper processes of a rank (the checkpoint writer): SIGKILLed when the rank dies,
-    deaf to the SIGTERM/SIGUSR1 that Slurm sends every process of a step. ``parent``: the
-    rank's pid; a rank that died before this ran (a spawned child needs seconds to get here)
-    sent no signal, so the child leaves at once instead of living on as an orphan."""
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if parent is not None and os.getppid() != parent:
-        os._exit(0)
-    # Slurm signals every process of a step: outlive the rank's emergency save.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 class WriterDied(ClassifiedError):
@@ -54,32 +37,6 @@ class WriterDied(ClassifiedError):
     retried from the last published step like a lost peer."""
 
     kind, exit_code, retryable = "infrastructure", exit_codes.INFRASTRUCTURE, True
-
-
-def _writer_main(requests: Any, done: Any, checksum_queue: Any, parent: int) -> None:
-    """Writer process: run each save's write function; report (call_idx, error or None)."""
-    die_with_parent(parent)
-    install_writer_checksums(checksum_queue)
-    # What the first save's write function needs, loaded now: the process starts with the
-    # run, so this overlaps the restore and the first steps instead of blocking a save.
-    # Loaded at the rank's priority: at nice 19 beside busy ranks, these seconds of imports
-    # took long enough on a loaded 2-core host that the first saves blocked past the
-    # checkpointing timeout waiting for a writer that was still starting.
-    import megatron.core.dist_checkpointing.strategies.filesystem_async  # noqa: F401
-    import megatron.core.dist_checkpointing.strategies.torch  # noqa: F401
-
-    os.nice(WRITER_NICE)
-    while True:
-        item = requests.get()
-        if item is None:
-            return
-        call_idx, fn, args, kwargs = item
-        try:
-            fn(*args, **kwargs)
-            done.put((call_idx, None))
-        except Exception as exc:  # noqa: BLE001 - reported to the rank, which fails the save
-            done.put((call_idx, f"{type(exc).__name__}: {exc}"))
-        del item, fn, args, kwargs
 
 
 class SpawnedWriter(AsyncCaller):
@@ -100,7 +57,7 @@ class SpawnedWriter(AsyncCaller):
             return
         # Not a daemon: megatron's write function forks its writer processes from here.
         self.process = self._ctx.Process(
-            target=_writer_main,
+            target=writer_main,
             name="checkpoint-writer",
             args=(self._requests, self._done, self._checksum_queue, os.getpid()),
         )

@@ -30,10 +30,19 @@ from pretrain.failures import ClassifiedError, classify
 from pretrain.faults import FaultInjector
 from resiliency.checkpoint import rank_state as state_io
 from resiliency.checkpoint.async_writer import SpawnedWriterQueue
+from resiliency.checkpoint.resume_lr import (
+    scale_lr_for_batch_change,
+    schedule_from_config,
+    set_group_lrs,
+)
 from resiliency.checkpoint.shard_writer import in_process_writes, writer_checksums
-from resiliency.checkpoint.staging import StagingBuffers, stage_sharded_state, staging_for
+from resiliency.checkpoint.staging import (
+    StagingBuffers,
+    StagingPlan,
+    stage_sharded_state,
+    staging_for,
+)
 from resiliency.checkpoint.state_dict import chunks_by_key, sharded_training_state
-from resiliency.checkpoint.topology import scale_lr
 from resiliency.storage.checksum import describe_files, describe_written, file_checksum, share_of
 from resiliency.storage.layout import RunLayout, payload_files
 from resiliency.storage.manifest import (
@@ -85,8 +94,15 @@ class SaveStats:
 
 class Checkpointer:
     def __init__(
-        self, trainer: "Trainer", layout: RunLayout, attempt: int, faults: FaultInjector
+        self,
+        trainer: "Trainer",
+        layout: RunLayout,
+        attempt: int,
+        faults: FaultInjector,
+        writer_queue: SpawnedWriterQueue | None = None,
     ) -> None:
+        """``writer_queue``: a spawned writer already started (by the checkpoint hook, before
+        the model was built); used if async saves stage into shared memory, else closed."""
         self.trainer, self.layout, self.attempt = trainer, layout, attempt
         self.faults = faults  # train.fault's points inside the save protocol (tests, drill)
         self.cfg = trainer.run.checkpoint
@@ -103,14 +119,19 @@ class Checkpointer:
         self._gc_thread: threading.Thread | None = None
         self._strategy: Any = None  # megatron save strategy, built by the first save
         self.staging = self._staging() if self.cfg.staging_buffers else None
+        self._reserved = False  # reserve_staging ran (once per attempt)
         fix_orphaned_writer_manager()
         if self.cfg.async_save and self.staging is not None and self.staging.shared:
+            self.queue = writer_queue
             self._async_queue().writer.start()  # warm before the first save needs it
+        elif writer_queue is not None:  # /dev/shm too small: megatron forks per save instead
+            writer_queue.close(abort=True)
 
     # ---------------------------------------------------------------- save
     def save(self) -> None:
         """Start a save of the current state; sync saves are published before returning."""
         self.finalize(blocking=True)  # one save in flight at a time
+        self._reserved = True  # this save sizes the staging buffers, if none did yet
         step = self.trainer.state.step
         started = time.perf_counter()
         self.phase_times = {}
@@ -135,6 +156,25 @@ class Checkpointer:
                 self.faults.at_checkpoint("writer", step, writer.process.pid)
             if self.rank == 0:
                 log.info("checkpoint step %d: writing in the background", step)
+
+    @property
+    def staging_to_reserve(self) -> bool:
+        """Async saves into staging buffers this attempt has not reserved yet."""
+        return self.cfg.async_save and self.staging is not None and not self._reserved
+
+    def reserve_staging(self) -> None:
+        """Ahead of the first async save of an attempt (after a step, so the optimizer state
+        exists): a dry run of the save's state dict names every staging buffer, and they are
+        allocated and faulted in on a thread while training goes on, so the first save blocks
+        no longer than later ones."""
+        if not self.staging_to_reserve:
+            return
+        assert self.staging is not None
+        self._reserved = True
+        plan = StagingPlan(self.staging.shared)
+        parts, fmt = self.trainer.parts, self.cfg.optim_format
+        stage_sharded_state(sharded_training_state(parts, fmt, staging=plan), plan)
+        self.staging.reserve_in_background(plan.entries)
 
     def finalize(self, blocking: bool = False) -> None:
         """Publish async saves whose writers are done (collective: call on every rank)."""
@@ -477,8 +517,10 @@ class Checkpointer:
         override = self.cfg.schedule_on_resume == "config"
         if self.cfg.load_optimizer:
             if override:  # megatron 0.19 pairs saved and live groups by their max/min LR
-                self._set_group_lrs(
-                    train_state["scheduler"]["max_lr"], train_state["scheduler"]["min_lr"]
+                set_group_lrs(
+                    trainer.parts.optimizer,
+                    train_state["scheduler"]["max_lr"],
+                    train_state["scheduler"]["min_lr"],
                 )
             trainer.parts.optimizer.load_state_dict(loaded["optimizer"])
         else:
@@ -489,8 +531,11 @@ class Checkpointer:
                 "state; the loss trajectory will differ from the original run"
             )
         if override:
-            self._schedule_from_config()
-        self._scale_lr_for_batch_change(train_state)
+            schedule_from_config(trainer.parts, trainer.run.optimizer)
+        scaling = scale_lr_for_batch_change(
+            trainer.parts, train_state, self.cfg.batch_change_lr_scaling
+        )
+        self.lr_scaling = scaling or self.lr_scaling
         trainer.parts.scheduler.load_state_dict(train_state["scheduler"])
         load_s = None if started is None else time.perf_counter() - started
         trainer.resume_from_record(train_state, load_s=load_s)
@@ -510,29 +555,6 @@ class Checkpointer:
         )
         self.restored_step, self.restored_tier = restored
 
-    def _scale_lr_for_batch_change(self, train_state: dict[str, Any]) -> None:
-        saved, target = train_state["global_batch_size"], self.trainer.parts.plan.global_batch_size
-        rule = self.cfg.batch_change_lr_scaling
-        if saved == target:
-            return
-
-        sched = train_state["scheduler"]
-        # mcore's scheduler reads per-group max_lr/min_lr (restored with the optimizer) first.
-        groups = self.trainer.parts.optimizer.param_groups
-        for values in [sched, *groups]:
-            for key in ("max_lr", "min_lr"):
-                if key in values:
-                    values[key] = scale_lr(values[key], saved, target, rule)
-        train_state["lr"] = scale_lr(train_state["lr"], saved, target, rule)
-        self.lr_scaling = {"rule": rule, "saved_global_batch": saved, "global_batch": target}
-        log.warning(
-            "restore: global batch %d -> %d: lr scaled by rule %r (max_lr %.3e)",
-            saved,
-            target,
-            rule,
-            sched["max_lr"],
-        )
-
     def _load_shards(self, model_dir: Path, manifest: Manifest) -> dict[str, Any]:
         # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
         from megatron.core import dist_checkpointing
@@ -544,28 +566,6 @@ class Checkpointer:
             with_optimizer=self.cfg.load_optimizer,
         )
         return dist_checkpointing.load(sharded, str(model_dir))
-
-    def _schedule_from_config(self) -> None:
-        """checkpoint.schedule_on_resume=config (Megatron-LM's --override-opt_param-scheduler):
-        the scheduler keeps this run's values and only takes the step count from the checkpoint;
-        the optimizer's restored per-group hyperparameters are replaced by this run's."""
-        scheduler, opt = self.trainer.parts.scheduler, self.trainer.run.optimizer
-        scheduler.override_opt_param_scheduler = True
-        scheduler.use_checkpoint_opt_param_scheduler = False
-        self._set_group_lrs(opt.lr, opt.min_lr)
-        for group in self.trainer.parts.optimizer.param_groups:
-            values = {"eps": opt.adam_eps, "betas": (opt.adam_beta1, opt.adam_beta2)}
-            group.update({k: v for k, v in values.items() if k in group})
-        log.warning(
-            "restore: checkpoint.schedule_on_resume=config: this run's optimizer "
-            "schedule replaces the checkpoint's (lr %.3e)",
-            opt.lr,
-        )
-
-    def _set_group_lrs(self, max_lr: float, min_lr: float) -> None:
-        """The per-group LR bounds megatron's scheduler reads (groups without them: none)."""
-        for group in self.trainer.parts.optimizer.param_groups:
-            group.update({k: v for k, v in (("max_lr", max_lr), ("min_lr", min_lr)) if k in group})
 
     def _check_restored(self, train_state: dict[str, Any], lr_saved: bool = True) -> None:
         """The loop state is the saved one; so is the LR, unless this run's schedule won."""

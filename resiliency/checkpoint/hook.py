@@ -21,10 +21,12 @@ from pretrain.failures import classify
 from pretrain.hooks import StepResult, TrainHook
 from pretrain.tokenizer import build_tokenizer
 from recipes import ConfigError
+from resiliency.checkpoint.async_writer import SpawnedWriterQueue
 from resiliency.checkpoint.checkpointer import Checkpointer
 from resiliency.checkpoint.local_tier import LocalTier
 from resiliency.checkpoint.restore_plan import plan_restore
 from resiliency.checkpoint.resume_policy import ResumeDecision, reconcile
+from resiliency.checkpoint.shard_writer import writer_checksums
 from resiliency.health import HEALTH_DIR_ENV, read_reports
 from resiliency.storage.attempts import claim_attempt, ensure_run_record, write_attempt_record
 from resiliency.storage.layout import RunLayout
@@ -101,6 +103,7 @@ class CheckpointHook(TrainHook):
         self.local: "LocalTier | None" = None
         self.decision: ResumeDecision | None = None  # config differences from the checkpoint
         self.health: dict[str, Any] | None = None  # the startup probe and node reports
+        self.writer_queue: SpawnedWriterQueue | None = None  # async saves' writer, started early
 
     def configure(self, run: "RunConfig", dp: int) -> "RunConfig":
         """Take the run's lease, then pick and validate the step to restore (nothing loaded)."""
@@ -114,6 +117,11 @@ class CheckpointHook(TrainHook):
             raise ConfigError(problem)
         self.health = self._probe(run)
         self.ownership.acquire(self.env.rank, self.env.world_size)
+        if self.cfg.async_save and self.cfg.staging_buffers:
+            # Spawned now, its start-up (an interpreter importing torch and megatron-core,
+            # seconds) overlaps the model build and the restore, not the first steps' saves.
+            self.writer_queue = SpawnedWriterQueue(writer_checksums().reports)
+            self.writer_queue.writer.start()
         self.initialise = run.model.perform_initialization
         if self.cfg.resume:
             vocab = build_tokenizer(run.data.tokenizer, run.data.tokenizer_path).vocab_size
@@ -181,7 +189,10 @@ class CheckpointHook(TrainHook):
 
     def on_start(self, trainer: "Trainer") -> None:
         self._confirm_plan(trainer)
-        checkpointer = Checkpointer(trainer, self.layout, self.ownership.attempt, trainer.faults)
+        checkpointer = Checkpointer(
+            trainer, self.layout, self.ownership.attempt, trainer.faults, self.writer_queue
+        )
+        self.writer_queue = None  # the checkpointer's now
         self.checkpointer = checkpointer
         if self.cfg.local.enabled:
             self.local = LocalTier(self.cfg.local, trainer, checkpointer)
@@ -232,6 +243,7 @@ class CheckpointHook(TrainHook):
         assert self.checkpointer is not None
         tier = self.tier_due(result.step)
         if tier is None:
+            self._reserve_staging(trainer, result.step)
             return
         with trainer.checkpointing(f"{tier} save"), _blocked_time(trainer, tier, result.step):
             if tier == "persistent":
@@ -239,6 +251,15 @@ class CheckpointHook(TrainHook):
             else:
                 assert self.local is not None
                 self.local.save()
+
+    def _reserve_staging(self, trainer: "Trainer", step: int) -> None:
+        """Once per attempt, at the first step no save follows: the dry run that sizes the
+        staging buffers is checkpoint work on the training thread, recorded as such."""
+        assert self.checkpointer is not None
+        if not self.checkpointer.staging_to_reserve:
+            return
+        with trainer.checkpointing("staging"), _blocked_time(trainer, "staging", step):
+            self.checkpointer.reserve_staging()
 
     def roll_back(self, trainer: "Trainer", bad_step: int) -> int | None:
         """train.guard.policy=rollback|replay: restore, in place, the newest persistent step

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from pretrain.compat import fully_reshardable_state_from
-from resiliency.checkpoint.staging import StagingBuffers, staging_key
+from resiliency.checkpoint.staging import Stager, StagingPlan, staging_key
 
 log = logging.getLogger(__name__)
 PREFIX = "optimizer.state"
@@ -65,7 +65,7 @@ def _gathered_buckets(
     gbuf_idx: int,
     bucket_maps: list[dict[str, Any]],
     keys: tuple[str, ...],
-    staging: StagingBuffers,
+    staging: Stager,
 ) -> list[dict[str, torch.Tensor]]:
     """Per bucket: key -> the whole bucket's state (all DP shards) in a staging buffer."""
     group = opt.data_parallel_group_gloo
@@ -78,13 +78,16 @@ def _gathered_buckets(
             k: staging.get(f"{name}.{k}.local", torch.Size([local_numel]), torch.float32)
             for k in keys
         }
-        _fill_local_shards(opt, gbuf_range_map, shards)
+        planning = isinstance(staging, StagingPlan)  # a dry run: shapes only, no collectives
+        if not planning:
+            _fill_local_shards(opt, gbuf_range_map, shards)
         world = {}
         for key, shard in shards.items():
             world[key] = staging.get(
                 f"{name}.{key}.world", torch.Size([world_numel]), torch.float32
             )
-            dist.all_gather(list(world[key].chunk(dp)), shard, group=group)
+            if not planning:
+                dist.all_gather(list(world[key].chunk(dp)), shard, group=group)
         out.append(world)
     return out
 
@@ -107,7 +110,7 @@ def _in_place(live: torch.Tensor, shape: torch.Size) -> torch.Tensor | None:
 def build(
     opt: Any,
     model_sharded_state_dict: dict[str, Any],
-    staging: StagingBuffers,
+    staging: Stager,
     snapshot: bool = True,
 ) -> dict:
     """What ``opt.sharded_param_state_fully_reshardable(sd, is_loading=False)`` returns, with
@@ -179,7 +182,7 @@ def _distributed_optimizers(optimizer: Any) -> list[Any]:
 
 @contextlib.contextmanager
 def staged_fully_reshardable(
-    optimizer: Any, staging: StagingBuffers, snapshot: bool = True
+    optimizer: Any, staging: Stager, snapshot: bool = True
 ) -> Iterator[None]:
     """While active, save-side fully-reshardable state of every DistributedOptimizer in
     ``optimizer`` is built by :func:`build`; loading and unsupported layouts use megatron's."""
@@ -198,6 +201,6 @@ def staged_fully_reshardable(
 
 
 def _build_for(
-    opt: Any, staging: StagingBuffers, snapshot: bool, model_sd: Any, metadata: dict | None
+    opt: Any, staging: Stager, snapshot: bool, model_sd: Any, metadata: dict | None
 ) -> Any:
     return build(opt, model_sd, staging, snapshot)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any
 
 import torch
@@ -31,35 +32,95 @@ class StagingBuffers:
         self.shared = shared
         self._buffers: dict[str, torch.Tensor] = {}
         self._ids: set[int] = set()
+        self._reserving: threading.Thread | None = None
 
     @property
     def nbytes(self) -> int:
+        self.wait_reserved()
         return sum(t.numel() * t.element_size() for t in self._buffers.values())
 
     def owns(self, tensor: torch.Tensor) -> bool:
+        self.wait_reserved()
         return id(tensor) in self._ids
 
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """key -> buffer, as they are now."""
+        self.wait_reserved()
+        return dict(self._buffers)
+
     def get(self, key: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        self.wait_reserved()
+        return self._get(key, shape, dtype)
+
+    def _get(self, key: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         buf = self._buffers.get(key)
         if buf is None or buf.shape != shape or buf.dtype != dtype:
             if buf is not None:
                 self._ids.discard(id(buf))
-            buf = torch.empty(
-                shape,
-                dtype=dtype,
-                device="cpu",
-                pin_memory=torch.cuda.is_available() and not self.shared,
-            )
-            if self.shared:
-                buf.share_memory_()
+            buf = self._allocate(shape, dtype)
             self._buffers[key] = buf
             self._ids.add(id(buf))
         return buf
+
+    def _allocate(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        if self.shared:
+            # Straight into shared memory: ``empty().share_memory_()`` allocates twice and
+            # copies (0.73 vs 0.57 s for 0.75 GiB in 400 tensors, copy included).
+            nbytes = max(shape.numel(), 1) * torch.empty((), dtype=dtype).element_size()
+            storage = torch.UntypedStorage._new_shared(nbytes)
+            return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+        pinned = torch.cuda.is_available()
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pinned)
+
+    def reserve_in_background(self, entries: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
+        """Allocate and fault in these buffers on a thread, while training goes on: the first
+        save then copies into touched memory, as every later one does (allocating and faulting
+        in 0.75 GiB of shared memory took 0.6 s of a 0.07 s copy). Every other method waits
+        for it."""
+        self.wait_reserved()
+        self._reserving = threading.Thread(
+            target=self._reserve, args=(entries,), name="staging-reserve", daemon=True
+        )
+        self._reserving.start()
+
+    def _reserve(self, entries: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
+        for key, (shape, dtype) in entries.items():
+            if key not in self._buffers:  # never touch one that may hold a save's snapshot
+                self._get(key, shape, dtype).zero_()  # faults the pages in, GIL released
+
+    def wait_reserved(self) -> None:
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
 
     def stage(self, key: str, src: torch.Tensor) -> torch.Tensor:
         buf = self.get(key, src.shape, src.dtype)
         buf.copy_(src.detach(), non_blocking=src.is_cuda)
         return buf
+
+
+class StagingPlan:
+    """Stands in for :class:`StagingBuffers` in a dry run of a save: hands out meta tensors
+    (no memory, copies into them are no-ops) and records every buffer's key, shape and dtype,
+    so the real buffers can be reserved before the first save needs them."""
+
+    def __init__(self, shared: bool) -> None:
+        self.shared = shared
+        self.entries: dict[str, tuple[torch.Size, torch.dtype]] = {}
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_meta
+
+    def get(self, key: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        self.entries[key] = (torch.Size(shape), dtype)
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    def stage(self, key: str, src: torch.Tensor) -> torch.Tensor:
+        return self.get(key, src.shape, src.dtype)
+
+
+# What a save stages into: the real buffers, or a dry run's plan.
+Stager = StagingBuffers | StagingPlan
 
 
 def staging_key(sharded: Any) -> str:
@@ -75,7 +136,7 @@ def _is_view(tensor: torch.Tensor) -> bool:
 
 
 def stage_sharded_state(
-    sharded_state: dict[str, Any], staging: StagingBuffers, snapshot: bool = True
+    sharded_state: dict[str, Any], staging: Stager, snapshot: bool = True
 ) -> None:
     """Point sharded tensors (and factories) at staged copies of their data. Tensors that
     already are staging buffers are left as they are. ``snapshot=False`` (sync saves) stages

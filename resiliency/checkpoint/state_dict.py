@@ -6,7 +6,7 @@ import contextlib
 from typing import Any
 
 from resiliency.checkpoint.optim_gather import staged_fully_reshardable
-from resiliency.checkpoint.staging import StagingBuffers
+from resiliency.checkpoint.staging import Stager
 
 
 def chunks_by_key(chunks: list[Any]) -> dict[str, Any]:
@@ -25,7 +25,7 @@ def sharded_training_state(
     optim_format: str,
     is_loading: bool = False,
     with_optimizer: bool = True,
-    staging: StagingBuffers | None = None,
+    staging: Stager | None = None,
     snapshot: bool = True,
 ) -> dict[str, Any]:
     """Model chunks and (optionally) optimizer as one megatron sharded state dict; with

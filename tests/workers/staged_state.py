@@ -63,6 +63,24 @@ def compare(ref: dict[str, Any], fast: dict[str, Any]) -> list[str]:
     return problems
 
 
+def _reserved_save(parts: Any) -> tuple[list[str], dict[str, Any]]:
+    """A dry run sizes shared buffers, reserved on a thread; then the save's state as an async
+    save stages it. Returns the buffers that save had to allocate or replace, and the state."""
+    from resiliency.checkpoint.staging import StagingBuffers, StagingPlan, stage_sharded_state
+    from resiliency.checkpoint.state_dict import sharded_training_state
+
+    plan = StagingPlan(shared=True)
+    stage_sharded_state(sharded_training_state(parts, "fully_reshardable", staging=plan), plan)
+    reserved = StagingBuffers(shared=True)
+    reserved.reserve_in_background(plan.entries)
+    before = {key: id(buf) for key, buf in reserved.buffers().items()}
+    state = sharded_training_state(parts, "fully_reshardable", staging=reserved)
+    stage_sharded_state(state, reserved)
+    after = reserved.buffers()
+    misses = [k for k, buf in after.items() if before.get(k) != id(buf) or not buf.is_shared()]
+    return misses + [k for k in before if k not in after], state
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -90,6 +108,8 @@ def main() -> None:
         "mismatches": [],
         "in_place": 0,
         "in_place_mismatches": [],
+        "reserve_misses": [],
+        "reserved_mismatches": [],
     }
     for _ in range(2):
         trainer.train_step()
@@ -106,6 +126,9 @@ def main() -> None:
             for _, data in _described(sync["optimizer"]).values()
             if data is not None and not staging.owns(data)
         )
+        if not report["compared"]:  # once: buffers reserved ahead serve the first save
+            report["reserve_misses"], reserved = _reserved_save(trainer.parts)
+            report["reserved_mismatches"] = compare(ref, reserved)
         described = _described(fast["optimizer"])
         report["compared"] += len(described)
         report["non_tensors"] += sum(1 for _, data in described.values() if data is None)
