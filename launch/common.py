@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import logging
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -12,6 +16,9 @@ from recipes.inputs import check_inputs
 from recipes.validate import new_launch_id, resolve_run_id, validate_runtime
 from resiliency.storage.layout import RunLayout, atomic_write_json
 from resiliency.storage.lease import read_lease, stale_reason
+
+log = logging.getLogger(__name__)
+GIB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -100,4 +107,37 @@ def record_submission(plan: LaunchPlan, backend: str, detail: dict) -> None:
     atomic_write_json(
         plan.run_dir / f"submission-{backend}.json",
         {"backend": backend, "time": time.time(), "overrides": plan.overrides, **detail},
+    )
+
+
+def check_fit(plan: LaunchPlan) -> None:
+    """Before a GPU job is submitted: ``python -m pretrain --plan`` for its layout on
+    ``launch.gpu``; ConfigError when the busiest rank does not fit. A plan that cannot be made
+    here (the tokenizer's files are elsewhere) is reported and skipped, not fatal."""
+    if plan.device != "cuda":
+        return
+    # A process of its own: the plan initialises a fake process group and megatron-core.
+    cmd = [sys.executable, "-m", "pretrain", *plan.overrides, "--plan", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if proc.returncode not in (0, 1):
+        reason = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        log.warning("fit check skipped (the plan failed: %s)", reason)
+        return
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    peak = max(result["memory"], key=lambda m: m["total"])
+    log.info(
+        "fit check: stage %d needs %.1f GiB of %.1f GiB usable on %s",
+        peak["pp_rank"],
+        peak["total"] / GIB,
+        result["usable_bytes"] / GIB,
+        result["gpu"],
+    )
+    if result["fits"]:
+        return
+    fix = result["fix"] or "none of recompute, a smaller micro-batch, 2x TP or 2x PP alone"
+    raise ConfigError(
+        f"the layout does not fit {result['gpu']}: pipeline stage {peak['pp_rank']} needs "
+        f"{peak['total'] / GIB:.1f} GiB of {result['usable_bytes'] / GIB:.1f} GiB usable; the "
+        f"smallest change that fits: {fix} (details: python -m pretrain "
+        f"{' '.join(plan.overrides)} --plan; submit anyway with --skip-fit-check)"
     )

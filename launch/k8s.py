@@ -1,7 +1,7 @@
 """Kubernetes (Kubeflow PyTorchJob): render, validate and submit a run; status, logs, delete.
 
   python -m launch k8s recipe=NAME launch.k8s.image=IMAGE launch.k8s.shared_pvc=CLAIM
-                       [key=value ...] [--dry-run] [--out FILE]
+                       [key=value ...] [--dry-run] [--out FILE] [--skip-fit-check]
   python -m launch k8s status NAME [--namespace NS]
   python -m launch k8s logs NAME [--namespace NS] [--replica master|worker] [--index I] [--tail N]
   python -m launch k8s delete NAME [--namespace NS]
@@ -10,7 +10,8 @@ The first word after ``k8s`` picks the action when it is ``status``, ``logs`` or
 otherwise every word is a config override and the run is rendered as a ConfigMap (the pinned
 config, mounted at /etc/mcore-recipes) plus a ``kubeflow.org/v1`` PyTorchJob, validated against
 the operator's CRD (see launch.k8s_schema) and written to ``<output_dir>/<run_id>/k8s/NAME.yaml``
-(or ``--out``). ``--dry-run`` prints it; without, the run dir is checked for a live owner and
+(or ``--out``). ``--dry-run`` prints it; without, the run dir is checked for a live owner, the
+layout's memory per GPU is checked against ``launch.gpu`` (``python -m pretrain --plan``), and
 both objects are created with the kubernetes client (in-cluster credentials in a pod, else
 $KUBECONFIG or ~/.kube/config), and the job is made the ConfigMap's owner, so deleting the job
 (``k8s delete`` or kubectl) deletes its ConfigMap. Inside the pods ``output_dir`` is
@@ -32,6 +33,7 @@ from typing import Any
 from launch import k8s_api
 from launch.common import (
     LaunchPlan,
+    check_fit,
     check_run_dir_free,
     plan_launch,
     record_submission,
@@ -57,6 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="render, validate and print the manifest; submit nothing",
     )
     parser.add_argument("--out", type=Path, help="write the manifest here instead of the run dir")
+    parser.add_argument(
+        "--skip-fit-check",
+        action="store_true",
+        help="submit even if `python -m pretrain --plan` says the layout does not fit",
+    )
     parser.add_argument("--namespace", help="namespace for status/logs/delete (default: default)")
     parser.add_argument(
         "--replica", choices=("master", "worker"), default="master", help="logs: which replica type"
@@ -97,6 +104,8 @@ def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
         print(text, end="")
         return exit_codes.OK
     check_run_dir_free(plan)
+    if not args.skip_fit_check:
+        check_fit(plan)
     _write(path, text)
     write_resolved_config(dataclasses.replace(plan, run=rendered.pod_run))
     created = k8s_api.submit(k8s_api.api_client(), rendered)

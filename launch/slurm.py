@@ -18,6 +18,7 @@ from pathlib import Path
 
 from launch.common import (
     LaunchPlan,
+    check_fit,
     check_run_dir_free,
     plan_launch,
     record_submission,
@@ -38,6 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="render the batch script into the run dir, do not submit it",
     )
+    parser.add_argument(
+        "--skip-fit-check",
+        action="store_true",
+        help="submit a GPU job even if `python -m pretrain --plan` says it does not fit",
+    )
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -46,6 +52,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     _warn_on_short_grace(plan)
     text = render(plan)  # before writing anything: a value it cannot render is bad input too
     # After every check of the input: a bad value is reported as such, on any machine.
+    if not args.dry_run and not args.skip_fit_check:
+        check_fit(plan)
     sbatch = None if args.dry_run else _find_sbatch()
     write_resolved_config(plan, CONFIG_NAME)
     if plan.run.launch.backend == "ft_launcher":

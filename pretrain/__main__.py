@@ -31,6 +31,10 @@ options:
   --info               where the config comes from: search path, the options each group got
   -m, --multirun       sweep (a=1,2 b=range(3)...): one run per point, one after another
   --show-keys          every key with its type, default and description
+  --plan               parameters and memory per GPU at the recipe's layout, built on the meta
+                       device (no GPU, no memory); --gpu h100-80gb|h200-141gb|a100-80gb|<GiB>
+                       (default: launch.gpu),
+                       --vocab N (without the tokenizer's files), --json; exit 1: does not fit
   --config FILE        a resolved config written by a launcher (pins the run)
   hydra.run.dir=DIR    the output dir (as output_dir=DIR); other hydra.* keys are refused
 exit codes: 0 ok, 2 config error, 9 missing data or tokenizer files (see README "Exit codes")
@@ -47,6 +51,8 @@ def main(argv: list[str]) -> int:
             return 0
         if req.cfg or req.info:
             return _print_config(req)
+        if req.plan:
+            return _plan(req)
         if req.multirun or has_sweep(req.overrides):
             return _sweep(req)
         run, device, dp = _prepare(_load(req))
@@ -57,6 +63,19 @@ def main(argv: list[str]) -> int:
     from pretrain.session import train
 
     return train(run, device, dp)
+
+
+def _plan(req: CliRequest) -> int:
+    """--plan: the recipe's model built on the meta device, memory per GPU, fit (exit 0 when it
+    fits, 1 when it does not)."""
+    # torch and megatron-core: only for --plan
+    from pretrain.plan import as_json, make_plan, report
+
+    if req.config_file:
+        raise ConfigError("--plan takes recipe=<name> [overrides], not --config")
+    plan = make_plan(req.overrides, req.gpu, req.vocab)
+    print(as_json(plan) if req.json else report(plan))
+    return 0 if plan.fits else 1
 
 
 def _load(req: CliRequest) -> RunConfig:

@@ -24,7 +24,20 @@ from recipes.load import is_group, schema_fields
 # dir; here a run's dir is <output_dir>/<run_id>, so both name output_dir.
 HYDRA_KEYS = {"hydra.run.dir": "output_dir", "hydra.sweep.dir": "output_dir"}
 CFG_CHOICES = ("job", "hydra", "all")
-FLAGS = {"--resolve", "--info", "-m", "--multirun", "--show-keys", "--show-config", "--cfg", "-c"}
+FLAGS = {
+    "--resolve",
+    "--info",
+    "-m",
+    "--multirun",
+    "--show-keys",
+    "--show-config",
+    "--cfg",
+    "-c",
+    "--plan",
+    "--gpu",
+    "--vocab",
+    "--json",
+}
 
 
 @dataclass
@@ -39,6 +52,11 @@ class CliRequest:
     multirun: bool = False
     show_keys: bool = False
     help: bool = False
+    # --plan: parameters and memory per GPU at the recipe's layout (pretrain/plan.py)
+    plan: bool = False
+    gpu: str | None = None  # --gpu NAME|GiB
+    vocab: int | None = None  # --vocab N: when the recipe's tokenizer files are not here
+    json: bool = False
 
 
 def parse_args(argv: Sequence[str]) -> CliRequest:
@@ -62,6 +80,12 @@ def parse_args(argv: Sequence[str]) -> CliRequest:
             req.multirun = True
         elif arg == "--show-keys":
             req.show_keys = True
+        elif arg in ("--plan", "--json"):
+            setattr(req, arg[2:], True)
+        elif arg == "--gpu":
+            req.gpu = _value(arg, args)
+        elif arg == "--vocab":
+            req.vocab = _int_value(arg, args)
         elif arg.startswith("-"):
             raise ConfigError(
                 f"unknown option {arg!r}; options: {sorted(FLAGS | {'--config', '--help'})}, "
@@ -70,6 +94,13 @@ def parse_args(argv: Sequence[str]) -> CliRequest:
         else:
             req.overrides.append(arg)
     return req
+
+
+def _int_value(flag: str, args: list[str]) -> int:
+    value = _value(flag, args)
+    if not value.isdigit() or int(value) <= 0:
+        raise ConfigError(f"{flag} needs a positive integer, got {value!r}")
+    return int(value)
 
 
 def _value(flag: str, args: list[str], choices: Sequence[str] | None = None) -> str:

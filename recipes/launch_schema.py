@@ -183,12 +183,25 @@ class K8sConfig:
             require(count >= 1, f"launch.k8s.extended_resources.{name}={count} must be >= 1")
 
 
+GPU_NAMES = ("h100-80gb", "h200-141gb", "a100-80gb", "a100-40gb")  # pretrain/plan_memory.py
+
+
+def _is_gib(value: str) -> bool:
+    try:
+        return float(value) > 0
+    except ValueError:
+        return False
+
+
 @dataclass(kw_only=True)
 class LaunchConfig:
     backend: str = "torchrun"  # torchrun | ft_launcher
     nodes: int = 1  # nodes (one launcher each)
     nproc_per_node: int = 1  # ranks per node
     gpus_per_node: int = 0  # 0: CPU; else one GPU per rank
+    # The GPU the fit check plans for before a Slurm or Kubernetes submission (`python -m
+    # pretrain --plan`): h100-80gb | h200-141gb | a100-80gb | a100-40gb | its memory in GiB.
+    gpu: str = "h100-80gb"
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     k8s: K8sConfig = field(default_factory=K8sConfig)
 
@@ -200,6 +213,10 @@ class LaunchConfig:
             self.gpus_per_node in (0, self.nproc_per_node),
             f"launch.gpus_per_node={self.gpus_per_node} must be 0 (CPU) or equal "
             f"launch.nproc_per_node={self.nproc_per_node} (one rank per GPU)",
+        )
+        require(
+            self.gpu in GPU_NAMES or _is_gib(self.gpu),
+            f"launch.gpu={self.gpu!r} must be one of {', '.join(GPU_NAMES)} or a memory in GiB",
         )
         require(
             self.slurm.min_nodes is None or self.slurm.min_nodes <= self.nodes,
