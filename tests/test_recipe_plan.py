@@ -19,7 +19,6 @@ from recipes import load_config
 from resiliency.cli.capacity_recipe import model_parameters
 from tests.helpers import REPO, TORCHRUN
 
-pytestmark = [pytest.mark.current_stack]
 LLAMA3_VOCAB, MIXTRAL_VOCAB = 128256, 32000
 PUBLISHED = {"llama3_8b": 8.03e9, "llama3_70b": 70.6e9, "mixtral_8x7b": 46.7e9}
 # Megatron-LM's report models neither CP's share of the optimizer sharding nor a last stage's
@@ -186,3 +185,22 @@ def test_a_submission_that_does_not_fit_is_refused_with_the_fix(
     assert "does not fit 8: pipeline stage 0 needs" in err, err
     assert "smallest change that fits: perf.recompute=full" in err, err
     assert not (tmp_path / "big").exists() or not any((tmp_path / "big").iterdir())
+
+
+@pytest.mark.current_stack
+def test_the_plan_builds_on_either_megatron_core(tmp_path: Path) -> None:
+    """The current-stack leg runs this one: the 70B layout (VPP, SP, CP) built on meta and
+    its published count, through the CLI as a user runs it."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pretrain", "recipe=llama3_70b", "--plan", "--json"]
+        + ["--vocab", str(LLAMA3_VOCAB)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert plan["published_params"] == pytest.approx(PUBLISHED["llama3_70b"], rel=0.005)
+    assert [s["chunks"] for s in plan["stages"]] == [5] * 4

@@ -15,11 +15,13 @@ import torch.distributed as dist
 from pretrain import exit_codes
 from pretrain.distributed import broadcast_object
 from pretrain.failures import ClassifiedError
+from recipes import ConfigError
 from recipes.schema import RunConfig
 from resiliency.checkpoint.topology import Target, TopologyRefusedError, TopologyReport, validate
 from resiliency.storage.layout import RunLayout
 from resiliency.storage.manifest import Manifest, read_manifest
 from resiliency.storage.select import select_restore_step
+from resiliency.storage.tokenizer_copy import TOKENIZER_DIR, tokenizer_difference
 from resiliency.storage.verify import balanced_share, checksum_problem
 
 log = logging.getLogger(__name__)
@@ -138,6 +140,25 @@ def check_topology(manifest: Manifest, target: Target) -> TopologyReport:
     return report
 
 
+def check_tokenizer(manifest: Manifest, path: str | None, step_dir: Path) -> None:
+    """The running tokenizer's files are the checkpoint's, or ConfigError with the difference
+    (a step saved before tokenizers travelled with checkpoints records none: not checked)."""
+    saved = manifest.tokenizer.get("files")
+    if saved is None:
+        return
+    difference = tokenizer_difference(saved, path)
+    if difference is None:
+        return
+    copy = step_dir / TOKENIZER_DIR
+    if len(saved) == 1 and path and Path(path).is_file():
+        copy = copy / next(iter(saved))
+    raise ConfigError(
+        f"restore refused: {step_dir.name} was trained with another tokenizer than "
+        f"data.tokenizer_path={path}: {difference}. Continue it with its own copy "
+        f"(data.tokenizer_path={copy}), or start a new run (another run_id)"
+    )
+
+
 def plan_restore(
     run: RunConfig,
     layout: RunLayout,
@@ -160,6 +181,7 @@ def plan_restore(
     manifest = read_manifest(step_dir)
     rehash = start_rehash(step_dir, manifest) if run.checkpoint.full_verify else None
     report = check_topology(manifest, target_for(run, world_size, dp, vocab_size))
+    check_tokenizer(manifest, run.data.tokenizer_path, step_dir)
     padded = manifest.tokenizer.get("padded_vocab_size")
     model = dataclasses.replace(run.model, padded_vocab_size=padded)
     return dataclasses.replace(run, model=model), RestorePlan(step_dir, manifest, report, rehash)

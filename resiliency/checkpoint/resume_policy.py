@@ -135,9 +135,20 @@ class ResumeDecision:
         }
 
 
-def reconcile(run: RunConfig, saved_config: dict[str, Any], step: int) -> ResumeDecision:
-    """Judge every difference between ``run`` and the config saved with checkpoint ``step``."""
-    changes = [c for c in diff(saved_config, dataclasses.asdict(run)) if c.kind != "topology"]
+def reconcile(
+    run: RunConfig,
+    saved_config: dict[str, Any],
+    step: int,
+    content_checked: frozenset[str] = frozenset(),
+) -> ResumeDecision:
+    """Judge every difference between ``run`` and the config saved with checkpoint ``step``.
+    ``content_checked``: keys naming files whose content was compared with the checkpoint's
+    already (``data.tokenizer_path``: the same tokenizer moved elsewhere is no change)."""
+    changes = [
+        dataclasses.replace(c, kind="free") if c.key in content_checked else c
+        for c in diff(saved_config, dataclasses.asdict(run))
+        if c.kind != "topology"
+    ]
     problems = [c for c in changes if c.kind == "must_match"]
     problems += [c for c in changes if c.kind == "grows" and not _grows_past(c, step)]
     schedule = [c for c in changes if c.kind == "schedule"]

@@ -1,0 +1,62 @@
+"""The tokenizer travels with every checkpoint: its files in ``<step>/tokenizer/``, their
+checksums in the manifest's ``tokenizer.files``.
+
+A checkpoint is only usable with the tokenizer it was trained with; recording a name or a path
+is not enough (a path is re-pointed, a file regenerated with other merges, and the vocabulary
+size stays the same). Each published step carries the files (kilobytes to a few MB against
+GBs of state), verified like every other file of the step, so an export or a copy elsewhere
+needs nothing else; a restore compares the running tokenizer's files with them, byte for byte
+through their checksums, and refuses with the difference.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from resiliency.storage.checksum import file_checksum
+
+TOKENIZER_DIR = "tokenizer"
+
+
+def tokenizer_sources(path: str | None) -> list[Path]:
+    """The files that make the tokenizer at ``path``: the file itself, or the regular files of
+    the directory (not hidden, not nested); none for a tokenizer without files (bytes)."""
+    if not path:
+        return []
+    source = Path(path)
+    if source.is_file():
+        return [source]
+    if source.is_dir():
+        return sorted(p for p in source.iterdir() if p.is_file() and not p.name.startswith("."))
+    return []
+
+
+def copy_tokenizer(step_dir: Path, path: str | None) -> dict[str, str]:
+    """Copy the tokenizer's files into ``step_dir/tokenizer``; name -> checksum."""
+    files = tokenizer_sources(path)
+    if not files:
+        return {}
+    target = step_dir / TOKENIZER_DIR
+    target.mkdir(exist_ok=True)
+    for source in files:
+        shutil.copyfile(source, target / source.name)
+    return {source.name: file_checksum(target / source.name) for source in files}
+
+
+def tokenizer_difference(saved: dict[str, str], path: str | None) -> str | None:
+    """What differs between a checkpoint's tokenizer files (name -> checksum) and the files
+    at ``path``; None when they are the same files."""
+    current = {p.name: file_checksum(p) for p in tokenizer_sources(path)}
+    if current == saved:
+        return None
+    problems = [
+        f"{name}: {'missing here' if name not in current else 'not in the checkpoint'}"
+        for name in sorted(set(saved) ^ set(current))
+    ]
+    problems += [
+        f"{name}: content differs (checksum {saved[name][:12]} saved, {current[name][:12]} here)"
+        for name in sorted(set(saved) & set(current))
+        if saved[name] != current[name]
+    ]
+    return "; ".join(problems)
