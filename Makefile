@@ -11,6 +11,7 @@ TORCH_VERSION ?= 2.13.0
 NPROC ?= 2
 RUN_ID ?= gpt_tiny-$(shell date +%Y%m%d-%H%M%S)
 CORPUS := data/stdlib_text_document.bin
+BPE_CORPUS := data/stdlib-bpe_text_document.bin
 PYTEST_ARGS ?=
 
 .PHONY: install pretrain test test-all lint corpus clean
@@ -38,12 +39,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
-corpus: $(CORPUS)
+corpus: $(CORPUS) $(BPE_CORPUS)
 
 $(CORPUS): | $(STAMP)
 	$(BIN)/python -m pretrain.prepare --stdlib --output-prefix data/stdlib
 
-pretrain: $(STAMP) $(CORPUS)
+# The same corpus with an 8k byte-level BPE tokenizer trained on it (data=stdlib_bpe).
+$(BPE_CORPUS): | $(STAMP)
+	$(BIN)/python -m pretrain.prepare --stdlib --output-prefix data/stdlib-bpe \
+		--train-tokenizer 8192 --tokenizer-path tokenizers/stdlib-bpe
+
+pretrain: $(STAMP) $(CORPUS) $(BPE_CORPUS)
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(NPROC) -m pretrain \
 		recipe=gpt_tiny run_id=$(RUN_ID) $(ARGS)
 	$(BIN)/python -m resiliency ls runs/$(RUN_ID)

@@ -8,6 +8,8 @@ tools/preprocess_data.py: PREFIX_<key>_document.bin/.idx for each --json-keys ke
         --tokenizer huggingface --tokenizer-path tokenizers/llama3
     python -m pretrain.prepare --input 'docs/**/*.txt' --output-prefix data/docs \\
         --tokenizer sentencepiece --tokenizer-path tokenizer.model
+    python -m pretrain.prepare --stdlib --output-prefix data/stdlib-bpe \\
+        --train-tokenizer 8192 --tokenizer-path tokenizers/stdlib-bpe  # train, then tokenize
 
 Inputs ending in .json or .jsonl (also .json.gz, .jsonl.gz) are loose JSON: one object per
 line, each key a string or a list of strings (one sequence each). Any other file is one
@@ -27,7 +29,9 @@ import sys
 import time
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 
+from pretrain.prepare_bpe import MIN_VOCAB, texts_of, train_bpe
 from pretrain.prepare_encode import Encoded, Encoder, Progress, encode_items, want_bar
 from pretrain.prepare_inputs import (
     DEFAULT_STDLIB_MAX_BYTES,
@@ -230,6 +234,15 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"--json-keys {' '.join(keys)}: keys must be distinct names without '/'")
     if args.stdlib and keys != [TEXT_KEY]:
         parser.error("--stdlib documents have the key 'text' only; drop --json-keys")
+    if args.train_tokenizer is not None:
+        if args.train_tokenizer < MIN_VOCAB or not args.tokenizer_path:
+            parser.error(
+                f"--train-tokenizer VOCAB needs VOCAB >= {MIN_VOCAB} and --tokenizer-path DIR "
+                "(where tokenizer.json is written)"
+            )
+        if args.tokenizer not in ("byte", "huggingface"):
+            parser.error("--train-tokenizer trains a huggingface tokenizer; drop --tokenizer")
+        args.tokenizer = "huggingface"
     return args
 
 
@@ -268,6 +281,13 @@ def _add_processing_args(parser: argparse.ArgumentParser) -> None:
         + "; ".join(f"{kind}: {what}" for kind, what in TOKENIZER_FILES.items()),
     )
     parser.add_argument(
+        "--train-tokenizer",
+        type=int,
+        metavar="VOCAB",
+        help="first train a byte-level BPE tokenizer of VOCAB ids on the input and save it as "
+        "TOKENIZER_PATH/tokenizer.json (then tokenize with it; implies --tokenizer huggingface)",
+    )
+    parser.add_argument(
         "--log-interval",
         type=int,
         default=DEFAULT_LOG_INTERVAL,
@@ -275,15 +295,25 @@ def _add_processing_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _run(args: argparse.Namespace) -> dict[str, tuple[int, int]]:
+def _items(args: argparse.Namespace) -> tuple[Iterable[Item], int | None]:
+    """The input's documents (a fresh iterator each call) and their size for progress."""
     if args.stdlib:
         docs = stdlib_documents(args.stdlib_max_bytes)
-        items: Iterable[Item] = (Item(f"stdlib document {i}", d) for i, d in enumerate(docs, 1))
-        total: int | None = args.stdlib_max_bytes
-    else:
-        paths = expand_inputs(args.input)
-        check_keys(paths, args.json_keys)
-        items, total = file_items(paths), input_bytes(paths)
+        items = (Item(f"stdlib document {i}", d) for i, d in enumerate(docs, 1))
+        return items, args.stdlib_max_bytes
+    paths = expand_inputs(args.input)
+    check_keys(paths, args.json_keys)
+    return file_items(paths), input_bytes(paths)
+
+
+def _run(args: argparse.Namespace) -> dict[str, tuple[int, int]]:
+    items, total = _items(args)
+    if args.train_tokenizer is not None:
+        path = train_bpe(
+            texts_of(items, args.json_keys), args.train_tokenizer, Path(args.tokenizer_path)
+        )
+        log.info("trained a %d-id byte-level BPE tokenizer: %s", args.train_tokenizer, path)
+        items, total = _items(args)  # tokenized with it from the start
     tokenizer = build_tokenizer(args.tokenizer, args.tokenizer_path)
     progress = Progress(total, args.log_interval, bar=want_bar())
     return prepare_items(

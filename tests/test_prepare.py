@@ -276,3 +276,25 @@ def test_prepare_corpus_with_workers_matches_one_process(tmp_path: Path, hf_dir:
         outputs.append([Path(dataset_prefix(prefix) + e).read_bytes() for e in (".bin", ".idx")])
     assert outputs[0] == outputs[1]
     assert read_back(str(tmp_path / "w3")) == expected(tok, docs)
+
+
+def test_train_tokenizer_then_tokenize_with_it(tmp_path: Path) -> None:
+    """--train-tokenizer: a byte-level BPE trained on the input, saved as tokenizer.json and
+    used for the output; every document decodes back to its text (no unknown ids), and the
+    merges make it shorter than the bytes."""
+    paths = []
+    for i, doc in enumerate(DOCS * 30):
+        paths.append(tmp_path / f"doc{i}.txt")
+        paths[-1].write_text(f"{doc} {i}", encoding="utf-8")
+    prefix, tok_dir = str(tmp_path / "bpe"), tmp_path / "tok"
+    argv = ["--input", str(tmp_path / "doc*.txt"), "--output-prefix", prefix]
+    assert main([*argv, "--train-tokenizer", "300", "--tokenizer-path", str(tok_dir)]) == 0
+    tok = build_tokenizer("huggingface", str(tok_dir))
+    assert isinstance(tok, HFTokenizer) and 257 < tok.vocab_size <= 300
+    docs = [Path(p).read_text(encoding="utf-8") for p in sorted(map(str, paths))]
+    got = read_back(prefix)
+    assert got == expected(tok, docs)
+    assert all(tok.detokenize(ids[:-1]) == doc for ids, doc in zip(got, docs))
+    assert sum(map(len, got)) < sum(len(d.encode()) + 1 for d in docs)
+    with pytest.raises(SystemExit):  # a vocabulary below the 256 bytes + EOD is refused
+        main([*argv, "--train-tokenizer", "100", "--tokenizer-path", str(tok_dir)])
