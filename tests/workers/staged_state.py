@@ -9,8 +9,6 @@ place. Rank 0 writes every rank's {"compared", "fast_tensors", "non_tensors", "m
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import warnings
 from pathlib import Path
@@ -82,24 +80,12 @@ def _reserved_save(parts: Any) -> tuple[list[str], dict[str, Any]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    import torch.distributed as dist
-
-    from pretrain.distributed import init_distributed, launch_env
-    from pretrain.loop import Trainer
-    from recipes import load_config
-    from recipes.validate import validate_runtime
     from resiliency.checkpoint.staging import StagingBuffers
     from resiliency.checkpoint.state_dict import sharded_training_state
+    from tests.workers.trainer_worker import build_trainer, gather_to
 
-    run = load_config(args.overrides)
-    dp = validate_runtime(run, launch_env()[1], "cpu")
-    env = init_distributed("cpu")
-    trainer = Trainer(run, env, dp, Path(run.output_dir) / run.run_id, [])
+    args, trainer = build_trainer()
     staging = StagingBuffers()
     report: dict[str, Any] = {
         "compared": 0,
@@ -135,11 +121,7 @@ def main() -> None:
         report["fast_tensors"] += sum(
             1 for _, data in described.values() if data is not None and staging.owns(data)
         )
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, report)
-    if env.rank == 0:
-        Path(args.out).write_text(json.dumps(gathered))
-    dist.destroy_process_group()
+    gather_to(args.out, report)
 
 
 if __name__ == "__main__":
