@@ -155,7 +155,11 @@ def _b(n: float) -> str:
 
 
 def _g(n: float) -> str:
-    return f"{n / GIB:.1f}"
+    return f"{n / GIB:.1f}" if n >= 0.1 * GIB else f"{n / GIB:.3f}"
+
+
+def _size(n: float) -> str:
+    return f"{n / GIB:.1f} GiB" if n >= 0.1 * GIB else f"{n / (1 << 20):.1f} MiB"
 
 
 def report(plan: Plan) -> str:
@@ -206,8 +210,8 @@ def _checkpoint_lines(plan: Plan) -> list[str]:
         *([f"--gpu {family}"] if family else []),
     ]
     return [
-        f"checkpoint: {_g(size)} GiB per version ({_g(size * keep)} GiB with keep_last={keep}), "
-        f"{_g(size / world)} GiB per rank written and, with async saves, staged in host memory",
+        f"checkpoint: {_size(size)} per version ({_size(size * keep)} with keep_last={keep}), "
+        f"{_size(size / world)} per rank written and, with async saves, staged in host memory",
         "save interval and storage: " + " ".join(command),
     ]
 
