@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 
 from pretrain import exit_codes
-from resiliency.storage.tokenizer_copy import copy_tokenizer, tokenizer_difference
+from resiliency.storage.checksum import describe_files
+from resiliency.storage.tokenizer_copy import (
+    copy_tokenizer,
+    tokenizer_difference,
+    tokenizer_record,
+)
 from tests.helpers import run_pretrain
 
 TEXTS = ["def main():\n    return 0\n", "import os\nprint(os.getcwd())\n", "class A:\n    pass\n"]
@@ -50,8 +55,12 @@ def test_difference_names_each_file(tmp_path: Path) -> None:
     source.mkdir()
     (source / "tokenizer.json").write_text("{}")
     (source / "special_tokens_map.json").write_text("{}")
-    (tmp_path / "step").mkdir()
-    saved = copy_tokenizer(tmp_path / "step", str(source))
+    step = tmp_path / "step"
+    step.mkdir()
+    copy_tokenizer(step, str(source))
+    copies = sorted(p.relative_to(step).as_posix() for p in step.rglob("*") if p.is_file())
+    assert copies == ["tokenizer/special_tokens_map.json", "tokenizer/tokenizer.json"]
+    saved = tokenizer_record(describe_files(step, copies))  # as the manifest records it
     assert sorted(saved) == ["special_tokens_map.json", "tokenizer.json"]
     assert tokenizer_difference(saved, str(source)) is None
     (source / "tokenizer.json").write_text('{"changed": 1}')
@@ -59,7 +68,8 @@ def test_difference_names_each_file(tmp_path: Path) -> None:
     difference = tokenizer_difference(saved, str(source))
     assert "special_tokens_map.json: missing here" in difference
     assert "tokenizer.json: content differs" in difference
-    assert copy_tokenizer(tmp_path / "step", None) == {}  # bytes: nothing to carry
+    copy_tokenizer(tmp_path / "bytes", None)  # the byte tokenizer: nothing to carry
+    assert not (tmp_path / "bytes").exists()
 
 
 @pytest.mark.slow

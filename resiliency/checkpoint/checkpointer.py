@@ -54,7 +54,7 @@ from resiliency.storage.manifest import (
 )
 from resiliency.storage.publish import begin_step, publish, set_aside, write_manifest_and_commit
 from resiliency.storage.retention import apply_gc, plan_gc
-from resiliency.storage.tokenizer_copy import copy_tokenizer
+from resiliency.storage.tokenizer_copy import copy_tokenizer, tokenizer_record
 from resiliency.storage.verify import verify_step_dir
 
 if TYPE_CHECKING:
@@ -121,7 +121,6 @@ class Checkpointer:
         self._strategy: Any = None  # megatron save strategy, built by the first save
         self.staging = self._staging() if self.cfg.staging_buffers else None
         self._reserved = False  # reserve_staging ran (once per attempt)
-        self._tokenizer_files: dict[str, str] = {}  # of the save in flight (rank 0)
         fix_orphaned_writer_manager()
         if self.cfg.async_save and self.staging is not None and self.staging.shared:
             self.queue = writer_queue
@@ -144,7 +143,7 @@ class Checkpointer:
             state_io.save_rank_state(tmp, self.rank, state_io.capture_rng(self.trainer.env.device))
             if self.rank == 0:
                 state_io.write_train_state(tmp, self.train_state_record())
-                self._tokenizer_files = copy_tokenizer(tmp, self.trainer.run.data.tokenizer_path)
+                copy_tokenizer(tmp, self.trainer.run.data.tokenizer_path)
         except SAVE_ERRORS as exc:
             self._abort(tmp, exc)
         self.phase_times["save_call"] = time.perf_counter() - started
@@ -445,7 +444,7 @@ class Checkpointer:
                 "path": run.data.tokenizer_path,
                 "vocab_size": parts.tokenizer.vocab_size,
                 "padded_vocab_size": parts.padded_vocab,
-                "files": self._tokenizer_files,  # name -> checksum, copies in tokenizer/
+                "files": tokenizer_record(files),  # the copies in tokenizer/
             },
         )
 

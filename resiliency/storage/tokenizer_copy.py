@@ -12,9 +12,10 @@ through their checksums, and refuses with the difference.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
-from resiliency.storage.checksum import file_checksum
+from resiliency.storage.checksum import DEFAULT_ALGORITHM, FileEntry, file_checksum
 
 TOKENIZER_DIR = "tokenizer"
 
@@ -32,22 +33,35 @@ def tokenizer_sources(path: str | None) -> list[Path]:
     return []
 
 
-def copy_tokenizer(step_dir: Path, path: str | None) -> dict[str, str]:
-    """Copy the tokenizer's files into ``step_dir/tokenizer``; name -> checksum."""
+def copy_tokenizer(step_dir: Path, path: str | None) -> None:
+    """Copy the tokenizer's files into ``step_dir/tokenizer`` (checksummed with the step's other
+    files; :func:`tokenizer_record` reads their checksums back from the manifest entries)."""
     files = tokenizer_sources(path)
     if not files:
-        return {}
+        return
     target = step_dir / TOKENIZER_DIR
     target.mkdir(exist_ok=True)
     for source in files:
         shutil.copyfile(source, target / source.name)
-    return {source.name: file_checksum(target / source.name) for source in files}
+
+
+def tokenizer_record(entries: Iterable[FileEntry]) -> dict[str, str]:
+    """name -> "algorithm:checksum" of the step's tokenizer copies, from its file entries."""
+    prefix = f"{TOKENIZER_DIR}/"
+    return {
+        e.path[len(prefix) :]: f"{e.algorithm}:{e.checksum}"
+        for e in entries
+        if e.path.startswith(prefix)
+    }
 
 
 def tokenizer_difference(saved: dict[str, str], path: str | None) -> str | None:
-    """What differs between a checkpoint's tokenizer files (name -> checksum) and the files
-    at ``path``; None when they are the same files."""
-    current = {p.name: file_checksum(p) for p in tokenizer_sources(path)}
+    """What differs between a checkpoint's tokenizer files (:func:`tokenizer_record`) and the
+    files at ``path``; None when they are the same files."""
+    current = {}
+    for source in tokenizer_sources(path):
+        algorithm = saved.get(source.name, DEFAULT_ALGORITHM).split(":", 1)[0]
+        current[source.name] = f"{algorithm}:{file_checksum(source, algorithm)}"
     if current == saved:
         return None
     problems = [
@@ -55,7 +69,7 @@ def tokenizer_difference(saved: dict[str, str], path: str | None) -> str | None:
         for name in sorted(set(saved) ^ set(current))
     ]
     problems += [
-        f"{name}: content differs (checksum {saved[name][:12]} saved, {current[name][:12]} here)"
+        f"{name}: content differs ({saved[name]} saved, {current[name]} here)"
         for name in sorted(set(saved) & set(current))
         if saved[name] != current[name]
     ]
