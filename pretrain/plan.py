@@ -87,7 +87,7 @@ def vocab_size(run: RunConfig, vocab: int | None) -> int:
         ) from None
 
 
-def estimate(run: RunConfig, vocab: int, usable: float) -> tuple[list[Any], list[StageMemory]]:
+def estimate(run: RunConfig, vocab: int) -> tuple[list[StageParams], list[StageMemory]]:
     run.parallel.data_parallel_size(run.launch.world_size)  # the layout divides, or ConfigError
     padded = padded_vocab_size(run.model, vocab, run.parallel.tp)
     stages = build_stages(run, vocab)
@@ -122,7 +122,7 @@ def _with_parallel(run: RunConfig, **changes: Any) -> RunConfig:
 def smallest_fix(run: RunConfig, vocab: int, usable: float) -> str | None:
     for change, candidate in candidates(run):
         try:
-            _, memory = estimate(candidate, vocab, usable)
+            _, memory = estimate(candidate, vocab)
         except ConfigError:
             continue  # the layout does not divide the world: not an option
         if max(m.total for m in memory) <= usable:
@@ -142,7 +142,7 @@ def make_plan(
     gpu = gpu or run.launch.gpu
     size = vocab_size(run, vocab)
     usable = gpu_bytes(gpu) * (1 - headroom)
-    stages, memory = estimate(run, size, usable)
+    stages, memory = estimate(run, size)
     padded = padded_vocab_size(run.model, size, run.parallel.tp)
     plan = Plan(run, list(overrides), gpu, usable, size, padded, stages, memory)
     if not plan.fits:
