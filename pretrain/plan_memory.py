@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pretrain.plan_model import StageParams, world_size
+from pretrain.plan_model import StageParams
 from recipes import ConfigError, RunConfig
 
 GIB = 1 << 30
@@ -74,7 +74,7 @@ def _bf16(run: RunConfig) -> bool:
 def expert_dp(run: RunConfig) -> int:
     """Ranks an expert parameter is replicated on (its optimizer shards over them)."""
     par = run.parallel
-    return world_size(run) // (par.pp * par.ep * par.tp)
+    return run.launch.world_size // (par.pp * par.ep * par.tp)
 
 
 def optimizer_bytes(run: RunConfig, stage: StageParams) -> float:
@@ -83,12 +83,12 @@ def optimizer_bytes(run: RunConfig, stage: StageParams) -> float:
     if not run.optimizer.use_distributed_optimizer:
         return per_param * (dense + experts)
     par = run.parallel
-    dense_shards = par.data_parallel_size(world_size(run)) * par.cp
+    dense_shards = par.data_parallel_size(run.launch.world_size) * par.cp
     return per_param * (dense / dense_shards + experts / expert_dp(run))
 
 
 def microbatches(run: RunConfig) -> int:
-    dp = run.parallel.data_parallel_size(world_size(run))
+    dp = run.parallel.data_parallel_size(run.launch.world_size)
     return run.train.global_batch_size // (run.train.micro_batch_size * dp)
 
 

@@ -55,10 +55,6 @@ class StageParams:
         return sum(self.unique.values())
 
 
-def world_size(run: RunConfig) -> int:
-    return run.launch.nodes * run.launch.nproc_per_node
-
-
 def _kind(name: str) -> str:
     if "word_embeddings" in name or "position_embeddings" in name:
         return "embedding"
@@ -108,7 +104,7 @@ def build_stage(run: RunConfig, vocab: int, pp_rank: int) -> StageParams:
     # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
     from megatron.core import parallel_state as ps
 
-    size, par = world_size(run), run.parallel
+    size, par = run.launch.world_size, run.parallel
     # See the module docstring; the local spec's torch norms also refuse sequence parallelism,
     # which changes no parameter shape either.
     meta_par = dataclasses.replace(par, cp=1, sequence_parallel=False)
@@ -146,7 +142,7 @@ def total_params(stages: list[StageParams]) -> dict[str, int]:
 
 def shape_of(run: RunConfig) -> dict[str, Any]:
     """The layout in one line of numbers, as the report shows it."""
-    par, size = run.parallel, world_size(run)
+    par, size = run.parallel, run.launch.world_size
     return {
         "world": size,
         "tp": par.tp,
