@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from drill.soak_plan import IN_PLACE, PlannedFault, SoakRuns
+from drill.soak_plan import IN_PLACE, PlannedFault, SoakRuns, clean_costs
 from resiliency.cli.capacity import predicted_goodput
 from resiliency.monitor.goodput import Ledger, build_ledger, format_ledger, read_jsonl
 
@@ -113,9 +113,7 @@ def goodput_view(runs: SoakRuns, outcomes: list[FaultOutcome]) -> GoodputView:
     """Measured goodput vs the planner's, fed the soak's own measured costs: the clean run's
     mean blocking save, the mean RTO of the restarts, the realised wall time per fault."""
     ledger = build_ledger(runs.run_dir("soak"))
-    saves = read_jsonl(runs.run_dir("clean") / "metrics" / "checkpoints.jsonl")
-    saves = [s for s in saves if s.get("tier") != "staging"]  # once per attempt, not a save
-    save_s = statistics.fmean([s["blocked_s"] for s in saves]) if saves else 0.0
+    save_s, _ = clean_costs(runs.run_dir("clean"))
     rtos = [o.rto_s for o in outcomes if o.rto_s is not None]
     restart_s = statistics.fmean(rtos) if rtos else None
     fired = sum(o.fired for o in outcomes)
