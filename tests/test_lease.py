@@ -114,6 +114,32 @@ def test_stale_mutex_of_dead_process_is_broken(layout: RunLayout) -> None:
     assert not lock.exists()
 
 
+def _die_taking_the_mutex(root: str) -> None:
+    # The write of the lock's identity is where the process dies: with an exclusive create
+    # followed by a write, this left an empty lock that only its 30 s age could clear.
+    from resiliency.storage import lease as lease_module
+
+    def die(*_: object) -> None:
+        os._exit(9)
+
+    lease_module.os.write = die  # type: ignore[assignment]
+    Path.write_text = die  # type: ignore[assignment,method-assign]
+    lease_module.RunLease(RunLayout(Path(root), RUN), attempt=1, timeout_s=60).acquire()
+
+
+def test_a_process_killed_taking_the_mutex_does_not_block_the_next(layout: RunLayout) -> None:
+    layout.run_dir.mkdir(parents=True)
+    proc = mp.get_context("fork").Process(target=_die_taking_the_mutex, args=(str(layout.root),))
+    proc.start()
+    proc.join(timeout=30)
+    assert proc.exitcode == 9
+    started = time.monotonic()
+    RunLease(layout, attempt=2, timeout_s=60, lock_wait_s=2).acquire()
+    assert time.monotonic() - started < 1.0
+    assert read_lease(layout).attempt == 2
+    assert sorted(p.name for p in layout.run_dir.iterdir()) == ["LEASE"]
+
+
 def test_heartbeat_and_loss_detection(layout: RunLayout) -> None:
     lease = RunLease(layout, attempt=1, timeout_s=30)
     lease.acquire()

@@ -1,10 +1,14 @@
 """Single-writer lease on a run dir, so two jobs never write (or GC) the same run at once.
 
 LEASE holds the owner's identity and a heartbeat. Every read-decide-write of LEASE (acquire,
-heartbeat, release) runs under a short mutex: LEASE.lock created with O_CREAT|O_EXCL, which
-exactly one process can win, also across hosts on a shared filesystem (NFSv3+ implements
-exclusive create atomically). Writing LEASE itself with os.replace alone would not do: two
-acquirers could both read "stale" and both replace it, each believing it won.
+heartbeat, release) runs under a short mutex: LEASE.lock, hard-linked into place from a file
+that already holds the owner's identity; link() of an existing name fails for all but one
+process, also across hosts on a shared filesystem (the classic NFS-safe lock). The lock is never
+seen without its owner, so a process killed while taking it leaves a lock whose dead pid marks
+it stale at once (an O_EXCL create followed by a write leaves an empty one in between, which
+only age can clear: a SIGSTOP there once cost a relaunch 30 s of setup).
+Writing LEASE itself with os.replace alone would not do: two acquirers could both read "stale"
+and both replace it, each believing it won.
 """
 
 from __future__ import annotations
@@ -166,38 +170,55 @@ def _lock_is_stale(lock: Path) -> bool:
     if age > _LOCK_STALE_S:
         return True
     if not isinstance(owner, dict):
-        return False  # just created, content not written yet
+        return False  # exclusive-create fallback: created, identity not written yet
     local = owner.get("pid_ns") == _pid_namespace() and owner.get("host") == socket.gethostname()
     pid = owner.get("pid")
     return local and isinstance(pid, int) and pid > 0 and not psutil.pid_exists(pid)
+
+
+def _try_create_lock(lock: Path) -> bool:
+    """Create `lock` holding our identity, atomically; False if it exists."""
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "pid_ns": _pid_namespace()}
+    # Per thread: the heartbeat thread and the main thread may both take the mutex.
+    who = f"{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}"
+    staged = lock.with_name(f"{lock.name}.{who}.tmp")
+    staged.write_text(json.dumps(me))
+    try:
+        os.link(staged, lock)
+        return True
+    except FileExistsError:
+        return False
+    except OSError:
+        # A filesystem without hard links (some FUSE object-store mounts): exclusive create,
+        # with the empty-lock window the link avoids.
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(me))
+        return True
+    finally:
+        staged.unlink(missing_ok=True)
 
 
 @contextmanager
 def _mutex(lease_path: Path, wait_s: float) -> Iterator[None]:
     lock = lease_path.with_name(lease_path.name + ".lock")
     deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            break
-        except FileExistsError:
-            if _lock_is_stale(lock):
-                # Tiny window: two breakers could both remove it; only reachable after a crash
-                # inside the millisecond-long critical section.
-                logger.warning("removing stale lease mutex %s", lock)
-                lock.unlink(missing_ok=True)
-                continue
-            if time.monotonic() > deadline:
-                raise LeaseHeldError(
-                    f"{lock} stayed locked for {wait_s:.0f}s; another process is "
-                    f"acquiring the lease (delete the file if none is)"
-                ) from None
-            time.sleep(random.uniform(0.005, 0.03))
-    try:
-        me = {"host": socket.gethostname(), "pid": os.getpid(), "pid_ns": _pid_namespace()}
-        os.write(fd, json.dumps(me).encode())
-    finally:
-        os.close(fd)
+    while not _try_create_lock(lock):
+        if _lock_is_stale(lock):
+            # Tiny window: two breakers could both remove it; only reachable after a crash
+            # inside the millisecond-long critical section.
+            logger.warning("removing stale lease mutex %s", lock)
+            lock.unlink(missing_ok=True)
+            continue
+        if time.monotonic() > deadline:
+            raise LeaseHeldError(
+                f"{lock} stayed locked for {wait_s:.0f}s; another process is "
+                f"acquiring the lease (delete the file if none is)"
+            ) from None
+        time.sleep(random.uniform(0.005, 0.03))
     try:
         yield
     finally:
