@@ -127,7 +127,14 @@ def staging_key(sharded: Any) -> str:
     """Unique per rank: layers of one stacked param share a key, not an offset."""
     rng = getattr(sharded, "flattened_range", None)
     span = f"{rng.start}:{rng.stop}" if rng is not None else ""
-    return f"{sharded.key}|{tuple(sharded.global_offset)}|{span}"
+    offset = getattr(sharded, "global_offset", None)
+    if offset is None:
+        # A factory (SwiGLU's fc1, split into gate and up) carries no offsets itself: the
+        # tensors it builds do, and building is cheap (views).
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+        offset = next(iter(nested_values(sharded.build()))).global_offset
+    return f"{sharded.key}|{tuple(offset)}|{span}"
 
 
 def _is_view(tensor: torch.Tensor) -> bool:

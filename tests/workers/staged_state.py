@@ -26,7 +26,7 @@ def _leaves(value: Any, path: str = "") -> list[tuple[str, Any]]:
 
 
 def _described(sharded: dict[str, Any]) -> dict[str, Any]:
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     out = {}
     for path, value in _leaves(sharded):
@@ -42,6 +42,8 @@ def _described(sharded: dict[str, Any]) -> dict[str, Any]:
                 value.flattened_range,
             )
             out[path] = (meta, value.data)
+        elif isinstance(value, ShardedTensorFactory):  # SwiGLU's fc1; its repr names closures
+            out[path] = ((value.key, value.replica_id, value.flattened_range), value.data)
         else:
             out[path] = (repr(value), None)
     return out
