@@ -51,7 +51,7 @@ $(BPE_CORPUS): | $(STAMP)
 
 pretrain: $(STAMP) $(CORPUS) $(BPE_CORPUS)
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(NPROC) -m pretrain \
-		recipe=gpt_tiny run_id=$(RUN_ID) $(ARGS)
+		recipe=gpt_tiny_bpe run_id=$(RUN_ID) $(ARGS)
 	$(BIN)/python -m resiliency ls runs/$(RUN_ID)
 
 test: $(STAMP)

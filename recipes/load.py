@@ -181,3 +181,13 @@ def _unknown_override_key(overrides: list[str], text: str) -> str | None:
 
 def _group_names() -> set[str]:
     return {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
+
+
+def load_config_dict(saved: dict[str, Any]) -> RunConfig:
+    """The RunConfig of a config saved as a plain dict (a checkpoint manifest's ``config``)."""
+    try:
+        run = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), saved))
+    except (OmegaConfBaseException, ValueError) as exc:
+        raise ConfigError(f"saved config does not load: {exc}") from None
+    assert isinstance(run, RunConfig)
+    return run

@@ -1,0 +1,86 @@
+"""Arguments and exit codes of ``python -m pretrain.hf`` (= ``python -m resiliency.hf``).
+
+Exit codes: 0 done (and, with a check, within tolerance); 1 the step does not verify, or the
+exported model's validation loss is off by more than ``--tolerance``; 2 usage or config error
+(no such path, a model with no transformers family, an output dir in the way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from pretrain.logs import setup_logging
+from resiliency.cli.base import EXIT_BAD, EXIT_OK, EXIT_USAGE
+from resiliency.hf.export import ExportError, export_step
+
+log = logging.getLogger("pretrain.hf")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m pretrain.hf",
+        description="Export checkpoints to Hugging Face transformers, import from it.",
+        epilog=f"exit codes: {EXIT_OK} ok; {EXIT_BAD} the step does not verify or the check "
+        f"failed; {EXIT_USAGE} usage or config error",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    export = sub.add_parser("export", help="a published step -> a transformers model directory")
+    export.add_argument("step_dir", type=Path, help="a published step: <run dir>/steps/step-N")
+    export.add_argument("--out", type=Path, required=True, help="the directory to write")
+    export.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    export.add_argument(
+        "--check",
+        action="store_true",
+        help="load the export in transformers and compare its loss on the run's validation "
+        "batches with the validation loss the run logged at this step",
+    )
+    export.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.01,
+        help="largest relative loss gap --check accepts (default 0.01 = 1%%)",
+    )
+    return parser
+
+
+def run_export(args: argparse.Namespace) -> int:
+    if not args.step_dir.is_dir():
+        log.error("export: %s is not a directory (give <run dir>/steps/step-N)", args.step_dir)
+        return EXIT_USAGE
+    try:
+        step = export_step(args.step_dir, args.out, args.force)
+    except ExportError as exc:
+        log.error("export: %s", exc)
+        return EXIT_BAD if "does not verify" in str(exc) else EXIT_USAGE
+    print(f"exported step {step.manifest.step} of {step.manifest.run_id} to {args.out}")
+    if not args.check:
+        return EXIT_OK
+    # heavy (transformers, megatron datasets): only for --check
+    from resiliency.hf.check import hf_validation_loss
+
+    try:
+        result = hf_validation_loss(args.out, step)
+    except ValueError as exc:
+        log.error("export --check: %s", exc)
+        return EXIT_USAGE
+    if result.run_loss is None:
+        print(
+            f"validation loss: transformers {result.hf_loss:.6f}; the run did not validate "
+            f"at step {step.manifest.step}, nothing to compare with"
+        )
+        return EXIT_OK
+    gap = result.relative_gap or 0.0
+    verdict = "ok" if gap <= args.tolerance else f"FAILED (tolerance {args.tolerance:.2%})"
+    print(
+        f"validation loss: transformers {result.hf_loss:.6f} vs run {result.run_loss:.6f} "
+        f"({gap:.3%} apart): {verdict}"
+    )
+    return EXIT_OK if gap <= args.tolerance else EXIT_BAD
+
+
+def main(argv: list[str] | None = None) -> int:
+    setup_logging()
+    args = build_parser().parse_args(argv)
+    return {"export": run_export}[args.command](args)

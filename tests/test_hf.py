@@ -1,0 +1,234 @@
+"""Hugging Face transformers interop with real checkpoints and real transformers models: the
+exported directory computes megatron-core's logits, and its validation loss is the run's."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pretrain.hf_convert import from_hf, join_qkv, split_qkv, to_hf
+from recipes.schema import ModelConfig
+from tests.helpers import REPO, TORCHRUN, run_pretrain
+
+transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
+
+LLAMA_STYLE = [
+    "model.normalization=RMSNorm",
+    "model.activation=swiglu",
+    "model.add_bias_linear=false",
+    "model.num_query_groups=2",
+]
+# The byte tokenizer's 258 ids, unpadded (TP 1 and 2 divide it): an export drops padded rows,
+# which would change the softmax the run computed; without them the loss must be the run's.
+UNPADDED = ["model.padded_vocab_size=258"]
+# name: (recipe, layout and form it trains and saves at, layout megatron's logits are read at)
+FAMILIES = {
+    "llama": (
+        "gpt_tiny",
+        [
+            "parallel.tp=1",
+            "checkpoint.optim_format=dp_reshardable",
+            *LLAMA_STYLE,
+            "model.share_embeddings_and_output_weights=false",
+        ],
+        ["parallel.tp=2", *LLAMA_STYLE, "model.share_embeddings_and_output_weights=false"],
+    ),
+    "mixtral": (
+        "gpt_tiny_moe",
+        ["parallel.tp=1", "parallel.ep=2", *LLAMA_STYLE],
+        ["parallel.tp=1", "parallel.ep=1", *LLAMA_STYLE],
+    ),
+    "gpt_neox": ("gpt_tiny", ["parallel.tp=2"], ["parallel.tp=1", "parallel.ep=1"]),
+}
+TOKENS = [
+    [3, 70, 101, 200, 32, 17, 255, 9, 44, 100, 101, 102],
+    [256, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
+]
+
+
+def hf_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "pretrain.hf", *args],
+        cwd=REPO,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=300,
+    )
+
+
+def train(recipe: str, layout: list[str], corpus: str, out: Path, run_id: str) -> Path:
+    run_pretrain(
+        2,
+        [
+            f"recipe={recipe}",
+            f"data.paths=[{corpus}]",
+            f"output_dir={out}",
+            f"run_id={run_id}",
+            "train.train_steps=4",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=8",
+            "checkpoint.save_interval=4",
+            "train.eval_interval=4",
+            "train.eval_iters=2",
+            *UNPADDED,
+            *layout,
+        ],
+    )
+    return out / run_id / "steps" / "step-000000004"
+
+
+def megatron_logits(
+    step_dir: Path, recipe: str, layout: list[str], corpus: str, tmp: Path
+) -> torch.Tensor:
+    out = tmp / "megatron_logits.pt"
+    nproc = 2 if "parallel.tp=2" in layout else 1
+    cmd = [
+        TORCHRUN,
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(REPO / "tests" / "workers" / "megatron_logits.py"),
+        "--out",
+        str(out),
+        "--step-dir",
+        str(step_dir),
+        "--tokens",
+        json.dumps(TOKENS),
+        f"recipe={recipe}",
+        f"data.paths=[{corpus}]",
+        f"output_dir={tmp}",
+        "run_id=logits",
+        "checkpoint.enabled=false",
+        f"launch.nproc_per_node={nproc}",
+        *UNPADDED,
+        *layout,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, text=True, capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_export_computes_megatrons_logits(family: str, stdlib_corpus: str, tmp_path: Path) -> None:
+    recipe, saved_at, read_at = FAMILIES[family]
+    step_dir = train(recipe, saved_at, stdlib_corpus, tmp_path, f"hf-{family}")
+    out = tmp_path / "hf"
+    proc = hf_cli("export", str(step_dir), "--out", str(out), "--check")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == family and config["vocab_size"] == 258
+    # The run's validation loss, recomputed by transformers on the same batches.
+    assert "vs run" in proc.stdout and ": ok" in proc.stdout, proc.stdout
+    hf_loss, run_loss = (
+        float(x) for x in re.findall(r"(?:transformers|run) ([0-9.]+)", proc.stdout)
+    )
+    assert hf_loss == pytest.approx(run_loss, rel=1e-5)
+
+    expected = megatron_logits(step_dir, recipe, read_at, stdlib_corpus, tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(TOKENS)).logits
+    assert logits.shape == (2, len(TOKENS[0]), 258)
+    torch.testing.assert_close(logits, expected[..., :258], rtol=1e-5, atol=1e-5)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert tokenizer("héllo")["input_ids"] == list("héllo".encode())
+    assert tokenizer.eos_token_id == 256
+
+
+def _tiny(**fields: object) -> ModelConfig:
+    base = dict(num_layers=2, hidden_size=16, num_attention_heads=4, ffn_hidden_size=24)
+    return ModelConfig(**{**base, **fields})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        _tiny(
+            normalization="RMSNorm",
+            activation="swiglu",
+            num_query_groups=2,
+            add_bias_linear=True,
+            share_embeddings_and_output_weights=False,
+        ),
+        _tiny(
+            normalization="RMSNorm",
+            activation="swiglu",
+            add_bias_linear=False,
+            num_experts=3,
+            moe_ffn_hidden_size=8,
+        ),
+        _tiny(),
+    ],
+    ids=["llama-bias-gqa", "mixtral", "gpt_neox"],
+)
+def test_megatron_to_hf_and_back_is_exact(model: ModelConfig) -> None:
+    torch.manual_seed(0)
+    hf = to_hf(_random_megatron(model, padded=40), model, vocab_size=33)
+    back = to_hf(from_hf(hf, model, padded_vocab=40), model, vocab_size=33)
+    assert hf.keys() == back.keys()
+    for key in hf:
+        assert torch.equal(hf[key], back[key]), key
+
+
+def _random_megatron(model: ModelConfig, padded: int) -> dict[str, torch.Tensor]:
+    """Random global tensors under megatron's checkpoint keys, built by from_hf's inverse."""
+    from pretrain.hf_convert import LAYERS
+
+    h, L = model.hidden_size, model.num_layers
+    groups = model.num_query_groups or model.num_attention_heads
+    qkv = (model.num_attention_heads + 2 * groups) * (h // model.num_attention_heads)
+    ffn = model.ffn_hidden_size or 4 * h
+    out = {
+        "embedding.word_embeddings.weight": torch.randn(padded, h),
+        "output_layer.weight": torch.randn(padded, h),
+        "decoder.final_layernorm.weight": torch.randn(h),
+    }
+    layer = {
+        "self_attention.linear_qkv.layer_norm_weight": (h,),
+        "self_attention.linear_qkv.weight": (qkv, h),
+        "self_attention.linear_proj.weight": (h, h),
+        "mlp.linear_fc1.layer_norm_weight": (h,),
+    }
+    swiglu = 2 if model.activation == "swiglu" else 1
+    if model.is_moe:
+        e, f = model.num_experts or 0, model.moe_ffn_hidden_size or ffn
+        layer |= {
+            "mlp.router.weight": (e, h),
+            "mlp.experts.experts.linear_fc1.weight": (e, 2 * f, h),
+            "mlp.experts.experts.linear_fc2.weight": (e, h, f),
+        }
+    else:
+        layer |= {"mlp.linear_fc1.weight": (swiglu * ffn, h), "mlp.linear_fc2.weight": (h, ffn)}
+    if model.add_bias_linear:
+        layer |= {
+            "self_attention.linear_qkv.bias": (qkv,),
+            "self_attention.linear_proj.bias": (h,),
+            "mlp.linear_fc1.bias": (swiglu * ffn,),
+            "mlp.linear_fc2.bias": (h,),
+        }
+    if model.normalization == "LayerNorm":
+        layer |= {
+            "self_attention.linear_qkv.layer_norm_bias": (h,),
+            "mlp.linear_fc1.layer_norm_bias": (h,),
+        }
+        out["decoder.final_layernorm.bias"] = torch.randn(h)
+    out |= {LAYERS + name: torch.randn(L, *shape) for name, shape in layer.items()}
+    return out
+
+
+def test_qkv_split_is_megatrons_group_layout() -> None:
+    # 4 query heads in 2 groups, head dim 1: rows are q0 q1 k0 v0 | q2 q3 k1 v1.
+    fused = torch.arange(8.0).unsqueeze(1)
+    q, k, v = split_qkv(fused, heads=4, groups=2)
+    assert q.flatten().tolist() == [0, 1, 4, 5]
+    assert k.flatten().tolist() == [2, 6] and v.flatten().tolist() == [3, 7]
+    assert torch.equal(join_qkv(q, k, v, heads=4, groups=2), fused)
