@@ -232,3 +232,107 @@ def test_qkv_split_is_megatrons_group_layout() -> None:
     assert q.flatten().tolist() == [0, 1, 4, 5]
     assert k.flatten().tolist() == [2, 6] and v.flatten().tolist() == [3, 7]
     assert torch.equal(join_qkv(q, k, v, heads=4, groups=2), fused)
+
+
+# A transformers model with gpt_tiny's shape in Llama/Mixtral form, made here (no hub access).
+def _hf_model(family: str, path: Path) -> None:
+    torch.manual_seed(7)
+    common = dict(vocab_size=258, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
+                  tie_word_embeddings=False, rope_theta=10000.0)  # fmt: skip
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(**common, intermediate_size=256)
+        )
+    else:
+        config = transformers.MixtralConfig(
+            **common, intermediate_size=128, num_local_experts=4, num_experts_per_tok=2
+        )
+        model = transformers.MixtralForCausalLM(config)
+    model.save_pretrained(path)
+
+
+IMPORTED = {
+    "llama": ["recipe=gpt_tiny", *LLAMA_STYLE, "model.share_embeddings_and_output_weights=false"],
+    "mixtral": ["recipe=gpt_tiny_moe", *LLAMA_STYLE,
+                "model.share_embeddings_and_output_weights=false"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(IMPORTED))
+def test_import_round_trips_and_continues_with_transformers_loss(
+    family: str, stdlib_corpus: str, tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    source = tmp_path / "source"
+    _hf_model(family, source)
+    run = [*IMPORTED[family], *UNPADDED, f"data.paths=[{stdlib_corpus}]",
+           f"output_dir={tmp_path}", "run_id=continued"]  # fmt: skip
+    proc = hf_cli("import", str(source), *run)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    step0 = tmp_path / "continued" / "steps" / "step-000000000"
+    assert json.loads((step0 / "manifest.json").read_text())["weights_only"] is True
+
+    # import -> export: the same tensors, bit for bit.
+    proc = hf_cli("export", str(step0), "--out", str(tmp_path / "back"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    original = load_file(str(source / "model.safetensors"))
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert original.keys() == back.keys()
+    assert all(torch.equal(original[k], back[k]) for k in original)
+
+    # Continued pretraining at another layout (TP=2, or EP=2): its first loss is the one
+    # transformers computes for the same batch.
+    layout = ["parallel.tp=2"] if family == "llama" else ["parallel.ep=2"]
+    steps = ["train.train_steps=1", "train.micro_batch_size=2", "train.global_batch_size=8"]
+    proc = run_pretrain(2, [*run, *layout, *steps])
+    assert "FRESH optimizer state" in proc.stderr
+    first = json.loads((tmp_path / "continued" / "metrics" / "steps.jsonl").read_text()
+                       .splitlines()[0])  # fmt: skip
+    assert first["step"] == 1
+    expected = _transformers_first_batch_loss(source, [*run, *layout, *steps], tmp_path)
+    assert first["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def _transformers_first_batch_loss(model_dir: Path, overrides: list[str], tmp: Path) -> float:
+    import torch.nn.functional as F
+
+    from pretrain import data
+    from pretrain.loop import split_sizes
+    from pretrain.tokenizer import ByteTokenizer
+    from recipes import load_config
+
+    run = load_config(overrides)
+    mbs, gbs = run.train.micro_batch_size, run.train.global_batch_size
+    plan = data.BatchPlan(mbs, gbs // mbs, 1, 0)
+    train, _, _ = data.build_datasets(
+        run.data,
+        ByteTokenizer(),
+        run.model.seq_length,
+        split_sizes(run, plan),
+        tmp / "continued" / "data-cache",
+    )
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    losses = []
+    with torch.no_grad():
+        for micro in data.microbatches(train, plan, 0):
+            logits = model.eval()(input_ids=micro["tokens"]).logits
+            per_token = F.cross_entropy(
+                logits.flatten(0, 1), micro["labels"].flatten(), reduction="none"
+            )
+            mask = micro["loss_mask"].flatten().float()
+            losses.append(float((per_token * mask).sum() / mask.sum()))
+    return sum(losses) / len(losses)
+
+
+def test_import_refuses_a_recipe_that_is_not_the_model(stdlib_corpus: str, tmp_path: Path) -> None:
+    source = tmp_path / "source"
+    _hf_model("llama", source)
+    proc = hf_cli("import", str(source), "recipe=gpt_tiny", f"data.paths=[{stdlib_corpus}]",
+                  f"output_dir={tmp_path}", "run_id=wrong")  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "model.normalization=LayerNorm (transformers: RMSNorm)" in errors[0]
+    assert "model.activation=swiglu" in errors[0]  # the overrides that would match
+    assert not (tmp_path / "wrong").exists()

@@ -11,7 +11,15 @@ from recipes import ConfigError, list_recipes, load_config
 from recipes.validate import validate_runtime
 from tests.helpers import REPO
 
-SHIPPED = ["gpt_tiny", "gpt_tiny_moe", "gpt_125m", "llama3_8b", "llama3_70b", "mixtral_8x7b"]
+SHIPPED = [
+    "gpt_tiny",
+    "gpt_tiny_bpe",
+    "gpt_tiny_moe",
+    "gpt_125m",
+    "llama3_8b",
+    "llama3_70b",
+    "mixtral_8x7b",
+]
 
 
 def test_all_recipes_are_listed() -> None:

@@ -15,7 +15,7 @@ import os
 import shutil
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -121,6 +121,7 @@ class Checkpointer:
         self._strategy: Any = None  # megatron save strategy, built by the first save
         self.staging = self._staging() if self.cfg.staging_buffers else None
         self._reserved = False  # reserve_staging ran (once per attempt)
+        self.weights_only = False  # a step without optimizer state (python -m pretrain.hf import)
         fix_orphaned_writer_manager()
         if self.cfg.async_save and self.staging is not None and self.staging.shared:
             self.queue = writer_queue
@@ -142,7 +143,7 @@ class Checkpointer:
             request = self._write_shards(tmp)
             state_io.save_rank_state(tmp, self.rank, state_io.capture_rng(self.trainer.env.device))
             if self.rank == 0:
-                state_io.write_train_state(tmp, self.train_state_record())
+                state_io.write_train_state(tmp, state_io.train_state_record(self.trainer))
                 copy_tokenizer(tmp, self.trainer.run.data.tokenizer_path)
         except SAVE_ERRORS as exc:
             self._abort(tmp, exc)
@@ -225,6 +226,7 @@ class Checkpointer:
         sharded = sharded_training_state(
             self.trainer.parts,
             self.cfg.optim_format,
+            with_optimizer=not self.weights_only,
             staging=self.staging,
             snapshot=self.cfg.async_save,
         )
@@ -298,24 +300,6 @@ class Checkpointer:
                 # later in-place updates of live tensors (see shared cpu-feasibility notes).
                 self.queue = AsyncCallsQueue(persistent=False)
         return self.queue
-
-    def train_state_record(self) -> dict[str, Any]:
-        trainer = self.trainer
-        return {
-            "step": trainer.state.step,
-            "consumed_samples": trainer.state.consumed_samples,
-            "consumed_tokens": trainer.state.consumed_tokens,
-            "microbatch_position": 0,  # saves happen at step boundaries only
-            "global_batch_size": trainer.parts.plan.global_batch_size,
-            "lr": trainer.lr,
-            "scheduler": trainer.parts.scheduler.state_dict(),
-            "grad_scaler": None,  # bf16/fp32 train without loss scaling
-            "data_cursor": {
-                "consumed_samples": trainer.state.consumed_samples,
-                "shuffle_seed": trainer.run.data.seed,
-            },
-            "guard": trainer.guard.state_dict(),  # train.guard: loss window and run totals
-        }
 
     def _commit(self) -> None:
         """Collective: checksum shares, then rank 0 commits, publishes and collects garbage."""
@@ -439,6 +423,7 @@ class Checkpointer:
             dataset=self._dataset(),
             config=asdict(run),
             files=files,
+            weights_only=self.weights_only,
             tokenizer={
                 "kind": run.data.tokenizer,
                 "path": run.data.tokenizer_path,
@@ -491,16 +476,25 @@ class Checkpointer:
         """Load a step chosen, topology-validated and re-hashed by restore_plan.py."""
         self.faults.at_checkpoint("restore", manifest.step)
         started = time.perf_counter()
-        loaded = self._load_shards(step_dir / MODEL_DIR, manifest)
-        rank_state = state_io.load_rank_state(step_dir, self.rank) if same_layout else None
-        self.apply_loaded(
-            loaded,
-            state_io.read_train_state(step_dir),
-            rank_state,
-            step_dir.name,
-            restored=(manifest.step, "persistent"),
-            started=started,
-        )
+        cfg, train_state = self.cfg, state_io.read_train_state(step_dir)
+        if manifest.weights_only:
+            # Imported: nothing was trained at its recorded batch or schedule; this run's
+            # optimizer starts fresh on this run's own schedule and batch.
+            self.cfg = replace(cfg, load_optimizer=False, schedule_on_resume="config")
+            train_state["global_batch_size"] = self.trainer.parts.plan.global_batch_size
+        try:
+            loaded = self._load_shards(step_dir / MODEL_DIR, manifest)
+            rank_state = state_io.load_rank_state(step_dir, self.rank) if same_layout else None
+            self.apply_loaded(
+                loaded,
+                train_state,
+                rank_state,
+                step_dir.name,
+                restored=(manifest.step, "persistent"),
+                started=started,
+            )
+        finally:
+            self.cfg = cfg
         return manifest.step
 
     def apply_loaded(
@@ -530,8 +524,9 @@ class Checkpointer:
             # Main (fp32) params were copied from the weights at build time; refresh them.
             trainer.parts.optimizer.reload_model_params()
             log.warning(
-                "restore: checkpoint.load_optimizer=false: weights only, FRESH optimizer "
-                "state; the loss trajectory will differ from the original run"
+                "restore: weights only (checkpoint.load_optimizer=false, or a step imported "
+                "from transformers), FRESH optimizer state: the loss trajectory is not the "
+                "one an optimizer restored with the weights would give"
             )
         if override:
             schedule_from_config(trainer.parts, trainer.run.optimizer)

@@ -147,7 +147,9 @@ class CheckpointHook(TrainHook):
         # A checkpoint that carries its tokenizer had its files compared by content already.
         carried = manifest.tokenizer.get("files") is not None
         checked = frozenset({"data.tokenizer_path"} if carried else ())
-        self.decision = reconcile(run, manifest.config, manifest.step, checked)
+        self.decision = reconcile(
+            run, manifest.config, manifest.step, checked, manifest.weights_only
+        )
         if self.env.rank == 0:
             for change in self.decision.applied:
                 log.info("resume: %s (%s, applied)", change.describe(), change.kind)

@@ -193,7 +193,7 @@ class LocalTier:
 
         step = self.trainer.state.step
         sharded = sharded_training_state(self.trainer.parts, LOCAL_OPTIM_FORMAT)
-        sharded["train_state"] = self.checkpointer.train_state_record()
+        sharded["train_state"] = state_io.train_state_record(self.checkpointer.trainer)
         sharded["rank_state"] = rank_state_object(state_io.capture_rng(self.trainer.env.device))
         tasd, _ = MCoreTensorAwareStateDict.from_state_dict(sharded, algo=ALGO)
         self.manager.save(tasd, step, is_async=False)

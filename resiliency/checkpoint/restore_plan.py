@@ -180,7 +180,10 @@ def plan_restore(
         return run, None
     manifest = read_manifest(step_dir)
     rehash = start_rehash(step_dir, manifest) if run.checkpoint.full_verify else None
-    report = check_topology(manifest, target_for(run, world_size, dp, vocab_size))
+    target = target_for(run, world_size, dp, vocab_size)
+    if manifest.weights_only:  # nothing of the optimizer to reshard: any layout loads it
+        target = dataclasses.replace(target, load_optimizer=False)
+    report = check_topology(manifest, target)
     check_tokenizer(manifest, run.data.tokenizer_path, step_dir)
     padded = manifest.tokenizer.get("padded_vocab_size")
     model = dataclasses.replace(run.model, padded_vocab_size=padded)

@@ -140,12 +140,15 @@ def reconcile(
     saved_config: dict[str, Any],
     step: int,
     content_checked: frozenset[str] = frozenset(),
+    weights_only: bool = False,
 ) -> ResumeDecision:
     """Judge every difference between ``run`` and the config saved with checkpoint ``step``.
     ``content_checked``: keys naming files whose content was compared with the checkpoint's
-    already (``data.tokenizer_path``: the same tokenizer moved elsewhere is no change)."""
+    already (``data.tokenizer_path``: the same tokenizer moved elsewhere is no change).
+    ``weights_only``: the step holds weights and nothing trained with them (an import): only
+    the model and the tokenizer must match, the run's own schedule and data are free."""
     changes = [
-        dataclasses.replace(c, kind="free") if c.key in content_checked else c
+        dataclasses.replace(c, kind="free") if _free(c, content_checked, weights_only) else c
         for c in diff(saved_config, dataclasses.asdict(run))
         if c.kind != "topology"
     ]
@@ -163,6 +166,13 @@ def reconcile(
     if kept:
         run = _with_saved_schedule(run, saved_config)
     return ResumeDecision(run, applied, kept)
+
+
+def _free(change: Change, content_checked: frozenset[str], weights_only: bool) -> bool:
+    if change.key in content_checked:
+        return True
+    bound = change.key.startswith(("model.", "data.tokenizer")) or change.kind == "grows"
+    return weights_only and not bound
 
 
 def _grows_past(change: Change, step: int) -> bool:

@@ -252,13 +252,13 @@ def _check_layout(manifest: Manifest, target: Target, report: TopologyReport) ->
 def _layout_change(dim: str, fmt: str, target: Target) -> tuple[Verdict, str]:
     if target.tier != "persistent":
         return "refused", f"the {target.tier} tier restores the same layout only"
+    if not target.load_optimizer:  # the weights themselves reshard along every dimension
+        return "reshardable", "weights only: the optimizer starts fresh"
     if dim == "ep" and target.model.get("num_experts"):
         return "refused", (
             "megatron-core 0.16.1 cannot reshard MoE optimizer state across EP "
             "(the number of chained optimizers changes)"
         )
-    if not target.load_optimizer:
-        return "reshardable", "weights only: the optimizer starts fresh"
     if dim == "dp" or fmt == "fully_reshardable":
         return "reshardable", ""
     return "refused", f"dp_reshardable optimizer state reshards across dp only, not {dim}"
@@ -267,7 +267,10 @@ def _layout_change(dim: str, fmt: str, target: Target) -> tuple[Verdict, str]:
 def _check_batch(manifest: Manifest, target: Target, report: TopologyReport) -> None:
     saved = manifest.config.get("train", {}).get("global_batch_size")
     wanted = target.global_batch_size
-    if saved == wanted:
+    if saved != wanted and manifest.weights_only:
+        note = "an imported step: nothing was trained at the saved batch"
+        report.rows.append(DimensionVerdict("global_batch_size", saved, wanted, "same", note))
+    elif saved == wanted:
         report.rows.append(
             DimensionVerdict(
                 "global_batch_size",

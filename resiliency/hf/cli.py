@@ -11,11 +11,14 @@ import argparse
 import logging
 from pathlib import Path
 
+from pretrain import exit_codes
 from pretrain.logs import setup_logging
-from resiliency.cli.base import EXIT_BAD, EXIT_OK, EXIT_USAGE
+from recipes import ConfigError
 from resiliency.hf.export import ExportError, export_step
 
 log = logging.getLogger("pretrain.hf")
+# As python -m resiliency's (resiliency/cli/base.py): 1 is "the checkpoint (or check) is bad".
+EXIT_OK, EXIT_BAD, EXIT_USAGE = exit_codes.OK, 1, exit_codes.CONFIG_ERROR
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.01,
         help="largest relative loss gap --check accepts (default 0.01 = 1%%)",
     )
+    imp = sub.add_parser(
+        "import",
+        help="a transformers model directory -> step 0 of a new run (weights only)",
+        description="Publish a transformers model as step 0 of run <run_id>; train that run "
+        "(any layout) to continue pretraining it with a fresh optimizer.",
+    )
+    imp.add_argument("hf_dir", type=Path, help="a local transformers model directory")
+    imp.add_argument("overrides", nargs="+", help="recipe=<name> run_id=<new run> key=value ...")
     return parser
 
 
@@ -80,7 +91,27 @@ def run_export(args: argparse.Namespace) -> int:
     return EXIT_OK if gap <= args.tolerance else EXIT_BAD
 
 
+def run_import(args: argparse.Namespace) -> int:
+    # heavy (megatron-core, the model): only for import
+    from resiliency.hf.import_ import import_hf
+
+    if not args.hf_dir.is_dir():
+        log.error("import: %s is not a directory", args.hf_dir)
+        return EXIT_USAGE
+    try:
+        step_dir = import_hf(args.hf_dir, args.overrides)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return EXIT_USAGE
+    run_id = step_dir.parent.parent.name
+    print(
+        f"imported {args.hf_dir} as {step_dir}; continue pretraining it with the same "
+        f"recipe and run_id={run_id} (any layout): it resumes from step 0 with a fresh optimizer"
+    )
+    return EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     setup_logging()
     args = build_parser().parse_args(argv)
-    return {"export": run_export}[args.command](args)
+    return {"export": run_export, "import": run_import}[args.command](args)

@@ -49,6 +49,8 @@ class Manifest:
     tokenizer: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
     files: list[FileEntry] = field(default_factory=list)
+    # No optimizer state: a step imported from transformers (restores load weights only).
+    weights_only: bool = False
     created_at: str = field(default_factory=utc_now_iso)
     schema_version: int = SCHEMA_VERSION
 

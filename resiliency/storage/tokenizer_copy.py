@@ -18,6 +18,7 @@ from pathlib import Path
 from resiliency.storage.checksum import DEFAULT_ALGORITHM, FileEntry, file_checksum
 
 TOKENIZER_DIR = "tokenizer"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
 
 
 def tokenizer_sources(path: str | None) -> list[Path]:
@@ -29,8 +30,19 @@ def tokenizer_sources(path: str | None) -> list[Path]:
     if source.is_file():
         return [source]
     if source.is_dir():
-        return sorted(p for p in source.iterdir() if p.is_file() and not p.name.startswith("."))
+        return sorted(
+            p
+            for p in source.iterdir()
+            if p.is_file() and not p.name.startswith(".") and not _is_weights(p.name)
+        )
     return []
+
+
+def _is_weights(name: str) -> bool:
+    """A model's weights beside its tokenizer (a transformers model directory): not copied."""
+    return name.endswith(WEIGHT_SUFFIXES) or name.endswith(
+        (".safetensors.index.json", ".bin.index.json")
+    )
 
 
 def copy_tokenizer(step_dir: Path, path: str | None) -> None:
