@@ -337,6 +337,31 @@ class LocalCheckpointConfig:
 
 
 @dataclass(kw_only=True)
+class RemoteCheckpointConfig:
+    """Object-store tier: committed steps copied to S3 by an independent uploader
+    (``python -m resiliency upload``), restored from when no local or shared step verifies."""
+
+    url: Optional[str] = None  # s3://bucket/prefix; None: tier off. Objects: <prefix>/<run_id>/...
+    endpoint_url: Optional[str] = None  # S3-compatible server (SeaweedFS, MinIO...); None: AWS
+    keep_last: int = 3  # committed remote steps kept (plus milestones); older ones deleted
+    workers: int = 8  # objects uploaded or downloaded in parallel
+    follow_interval_s: float = 10.0  # how often the launchers' uploader looks for new steps
+
+    @property
+    def enabled(self) -> bool:
+        return self.url is not None
+
+    def __post_init__(self) -> None:
+        require(
+            self.url is None or (self.url.startswith("s3://") and len(self.url) > 5),
+            f"checkpoint.remote.url={self.url!r}: give s3://bucket[/prefix]",
+        )
+        require(self.keep_last >= 1, "checkpoint.remote.keep_last must be >= 1")
+        positive("checkpoint.remote", workers=self.workers)
+        require(self.follow_interval_s > 0, "checkpoint.remote.follow_interval_s must be > 0")
+
+
+@dataclass(kw_only=True)
 class CheckpointConfig:
     enabled: bool = True  # save and restore at all
     save_interval: Optional[int] = None  # steps between persistent saves; None: only at the end
@@ -366,6 +391,7 @@ class CheckpointConfig:
     # history over from step 0 (the bad steps are set aside as they are overwritten).
     start_over_if_unverified: bool = False
     local: LocalCheckpointConfig = field(default_factory=LocalCheckpointConfig)
+    remote: RemoteCheckpointConfig = field(default_factory=RemoteCheckpointConfig)
 
     def __post_init__(self) -> None:
         one_of(

@@ -125,7 +125,9 @@ class CheckpointHook(TrainHook):
         self.initialise = run.model.perform_initialization
         if self.cfg.resume:
             vocab = build_tokenizer(run.data.tokenizer, run.data.tokenizer_path).vocab_size
-            run, self.plan = plan_restore(run, self.layout, self.env.world_size, dp, vocab)
+            run, self.plan = plan_restore(
+                run, self.layout, self.env.world_size, dp, vocab, None, self.ownership.attempt
+            )
         return self._model_init_for_plan(self._reconcile(run))
 
     @staticmethod
@@ -188,7 +190,13 @@ class CheckpointHook(TrainHook):
             )
             vocab = trainer.parts.tokenizer.vocab_size
             run, self.plan = plan_restore(
-                trainer.run, self.layout, self.env.world_size, trainer.dp, vocab, rejected
+                trainer.run,
+                self.layout,
+                self.env.world_size,
+                trainer.dp,
+                vocab,
+                rejected,
+                self.ownership.attempt,
             )
             trainer.rebuild(self._model_init_for_plan(self._reconcile(run)))
 
@@ -227,7 +235,7 @@ class CheckpointHook(TrainHook):
             return None, None
         return checkpointer.restore(
             self.plan.step_dir, self.plan.manifest, self.plan.report.same_layout
-        ), "persistent"
+        ), self.plan.tier
 
     def before_step(self, trainer: "Trainer") -> None:
         assert self.checkpointer is not None

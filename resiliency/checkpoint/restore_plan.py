@@ -16,10 +16,12 @@ from pretrain import exit_codes
 from pretrain.distributed import broadcast_object
 from pretrain.failures import ClassifiedError
 from recipes import ConfigError
-from recipes.schema import RunConfig
+from recipes.schema import RemoteCheckpointConfig, RunConfig
 from resiliency.checkpoint.topology import Target, TopologyRefusedError, TopologyReport, validate
 from resiliency.storage.layout import RunLayout
 from resiliency.storage.manifest import Manifest, read_manifest
+from resiliency.storage.object_store import ObjectStore
+from resiliency.storage.remote import fetch_newest
 from resiliency.storage.select import select_restore_step
 from resiliency.storage.tokenizer_copy import TOKENIZER_DIR, tokenizer_difference
 from resiliency.storage.verify import balanced_share, checksum_problem
@@ -32,6 +34,7 @@ class RestorePlan:
     step_dir: Path
     manifest: Manifest
     report: TopologyReport
+    tier: str = "persistent"  # or "remote": fetched from the object store by this plan
     # This rank's share of the step's files, re-hashed in the background while the model is
     # built (I/O next to CPU work); None when checkpoint.full_verify is off.
     rehash: Future[str | None] | None = field(default=None, compare=False)
@@ -53,26 +56,51 @@ class UnrecoverableRunError(ClassifiedError):
 
 
 def pick_checkpoint(
-    layout: RunLayout, run_id: str, rejected: Mapping[int, str], start_over: bool = False
-) -> Path | None:
+    layout: RunLayout,
+    run_id: str,
+    rejected: Mapping[int, str],
+    start_over: bool = False,
+    remote: RemoteCheckpointConfig | None = None,
+    attempt: int = 0,
+) -> tuple[Path | None, str]:
     """Rank 0 picks the newest step whose marker, manifest and file sizes check out and that is
-    not ``rejected``; every rank gets the same answer (collective). Published steps of which
-    none verifies stop the run, unless ``start_over``."""
-    choice, refusal = None, None
+    not ``rejected``; with none, the newest the remote tier holds intact (fetched here). Every
+    rank gets the same (step dir, tier) (collective). Published steps of which none verifies
+    stop the run, unless ``start_over``."""
+    choice, tier, refusal = None, "persistent", None
     if dist.get_rank() == 0:
         selection = select_restore_step(layout, run_id, full_verify=False, rejected=rejected)
         for name, reason in selection.skipped:
             log.warning("restore: skipped %s: %s", name, reason)
         choice = str(selection.step_dir) if selection.step_dir else None
+        if choice is None and remote is not None and remote.enabled:
+            fetched = fetch_from_remote(remote, layout, attempt, rejected)
+            choice, tier = (str(fetched), "remote") if fetched else (None, tier)
         if choice is None and layout.published_steps():
             refusal = _unrecoverable(layout, selection.skipped, start_over)
-    choice, refusal = broadcast_object((choice, refusal))
+    choice, tier, refusal = broadcast_object((choice, tier, refusal))
     if refusal is not None:
         raise UnrecoverableRunError(refusal)
     if choice is None:
         log.info("restore: no verified checkpoint in %s; starting fresh", layout.run_dir)
-        return None
-    return Path(choice)
+        return None, tier
+    return Path(choice), tier
+
+
+def fetch_from_remote(
+    remote: RemoteCheckpointConfig, layout: RunLayout, attempt: int, rejected: Mapping[int, str]
+) -> Path | None:
+    """Last in the restore order (local, replica, shared, remote): the newest remote step that
+    verifies and downloads intact, published into the shared steps dir."""
+    assert remote.url is not None
+    store = ObjectStore(remote.url, remote.endpoint_url, remote.workers)
+    log.warning(
+        "restore: no verified step in %s; looking in the remote tier %s",
+        layout.steps_dir,
+        remote.url,
+    )
+    below = min(rejected) if rejected else None  # a rejected step is not fetched again
+    return fetch_newest(store, layout, attempt, remote.workers, below)
 
 
 def _unrecoverable(
@@ -166,6 +194,7 @@ def plan_restore(
     dp: int,
     vocab_size: int,
     rejected: Mapping[int, str] | None = None,
+    attempt: int = 0,
 ) -> tuple[RunConfig, RestorePlan | None]:
     """Returns the run config to build (checkpoint's padded vocab pinned) and what to load.
 
@@ -173,8 +202,13 @@ def plan_restore(
     :meth:`RestorePlan.confirm` (all ranks) before loading; on a problem, plan again with the
     step in ``rejected``.
     """
-    step_dir = pick_checkpoint(
-        layout, run.run_id, rejected or {}, run.checkpoint.start_over_if_unverified
+    step_dir, tier = pick_checkpoint(
+        layout,
+        run.run_id,
+        rejected or {},
+        run.checkpoint.start_over_if_unverified,
+        run.checkpoint.remote,
+        attempt,
     )
     if step_dir is None:
         return run, None
@@ -187,4 +221,5 @@ def plan_restore(
     check_tokenizer(manifest, run.data.tokenizer_path, step_dir)
     padded = manifest.tokenizer.get("padded_vocab_size")
     model = dataclasses.replace(run.model, padded_vocab_size=padded)
-    return dataclasses.replace(run, model=model), RestorePlan(step_dir, manifest, report, rehash)
+    plan = RestorePlan(step_dir, manifest, report, tier, rehash)
+    return dataclasses.replace(run, model=model), plan

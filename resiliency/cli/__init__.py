@@ -8,10 +8,10 @@ import argparse
 import logging
 import sys
 
-from resiliency.cli import capacity, checkpoints, goodput, validate
+from resiliency.cli import capacity, checkpoints, goodput, remote, validate
 from resiliency.cli.base import EXIT_CODES_EPILOG, Command
 
-COMMAND_MODULES = (checkpoints, goodput, validate, capacity)
+COMMAND_MODULES = (checkpoints, remote, goodput, validate, capacity)
 OVERRIDES_NOTE = "takes Hydra overrides: recipe=<name> key=value ..."
 
 

@@ -69,14 +69,14 @@ def _dash(value: object) -> object:
 
 
 def _restored(record: dict[str, Any]) -> str:
-    """Step restored from (and the tier when local); "fresh" when it started from scratch."""
+    """Step restored from (and the tier when local or remote); "fresh" when it started anew."""
     if "restored_step" not in record:
         return "-"  # never got as far as restoring
     step = record["restored_step"]
     if step is None:
         return "fresh"
     tier = record.get("restored_tier")
-    return f"{step} local" if tier == "local" else str(step)
+    return f"{step} {tier}" if tier in ("local", "remote") else str(step)
 
 
 def _clock(epoch: object) -> str:

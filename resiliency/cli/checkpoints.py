@@ -12,6 +12,7 @@ from pathlib import Path
 from resiliency.cli.attempt_table import attempt_rows
 from resiliency.cli.base import EXIT_BAD, EXIT_OK, EXIT_USAGE, Command
 from resiliency.cli.recorded import Setting, recorded_setting, schema_default
+from resiliency.cli.remote import remote_ls
 from resiliency.cli.verify import VERIFY
 from resiliency.monitor.goodput import build_ledger, format_ledger
 from resiliency.storage.attempts import recorded_attempts
@@ -117,6 +118,8 @@ def _yes(flag: bool) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    if args.run_dir.startswith("s3://"):
+        return remote_ls(args.run_dir, args.endpoint_url, args.verify)
     layout = _run_layout(args.run_dir)
     if layout is None:
         return EXIT_USAGE
@@ -269,7 +272,10 @@ def _add_lease_timeout(p: argparse.ArgumentParser) -> None:
 
 
 def _add_ls_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dir", help="<root>/<run_id>")
+    p.add_argument("--endpoint-url", help="s3:// runs: the S3-compatible server (AWS_ENDPOINT_URL)")
+    p.add_argument(
+        "run_dir", help="<root>/<run_id>, or s3://bucket[/prefix]/<run_id> (the remote tier)"
+    )
     p.add_argument(
         "--verify",
         action="store_true",

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from resiliency.cli.base import EXIT_BAD, EXIT_OK, EXIT_USAGE, Command
+from resiliency.cli.remote import remote_verify
 from resiliency.storage.layout import RunLayout
 from resiliency.storage.verify import step_of_dir, verify_step_dir
 
@@ -42,6 +43,8 @@ def _classify(path: Path) -> tuple[str, Path] | str:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    if args.path.startswith("s3://"):
+        return remote_verify(args.path, args.endpoint_url, not args.quick)
     target = _classify(Path(args.path).absolute())
     if isinstance(target, str):
         print(f"error: {target}")
@@ -102,7 +105,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "path",
         help="a step dir (<root>/<run_id>/steps/step-NNNNNNNNN), or a run dir (<root>/<run_id>):"
-        " every published step of it",
+        " every published step of it; s3://bucket[/prefix]/<run_id>[/steps/step-N] on the remote"
+        " tier (full: every object downloaded and re-hashed)",
     )
     p.add_argument("--quick", action="store_true", help="check sizes only, skip checksums")
     p.add_argument(
@@ -111,6 +115,7 @@ def _add_args(p: argparse.ArgumentParser) -> None:
         help="run dir: stop at the newest step that verifies (the one a restore picks)",
     )
     p.add_argument("--run-id", help="expected run_id (default: name of the run dir)")
+    p.add_argument("--endpoint-url", help="s3:// runs: the S3-compatible server (AWS_ENDPOINT_URL)")
 
 
 VERIFY = Command(

@@ -1,0 +1,116 @@
+"""``python -m resiliency upload`` and the s3:// forms of ``ls`` and ``verify``: the object-store
+tier (resiliency/storage/remote.py has the protocol)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from pathlib import Path
+from types import FrameType
+
+from resiliency.cli.base import EXIT_BAD, EXIT_OK, EXIT_USAGE, Command
+from resiliency.cli.recorded import recorded_setting
+from resiliency.storage.layout import RunLayout, parse_step, step_name
+from resiliency.storage.object_store import ObjectStore
+from resiliency.storage.remote import (
+    UploadError,
+    committed_remote_steps,
+    read_latest,
+    remote_steps,
+    upload_run,
+    verify_remote_step,
+)
+
+
+def split_remote(url: str, endpoint_url: str | None) -> tuple[ObjectStore, str, int | None]:
+    """s3://bucket/prefix/<run_id>[/steps/step-N] -> (store at the prefix, run_id, step)."""
+    parts = url.rstrip("/").split("/")
+    step = parse_step(parts[-1]) if len(parts) > 5 and parts[-2] == "steps" else None
+    if step is not None:
+        parts = parts[:-2]
+    if len(parts) < 4:
+        raise ValueError(f"{url}: give s3://bucket[/prefix]/<run_id>")
+    return ObjectStore("/".join(parts[:-1]), endpoint_url), parts[-1], step
+
+
+def remote_ls(url: str, endpoint_url: str | None, full: bool) -> int:
+    store, run_id, _ = split_remote(url, endpoint_url)
+    committed = set(committed_remote_steps(store, run_id))
+    latest = read_latest(store, run_id)
+    print(f"run:         {store.url}/{run_id}")
+    print(f"latest.json: {'step ' + str(latest) if latest is not None else 'none'}")
+    print(f"{'STEP':>10}  {'DIR':<16}  {'COMMITTED':<9}  CHECK")
+    all_ok = True
+    for step in reversed(remote_steps(store, run_id)):
+        verdict = verify_remote_step(store, run_id, step, full) if step in committed else None
+        check = verdict.reason if verdict else "incomplete upload (no COMMITTED): never restored"
+        all_ok &= verdict is None or verdict.ok
+        mark = "yes" if step in committed else "no"
+        print(f"{step:>10}  {step_name(step):<16}  {mark:<9}  {check}", flush=True)
+    return EXIT_OK if all_ok else EXIT_BAD
+
+
+def remote_verify(url: str, endpoint_url: str | None, full: bool) -> int:
+    store, run_id, only = split_remote(url, endpoint_url)
+    steps = [only] if only is not None else list(reversed(remote_steps(store, run_id)))
+    if not steps:
+        print(f"BAD {url}: no remote step to verify")
+        return EXIT_BAD
+    bad = 0
+    for step in steps:
+        verdict = verify_remote_step(store, run_id, step, full)
+        bad += not verdict.ok
+        print(f"{'OK ' if verdict.ok else 'BAD'} {step_name(step)}: {verdict.reason}", flush=True)
+    return EXIT_BAD if bad else EXIT_OK
+
+
+def cmd_upload(args: argparse.Namespace) -> int:
+    layout = RunLayout.from_run_dir(Path(args.run_dir))
+    if not layout.steps_dir.is_dir():
+        print(f"error: {args.run_dir} has no steps/: not a run dir")
+        return EXIT_USAGE
+    url = args.to or recorded_setting(layout, "checkpoint.remote.url").value
+    if not url:
+        print("error: give --to s3://bucket/prefix (the run records no checkpoint.remote.url)")
+        return EXIT_USAGE
+    store = ObjectStore(url, args.endpoint_url, args.workers)
+    stop = threading.Event()
+    if args.follow:  # the launchers stop it with SIGTERM: finish the object, not the pass
+
+        def request_stop(signum: int, frame: FrameType | None) -> None:
+            stop.set()
+
+        signal.signal(signal.SIGTERM, request_stop)
+        signal.signal(signal.SIGINT, request_stop)
+    while True:
+        try:
+            upload_run(store, layout, args.workers, args.keep_last, args.milestone_interval)
+        except UploadError as exc:
+            print(f"error: {exc}")
+            if not args.follow:
+                return EXIT_BAD
+        if not args.follow or stop.wait(args.interval):
+            return EXIT_OK
+
+
+def _add_upload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="a run dir (<root>/<run_id>)")
+    p.add_argument("--to", help="s3://bucket[/prefix] (default: the run's checkpoint.remote.url)")
+    p.add_argument("--endpoint-url", help="S3-compatible server (default: AWS_ENDPOINT_URL)")
+    p.add_argument("--follow", action="store_true", help="keep uploading new steps until SIGTERM")
+    p.add_argument("--interval", type=float, default=10.0, help="--follow: seconds between scans")
+    p.add_argument("--workers", type=int, default=8, help="objects uploaded in parallel")
+    p.add_argument("--keep-last", type=int, default=3, help="remote steps kept (plus milestones)")
+    p.add_argument("--milestone-interval", type=int, help="remote steps never deleted: multiples")
+
+
+COMMANDS = {
+    "upload": Command(
+        "copy a run's committed steps to an object store (s3://), resumable; --follow keeps on",
+        _add_upload_args,
+        cmd_upload,
+        epilog="Objects are never overwritten; COMMITTED is written last; latest.json only "
+        "moves forward. Credentials: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or a profile.",
+    )
+}
