@@ -9,7 +9,6 @@ default, and say which source they used.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,9 +30,12 @@ class Setting:
 
 
 def schema_default(key: str) -> Any:
-    """``CheckpointConfig``'s default for ``key`` (read from the schema: it cannot drift)."""
-    field = {f.name: f for f in dataclasses.fields(CheckpointConfig)}[key]
-    return field.default
+    """``CheckpointConfig``'s default for ``key`` (``remote.url``: nested; read from the schema,
+    so it cannot drift)."""
+    node: Any = CheckpointConfig()
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
 
 
 def recorded_setting(layout: RunLayout, key: str) -> Setting:

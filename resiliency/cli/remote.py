@@ -70,7 +70,7 @@ def cmd_upload(args: argparse.Namespace) -> int:
     if not layout.steps_dir.is_dir():
         print(f"error: {args.run_dir} has no steps/: not a run dir")
         return EXIT_USAGE
-    url = args.to or recorded_setting(layout, "checkpoint.remote.url").value
+    url = args.to or recorded_setting(layout, "remote.url").value
     if not url:
         print("error: give --to s3://bucket/prefix (the run records no checkpoint.remote.url)")
         return EXIT_USAGE
@@ -85,7 +85,13 @@ def cmd_upload(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, request_stop)
     while True:
         try:
-            upload_run(store, layout, args.workers, args.keep_last, args.milestone_interval)
+            for r in upload_run(
+                store, layout, args.workers, args.keep_last, args.milestone_interval
+            ):
+                rate = r.bytes_sent / 2**20 / max(r.seconds, 1e-9)
+                print(f"uploaded step {r.step} to {store.url}/{layout.run_id}: {r.sent} objects "
+                      f"sent, {r.skipped} already there, {r.bytes_sent / 2**20:.1f} MiB in "
+                      f"{r.seconds:.2f} s ({rate:.1f} MiB/s)", flush=True)  # fmt: skip
         except UploadError as exc:
             print(f"error: {exc}")
             if not args.follow:

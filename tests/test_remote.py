@@ -1,0 +1,193 @@
+"""The object-store tier against a real S3 server (SeaweedFS on 127.0.0.1, started here): the
+upload protocol, killed and resumed uploads, corrupted objects, racing latest.json writers, and
+a run that loses its whole run dir and resumes bit-exactly from the object store."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bench.s3_server import S3Server, running_s3_server
+from resiliency.storage.checksum import describe_files
+from resiliency.storage.layout import RunLayout, payload_files
+from resiliency.storage.manifest import Manifest
+from resiliency.storage.object_store import ObjectStore
+from resiliency.storage.publish import begin_step, publish, write_manifest_and_commit
+from resiliency.storage.remote import (
+    advance_latest,
+    fetch_newest,
+    read_latest,
+    step_prefix,
+    upload_run,
+    verify_remote_step,
+)
+from resiliency.storage.synthetic import write_synthetic_step
+from tests.helpers import REPO, losses, run_pretrain
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    with running_s3_server(tmp_path_factory.mktemp("seaweedfs")) as server:
+        yield server
+
+
+@pytest.fixture()
+def store(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> ObjectStore:
+    for key, value in s3.env.items():
+        monkeypatch.setenv(key, value)
+    return ObjectStore(s3.url(f"t-{uuid.uuid4().hex[:8]}"), s3.endpoint_url, workers=4)
+
+
+def cli(s3: S3Server, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, **s3.env}
+    return subprocess.run([sys.executable, "-m", "resiliency", *args], cwd=REPO, env=env,
+                          text=True, capture_output=True, timeout=timeout)  # fmt: skip
+
+
+def test_upload_is_committed_last_resumable_and_listed(
+    s3: S3Server, store: ObjectStore, tmp_path: Path
+) -> None:
+    layout = RunLayout(tmp_path, "run")
+    for step in (2, 4):
+        write_synthetic_step(layout, step)
+    reports = upload_run(store, layout, workers=4, keep_last=3)
+    assert [r.step for r in reports] == [2, 4] and all(r.skipped == 0 for r in reports)
+    assert read_latest(store, "run") == 4
+    assert verify_remote_step(store, "run", 4, full=True).ok
+    assert upload_run(store, layout, workers=4, keep_last=3) == []  # nothing left to send
+
+    proc = cli(s3, "ls", f"{store.url}/run")
+    assert proc.returncode == 0, proc.stderr
+    assert "latest.json: step 4" in proc.stdout and "step-000000002" in proc.stdout
+    proc = cli(s3, "verify", f"{store.url}/run/steps/step-000000004")
+    assert proc.returncode == 0 and proc.stdout.startswith("OK  step-000000004: ok (full")
+
+
+def _many_file_step(layout: RunLayout, step: int, files: int, size: int) -> Path:
+    tmp = begin_step(layout, step, 1)
+    rng = random.Random(step)
+    for i in range(files):
+        path = tmp / "model" / f"__{i}_0.distcp"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(rng.randbytes(size))
+    manifest = Manifest(run_id=layout.run_id, attempt=1, step=step, world_size=1,
+                        files=describe_files(tmp, payload_files(tmp), fsync=False))  # fmt: skip
+    write_manifest_and_commit(tmp, manifest)
+    return publish(layout, tmp, step)
+
+
+def test_a_killed_upload_never_verifies_incomplete_and_resumes(
+    s3: S3Server, store: ObjectStore, tmp_path: Path
+) -> None:
+    seed = random.randrange(2**31)
+    print(f"UPLOAD_KILL_SEED={seed}")
+    layout = RunLayout(tmp_path, "run")
+    _many_file_step(layout, 10, files=120, size=64 << 10)
+    cmd = [sys.executable, "-m", "resiliency", "upload", str(layout.run_dir), "--to", store.url,
+           "--workers", "2"]  # fmt: skip
+    upload = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **s3.env},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    while not list(store.list(step_prefix("run", 10))) and upload.poll() is None:
+        time.sleep(0.02)  # killed once objects are arriving, at a random point after that
+    time.sleep(random.Random(seed).uniform(0.0, 0.8))
+    upload.send_signal(signal.SIGKILL)
+    upload.wait()
+    landed = len(list(store.list(step_prefix("run", 10))))
+    verdict = verify_remote_step(store, "run", 10, full=True)
+    complete = landed == 120 + 2
+    assert verdict.ok == complete, (landed, verdict)  # COMMITTED only on a complete step
+    assert fetch_newest(store, RunLayout(tmp_path / "elsewhere", "run"), 1, 4) is None or complete
+
+    proc = cli(s3, "upload", str(layout.run_dir), "--to", store.url)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    payload_landed = min(landed, 120)
+    if not complete:  # what was there and verified was not sent again
+        assert f"{payload_landed} already there" in proc.stdout, (landed, proc.stdout)
+    assert verify_remote_step(store, "run", 10, full=True).ok
+
+
+def test_a_corrupted_remote_object_is_rejected_and_the_previous_step_used(
+    store: ObjectStore, tmp_path: Path
+) -> None:
+    layout = RunLayout(tmp_path / "shared", "run")
+    for step in (2, 4):
+        write_synthetic_step(layout, step)
+    upload_run(store, layout, workers=4, keep_last=3)
+    # Bit rot under an intact listing: same size, same recorded checksum, other bytes.
+    rel = step_prefix("run", 4) + "model/__0_0.distcp"
+    info = store.head(rel)
+    assert info is not None
+    store.client.put_object(Bucket=store.bucket, Key=store.key(rel),
+                            Body=os.urandom(info.size), Metadata=info.metadata)  # fmt: skip
+    assert not verify_remote_step(store, "run", 4, full=True).ok
+    fresh = RunLayout(tmp_path / "new-cluster", "run")
+    fetched = fetch_newest(store, fresh, attempt=1, workers=4)
+    assert fetched == fresh.step_dir(2)
+    assert fresh.published_steps() == [2] and fresh.tmp_dirs() == []
+
+
+def test_racing_uploaders_never_move_latest_backwards(store: ObjectStore) -> None:
+    seen: list[int] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            if (latest := read_latest(store, "run")) is not None:
+                seen.append(latest)
+
+    def uploader(seed: int) -> None:
+        mine = ObjectStore(store.url, os.environ["AWS_ENDPOINT_URL"])  # its own connections
+        steps = list(range(1, 41))
+        random.Random(seed).shuffle(steps)
+        for step in steps:
+            advance_latest(mine, "run", step)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    racers = [threading.Thread(target=uploader, args=(seed,)) for seed in range(4)]
+    for racer in racers:
+        racer.start()
+    for racer in racers:
+        racer.join()
+    done.set()
+    watcher.join()
+    assert read_latest(store, "run") == 40
+    assert seen == sorted(seen), "latest.json moved backwards"
+
+
+def test_a_run_that_lost_its_run_dir_resumes_exactly_from_the_object_store(
+    s3: S3Server, tiny_overrides: list[str], tmp_path: Path
+) -> None:
+    common = [
+        *tiny_overrides,
+        "checkpoint.save_interval=5",
+        f"checkpoint.remote.url={s3.url('e2e')}",
+    ]
+    reference = tmp_path / "reference"
+    run_pretrain(2, [*common, f"output_dir={reference}", "run_id=run"], env=s3.env)
+
+    shared = tmp_path / "shared"
+    run = [*common, f"output_dir={shared}", "run_id=run"]
+    crashed = run_pretrain(2, [*run, "train.fault=kill@8"], env=s3.env, check=False)
+    assert crashed.returncode != 0
+    proc = cli(s3, "upload", str(shared / "run"))  # the run's recorded checkpoint.remote.url
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    shutil.rmtree(shared / "run")  # the shared file system is gone
+
+    resumed = run_pretrain(2, run, env=s3.env)
+    assert "fetched step 5 from s3://" in resumed.stderr
+    record = json.loads((shared / "run" / "attempts" / "attempt-01.json").read_text())
+    assert (record["restored_step"], record["restored_tier"]) == (5, "remote")
+    assert losses(shared / "run") == losses(reference / "run")[5:]
