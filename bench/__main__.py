@@ -1,8 +1,9 @@
-"""``python -m bench [--full]``: P1-P5 as ratios to baselines measured in the same run.
+"""``python -m bench [--full]``: P1-P7 as ratios to baselines measured in the same run.
 
-Quick (default): the tiny recipe, P1 P2 P3 P5. ``--full``: also the >= 1 GiB-state model for
-P1-P3, and P4 (hang detection). Every figure is the median of ``--reps`` repetitions (min and max
-too); baseline and subject repetitions are interleaved, so machine drift hits both alike.
+Quick (default): the tiny recipe, P1 P2 P3 P5, and P7 (object-store upload ÷ raw PUT).
+``--full``: also the >= 1 GiB-state model for P1-P3, and P4 (hang detection). Every figure is
+the median of ``--reps`` repetitions (min and max too); baseline and subject repetitions are
+interleaved, so machine drift hits both alike.
 Prints a markdown table; ``--json`` / ``--md`` also write it to files.
 """
 
@@ -26,7 +27,7 @@ from typing import Any
 
 import psutil
 
-from bench import hang_detection
+from bench import hang_detection, remote_upload
 from bench.table import table
 
 REPO = Path(__file__).resolve().parents[1]
@@ -417,7 +418,7 @@ def bench_overhead(config: str, work: Path, data: str, reps: int) -> dict[str, A
     }
 
 
-SECTIONS = ("P1", "P2", "P3", "P4", "P5", "P6")
+SECTIONS = ("P1", "P2", "P3", "P4", "P5", "P6", "P7")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -494,6 +495,10 @@ def main(argv: list[str]) -> int:
             )
         if "P6" in only:
             results["soak"] = section("P6", lambda: bench_soak(work, data, args.soak_minutes))
+        if "P7" in only:  # 512 MiB in 32 objects, raw and protocol runs interleaved
+            results["remote"] = section(
+                "P7", lambda: remote_upload.bench_remote(work / "remote", 32, 16, 3, 8)
+            )
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from bench.remote_upload import rows as remote_rows
+
 GIB = 1 << 30
 
 
@@ -72,6 +74,10 @@ def table(results: dict[str, Any]) -> str:
     _hang_rows(results.get("hang", {}), row)
     _overhead_rows(results.get("overhead", {}), row)
     _soak_rows(results.get("soak"), row)
+    if "remote" in results:
+        ratio, note = remote_rows(results["remote"])
+        row("P7 object-store upload ÷ raw PUT throughput", "512 MiB", ratio, "≥ 0.8",
+            ratio["median"] >= 0.8, note=note)  # fmt: skip
     head = (
         "| metric | model | median | min | max | goal | met | notes |\n"
         "|---|---|---|---|---|---|---|---|\n"

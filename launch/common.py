@@ -141,3 +141,20 @@ def check_fit(plan: LaunchPlan) -> None:
         f"smallest change that fits: {fix} (details: python -m pretrain "
         f"{' '.join(plan.overrides)} --plan; submit anyway with --skip-fit-check)"
     )
+
+
+def uploader_args(run: RunConfig, run_dir: Path | str, follow: bool) -> list[str] | None:
+    """``-m resiliency upload ...`` for the run's object-store tier (None when it is off): the
+    launchers run it beside the job (``follow``), then once more after it for the last step."""
+    remote = run.checkpoint.remote
+    if remote.url is None:
+        return None
+    args = ["-m", "resiliency", "upload", str(run_dir), "--to", remote.url,
+            f"--workers={remote.workers}", f"--keep-last={remote.keep_last}"]  # fmt: skip
+    if remote.endpoint_url:
+        args.append(f"--endpoint-url={remote.endpoint_url}")
+    if run.checkpoint.milestone_interval:
+        args.append(f"--milestone-interval={run.checkpoint.milestone_interval}")
+    if follow:
+        args += ["--follow", f"--interval={remote.follow_interval_s:g}"]
+    return args

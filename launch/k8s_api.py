@@ -93,6 +93,13 @@ def submit(api: Any, rendered: Rendered) -> dict[str, Any]:
         _delete_config_map(core, rendered.namespace, rendered.config_map_name)
         raise
     _set_owner(core, rendered, created.get("metadata", {}).get("uid"))
+    if rendered.uploader is not None:
+        # Not owned by the job: the uploader must outlive its pods (k8s delete removes it).
+        where = f"Deployment {rendered.namespace}/{rendered.uploader['metadata']['name']}"
+        with _api_errors(f"creating {where}"):
+            client.AppsV1Api(api).create_namespaced_deployment(
+                rendered.namespace, rendered.uploader
+            )
     return created
 
 
@@ -166,6 +173,12 @@ def delete(api: Any, namespace: str, name: str) -> None:
     try:
         with _api_errors(f"deleting ConfigMaps {namespace}/{selector}"):
             client.CoreV1Api(api).delete_collection_namespaced_config_map(
+                namespace, label_selector=selector
+            )
+        # checkpoint.remote's uploader, if the job had one (its last pass is lost with it:
+        # `python -m resiliency upload <run dir>` finishes what it had not copied).
+        with _api_errors(f"deleting Deployments {namespace}/{selector}"):
+            client.AppsV1Api(api).delete_collection_namespaced_deployment(
                 namespace, label_selector=selector
             )
     except K8sError as exc:

@@ -117,8 +117,10 @@ def local_host_path(k8s: K8sConfig, name: str) -> str:
 
 
 def pod_spec(
-    run: RunConfig, name: str, config_map: str, env: list[dict[str, Any]]
+    run: RunConfig, name: str, config_map: str, env: list[dict[str, Any]], fetch: bool = False
 ) -> dict[str, Any]:
+    """``fetch``: an init container brings the newest intact remote step into the shared dir
+    when none there verifies (the master's pod: the claim is shared)."""
     k8s = run.launch.k8s
     volumes, mounts = _volumes(run, name, config_map)
     container: dict[str, Any] = {
@@ -128,6 +130,7 @@ def pod_spec(
         "env": [dict(var) for var in env],
         "resources": _resources(run),
         "volumeMounts": mounts,
+        **remote_env_from(k8s),
     }
     if k8s.capabilities:
         # IPC_LOCK lets NCCL/libibverbs pin (mlock) host memory for RDMA registration.
@@ -137,6 +140,8 @@ def pod_spec(
         "containers": [container],
         "volumes": volumes,
     }
+    if fetch and run.checkpoint.remote.enabled:
+        spec["initContainers"] = [fetch_container(run)]
     if k8s.priority_class:
         spec["priorityClassName"] = k8s.priority_class
     if k8s.node_selector:
@@ -150,6 +155,26 @@ def pod_spec(
     if k8s.image_pull_secrets:
         spec["imagePullSecrets"] = [{"name": secret} for secret in k8s.image_pull_secrets]
     return spec
+
+
+def remote_env_from(k8s: K8sConfig) -> dict[str, Any]:
+    return {"envFrom": [{"secretRef": {"name": k8s.remote_secret}}]} if k8s.remote_secret else {}
+
+
+def fetch_container(run: RunConfig) -> dict[str, Any]:
+    """The same selection and verification as the trainer's restore, before it starts."""
+    remote, k8s = run.checkpoint.remote, run.launch.k8s
+    command = ["python", "-m", "resiliency", "fetch", f"{run.output_dir}/{run.run_id}",
+               "--from", str(remote.url), f"--workers={remote.workers}"]  # fmt: skip
+    if remote.endpoint_url:
+        command.append(f"--endpoint-url={remote.endpoint_url}")
+    return {
+        "name": "fetch-checkpoint",
+        "image": k8s.image,
+        "command": command,
+        "volumeMounts": [{"name": "shared-ckpt", "mountPath": k8s.shared_mount}],
+        **remote_env_from(k8s),
+    }
 
 
 def entry_command(run: RunConfig) -> list[str]:

@@ -13,8 +13,8 @@ from typing import Any
 
 import yaml
 
-from launch.common import LaunchPlan, rank_env
-from launch.k8s_pod import CONFIG_FILE, check_pod, pod_spec
+from launch.common import LaunchPlan, rank_env, uploader_args
+from launch.k8s_pod import CONFIG_FILE, check_pod, pod_spec, remote_env_from
 from recipes import ConfigError, RunConfig, to_yaml
 from recipes.schema import K8sConfig
 
@@ -22,6 +22,7 @@ API_VERSION, KIND = "kubeflow.org/v1", "PyTorchJob"
 LABEL = "mcore-recipes/"
 JOB_NAME_LABEL = f"{LABEL}job-name"  # on the ConfigMap: `k8s delete` finds it by this
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+UPLOADER_LABEL = f"{LABEL}uploader"  # the uploader Deployment's selector
 # The wrapper needs this long after torchrun's workers stop to record the outcome and exit.
 GRACE_MARGIN_S = 15
 _ENV_NAME = re.compile(r"[-._a-zA-Z][-._a-zA-Z0-9]*")
@@ -34,10 +35,11 @@ class Rendered:
     pod_run: RunConfig  # the config the pods load: output_dir is the shared mount
     config_map: dict[str, Any]
     job: dict[str, Any]
+    uploader: dict[str, Any] | None = None  # checkpoint.remote: a Deployment of its own
 
     @property
     def objects(self) -> list[dict[str, Any]]:
-        return [self.config_map, self.job]
+        return [self.config_map, self.job, *([self.uploader] if self.uploader else [])]
 
     @property
     def config_map_name(self) -> str:
@@ -68,7 +70,55 @@ def render(plan: LaunchPlan, submission: str, code_commit: str | None) -> Render
     config_map = render_config_map(cm_name, k8s.namespace, cm_labels, to_yaml(pod_run))
     env = _env(pod_run, name, submission, code_commit)
     job = render_job(pod_run, name, labels, cm_name, env)
-    return Rendered(name, k8s.namespace, pod_run, config_map, job)
+    uploader = render_uploader(pod_run, name, labels)
+    return Rendered(name, k8s.namespace, pod_run, config_map, job, uploader)
+
+
+def uploader_name(job: str) -> str:
+    return f"{job}-uploader"
+
+
+def render_uploader(run: RunConfig, name: str, labels: dict[str, str]) -> dict[str, Any] | None:
+    """checkpoint.remote: the uploader as a Deployment, not a sidecar: a sidecar dies with a
+    force-deleted pod, this one outlives the job's pods (and restarts on its own if it dies).
+    It reads the shared claim only; `python -m launch k8s delete` removes it with the job."""
+    args = uploader_args(run, f"{run.output_dir}/{run.run_id}", follow=True)
+    if args is None:
+        return None
+    k8s = run.launch.k8s
+    selector = {UPLOADER_LABEL: label_value(name)}
+    container = {
+        "name": "uploader",
+        "image": k8s.image,
+        "command": ["python", *args],
+        "volumeMounts": [{"name": "shared-ckpt", "mountPath": k8s.shared_mount}],
+        "resources": {"requests": {"cpu": "1", "memory": "2Gi"}},
+        **remote_env_from(k8s),
+    }
+    spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": [
+            {"name": "shared-ckpt", "persistentVolumeClaim": {"claimName": k8s.shared_pvc}}
+        ],
+        "terminationGracePeriodSeconds": 60,  # SIGTERM: it finishes the object in flight
+    }
+    if k8s.image_pull_secrets:
+        spec["imagePullSecrets"] = [{"name": secret} for secret in k8s.image_pull_secrets]
+    pod_labels = {k: v for k, v in labels.items() if k != KUEUE_QUEUE_LABEL}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": uploader_name(name),
+            "namespace": k8s.namespace,
+            "labels": {**labels, JOB_NAME_LABEL: name},
+        },  # fmt: skip
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": selector},
+            "template": {"metadata": {"labels": {**pod_labels, **selector}}, "spec": spec},
+        },
+    }
 
 
 def pod_paths(run: RunConfig, k8s: K8sConfig) -> RunConfig:
@@ -169,7 +219,7 @@ def render_job(
     # Kueue admits the job as one workload; the label on its pods would have Kueue's pod
     # integration (where enabled) queue each pod a second time.
     pod_labels = {k: v for k, v in labels.items() if k != KUEUE_QUEUE_LABEL}
-    replicas = {"Master": _replica(1, run, name, pod_labels, config_map, env)}
+    replicas = {"Master": _replica(1, run, name, pod_labels, config_map, env, fetch=True)}
     if launch.nodes > 1:
         replicas["Worker"] = _replica(launch.nodes - 1, run, name, pod_labels, config_map, env)
     return {
@@ -209,6 +259,7 @@ def _replica(
     labels: dict[str, str],
     config_map: str,
     env: list[dict[str, Any]],
+    fetch: bool = False,
 ) -> dict[str, Any]:
     # ExitCode: the operator recreates a pod whose container exited 128-255 (on another node if
     # need be) and fails the job for 1-127. launch.k8s_entry maps trainer exit codes onto that.
@@ -217,7 +268,7 @@ def _replica(
         "restartPolicy": "ExitCode",
         "template": {
             "metadata": {"labels": dict(labels)},
-            "spec": pod_spec(run, name, config_map, env),
+            "spec": pod_spec(run, name, config_map, env, fetch=fetch),
         },
     }
 

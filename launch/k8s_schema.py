@@ -135,7 +135,8 @@ def _unique_list_map_keys(
 
 
 @functools.lru_cache(maxsize=4)
-def _validator(path: Path) -> Any:
+def _validator(path: Path, pod_template: bool = False) -> Any:
+    """The CRD's schema, or (``pod_template``) the core PodTemplateSpec schema it embeds."""
     try:
         # optional k8s extra
         from jsonschema import Draft202012Validator, validators
@@ -144,7 +145,11 @@ def _validator(path: Path) -> Any:
             "the k8s adapter validates manifests with jsonschema: pip install 'mcore-recipes[k8s]'"
         ) from None
     strict = validators.extend(Draft202012Validator, {_LIST_MAP_KEYS: _unique_list_map_keys})
-    return strict(to_json_schema(crd_schema(path)))
+    schema = crd_schema(path)
+    if pod_template:
+        replicas = schema["properties"]["spec"]["properties"]["pytorchReplicaSpecs"]
+        schema = replicas["additionalProperties"]["properties"]["template"]
+    return strict(to_json_schema(schema))
 
 
 def format_path(parts: Sequence[Any]) -> str:
@@ -160,12 +165,15 @@ def format_path(parts: Sequence[Any]) -> str:
     return text or "<root>"
 
 
-def schema_errors(job: Mapping[str, Any], path: Path | None = None) -> list[str]:
-    """Every place ``job`` breaks the CRD schema, as ``path: message`` lines."""
-    validator = _validator(path or crd_path())
+def schema_errors(
+    job: Mapping[str, Any], path: Path | None = None, pod_template: bool = False
+) -> list[str]:
+    """Every place ``job`` (or a pod template) breaks the CRD schema, as ``path: message``."""
+    validator = _validator(path or crd_path(), pod_template)
     lines = []
+    prefix = ["spec", "template"] if pod_template else []
     for error in validator.iter_errors(job):
-        where = list(error.absolute_path)
+        where = prefix + list(error.absolute_path)
         if error.validator == "additionalProperties" and error.validator_value is False:
             known = set(error.schema.get("properties", {}))
             lines += [
@@ -303,6 +311,26 @@ def _container_errors(container: Mapping[str, Any], volumes: set[str], where: st
     return errors
 
 
+def deployment_errors(deployment: Mapping[str, Any], path: Path | None = None) -> list[str]:
+    """The uploader's Deployment: its pod template against the core PodTemplateSpec schema the
+    CRD embeds, its containers like the job's, and a selector that matches its own pods."""
+    errors = _metadata_errors(deployment.get("metadata", {}), "metadata", _DNS1123_SUBDOMAIN, 253)
+    if deployment.get("apiVersion") != "apps/v1":
+        errors.append(f"apiVersion: {deployment.get('apiVersion')!r}, expected 'apps/v1'")
+    spec = deployment.get("spec", {})
+    template = spec.get("template", {})
+    errors += schema_errors(template, path, pod_template=True)
+    selector = spec.get("selector", {}).get("matchLabels", {})
+    labels = template.get("metadata", {}).get("labels", {})
+    if not selector or any(labels.get(k) != v for k, v in selector.items()):
+        errors.append("spec.selector.matchLabels: must be non-empty and match the pod labels")
+    pod = template.get("spec", {})
+    volumes = {v.get("name", "") for v in pod.get("volumes", [])}
+    for i, container in enumerate(pod.get("containers", [])):
+        errors += _container_errors(container, volumes, f"spec.template.spec.containers[{i}]")
+    return errors
+
+
 def config_map_errors(config_map: Mapping[str, Any]) -> list[str]:
     """The core ConfigMap rules that matter here: name, keys, total size."""
     errors = _metadata_errors(config_map.get("metadata", {}), "metadata", _DNS1123_SUBDOMAIN, 253)
@@ -323,6 +351,8 @@ def validate_objects(objects: Sequence[Mapping[str, Any]], path: Path | None = N
             errors = schema_errors(obj, path) or operator_errors(obj)
         elif kind == "ConfigMap":
             errors = config_map_errors(obj)
+        elif kind == "Deployment":
+            errors = deployment_errors(obj, path)
         else:
             errors = [f"<root>: unexpected kind {kind!r}"]
         problems += [f"{kind}: {line}" for line in errors]

@@ -30,6 +30,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
 from typing import IO
@@ -39,6 +41,7 @@ from launch.common import (
     check_run_dir_free,
     plan_launch,
     rank_env,
+    uploader_args,
     write_resolved_config,
 )
 from launch.retry_policy import STOP, Decision, decide, newest_attempt, read_outcome
@@ -100,6 +103,29 @@ def launcher_command(plan: LaunchPlan, config: Path, restarts: int) -> list[str]
     ]
 
 
+@contextmanager
+def uploading(plan: LaunchPlan) -> Iterator[None]:
+    """With checkpoint.remote set: the uploader runs beside the job as its own process (it
+    outlives a rank or launcher crash), then once more after it, for the steps it missed."""
+    follow = uploader_args(plan.run, plan.run_dir, follow=True)
+    if follow is None:
+        yield
+        return
+    log.info("launch local: uploader: %s", " ".join(follow))
+    uploader = subprocess.Popen([sys.executable, *follow], start_new_session=True)
+    try:
+        yield
+    finally:
+        uploader.terminate()  # finishes the object in flight; the final pass does the rest
+        try:
+            uploader.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            uploader.kill()
+        final = uploader_args(plan.run, plan.run_dir, follow=False) or []
+        code = subprocess.run([sys.executable, *final], check=False).returncode
+        (log.info if code == 0 else log.error)("launch local: final upload exited %d", code)
+
+
 class LocalSupervisor:
     def __init__(self, plan: LaunchPlan, config: Path, max_restarts: int) -> None:
         self.plan, self.config, self.max_restarts = plan, config, max_restarts
@@ -111,6 +137,10 @@ class LocalSupervisor:
         self.tokens_per_step = run.train.global_batch_size * run.model.seq_length
 
     def run(self) -> int:
+        with uploading(self.plan):
+            return self._supervise()
+
+    def _supervise(self) -> int:
         before = newest_attempt(self.plan.run_dir)
         previous = {sig: signal.signal(sig, self._forward) for sig in FORWARDED}
         try:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
-from launch.common import rank_env
+from launch.common import rank_env, uploader_args
 from recipes import ConfigError, RunConfig
 from resiliency.monitor.fault_tolerance import LAUNCHER_CONFIG_FILE
 
@@ -75,8 +75,26 @@ def render_sbatch(run: RunConfig, inputs: ScriptInputs) -> str:
         "launcher": _launcher(run, inputs),
         "nproc": str(launch.nproc_per_node),
         **_health_values(run, inputs),
+        "uploader_start": _uploader_start(run, inputs),
     }
     return _ScriptTemplate(SCRIPT).substitute(values)
+
+
+def _uploader_start(run: RunConfig, inputs: ScriptInputs) -> str:
+    args = uploader_args(run, "$RUN_DIR", follow=False)
+    if args is None:
+        return "# (checkpoint.remote is off: no uploader)"
+    container = container_args(run, inputs)
+    one_task = ["--overlap", "--nodes=1", "--ntasks=1", "--cpus-per-task=1", *container]
+    runner = f"srun {' '.join(one_task)} python" if container else _q(inputs.bin_dir / "python")
+    quoted = " ".join('"$RUN_DIR"' if a == "$RUN_DIR" else _q(a) for a in args)
+    interval = f"{run.checkpoint.remote.follow_interval_s:g}"
+    # A simple command in the background is exec'd by the forked shell: the TERM below
+    # reaches the uploader itself (a backgrounded function would leave it orphaned).
+    return (
+        f"UPLOAD=({runner} {quoted})\n"
+        f'"${{UPLOAD[@]}}" --follow --interval={interval} &\nUPLOADER_PID=$!'
+    )
 
 
 def _health_values(run: RunConfig, inputs: ScriptInputs) -> dict[str, str]:
@@ -348,6 +366,12 @@ if [ @@{health_enabled} = 1 ] && [ -z "$SIGNALED_BY" ]; then
     echo "[$(date +%T)] node health: $([ "$HEALTHY" = 1 ] && echo ok || echo FAILED) ($HEALTH_DIR)"
 fi
 
+# ---------------------------------------------------------------- object-store uploader
+# With checkpoint.remote set, committed steps are copied to the object store by a process of
+# their own beside the training step (resumable; a copy it misses is made after srun ends).
+UPLOADER_PID=
+@@{uploader_start}
+
 # ---------------------------------------------------------------- train
 # Attempt records up to this id belong to earlier runs; the decision below ignores them.
 AFTER_ATTEMPT=$(policy "$RUN_DIR" --newest-attempt)
@@ -370,6 +394,11 @@ if [ -z "$SIGNALED_BY" ] && [ "$HEALTHY" = 1 ]; then
     done
     if [ -n "$REPEATER_PID" ]; then kill "$REPEATER_PID" 2>/dev/null || true; fi
     echo "[$(date +%T)] srun ended with $SRUN_RC (launcher codes carry no rank exit codes)"
+fi
+if [ -n "$UPLOADER_PID" ]; then
+    kill -TERM "$UPLOADER_PID" 2>/dev/null || true
+    wait "$UPLOADER_PID" 2>/dev/null || true
+    "${UPLOAD[@]}" || echo "[$(date +%T)] final upload failed (the next launch's uploader retries)"
 fi
 if [ @@{health_enabled} = 1 ] && [ "$SRUN_RC" != 0 ] && [ -z "$SIGNALED_BY" ]; then
     # A node that broke during the run is found in this allocation, not the next one.

@@ -89,6 +89,10 @@ class K8sConfig:
     # Device-plugin resources per pod, as requests and limits: {rdma/ib: 1}. GPUs come from
     # launch.gpus_per_node (nvidia.com/gpu); cpu and memory from the keys above.
     extended_resources: dict[str, int] = field(default_factory=dict)
+    # checkpoint.remote: a Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and, for an
+    # S3-compatible store, AWS_ENDPOINT_URL), given to the trainer, its init container and the
+    # uploader Deployment; None: the pods' own identity (an IAM role for service accounts).
+    remote_secret: Optional[str] = None
 
     # Not fields (no annotation): the formats the API server checks, named in our messages.
     _QUANTITY = re.compile(r"([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][0-9]+)?")

@@ -153,6 +153,32 @@ def test_local_tier_writes_to_the_node_local_volume() -> None:
     assert {"name": "local-ckpt", "mountPath": "/local-ckpt"} in mounts
 
 
+def test_remote_tier_renders_a_fetching_init_container_and_an_uploader_deployment() -> None:
+    remote = ["checkpoint.remote.url=s3://bucket/runs", "launch.k8s.remote_secret=s3-creds"]
+    _, rendered = k8s.render_run(RECIPES["llama3_70b"] + BASE + remote)
+    replicas = rendered.job["spec"]["pytorchReplicaSpecs"]
+    [init] = replicas["Master"]["template"]["spec"]["initContainers"]
+    assert "initContainers" not in replicas["Worker"]["template"]["spec"]  # the claim is shared
+    assert init["command"][:5] == ["python", "-m", "resiliency", "fetch", "/checkpoints/llama3_70b"]
+    secret = [{"secretRef": {"name": "s3-creds"}}]
+    assert init["envFrom"] == secret and container(rendered.job)["envFrom"] == secret
+    uploader = rendered.uploader
+    assert uploader is not None and uploader["kind"] == "Deployment"
+    pod = uploader["spec"]["template"]["spec"]
+    assert pod["containers"][0]["command"][:5] == ["python", "-m", "resiliency", "upload",
+                                                   "/checkpoints/llama3_70b"]  # fmt: skip
+    assert "--follow" in pod["containers"][0]["command"]
+    assert pod["volumes"] == [{"name": "shared-ckpt",
+                               "persistentVolumeClaim": {"claimName": "ckpt-rwx"}}]  # fmt: skip
+    validate_objects(rendered.objects)  # the pod template against the CRD's PodTemplateSpec
+    broken = copy.deepcopy(uploader)
+    broken["spec"]["template"]["spec"]["containers"][0]["ports"] = [{"containerPort": "x"}]
+    with pytest.raises(ConfigError, match=r"Deployment: spec.template.spec.containers\[0\]"):
+        validate_objects([broken])
+    _, plain = k8s.render_run(RECIPES["llama3_70b"] + BASE)
+    assert plain.uploader is None and "initContainers" not in str(plain.job)
+
+
 def test_local_tier_defaults_to_a_host_path_per_job(caplog: pytest.LogCaptureFixture) -> None:
     tier = ["checkpoint.local.interval=10", "checkpoint.local.dir=/x", "launch.k8s.namespace=ml"]
     _, rendered = k8s.render_run(GPT + tier + BASE)

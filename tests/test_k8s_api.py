@@ -60,6 +60,7 @@ class FakeApiServer:
         self.requests: list[dict[str, Any]] = []
         self.jobs: dict[str, dict[str, Any]] = {}
         self.config_maps: dict[str, dict[str, Any]] = {}
+        self.deployments: dict[str, dict[str, Any]] = {}
         self.fail_job_create = fail_job_create
         self.fail_patch = False
         self.uids = iter(f"u-{i}" for i in range(1, 100))
@@ -108,6 +109,8 @@ class FakeApiServer:
         parts = req["path"].strip("/").split("/")
         if "configmaps" in parts:
             return self._config_maps(req, parts)
+        if "deployments" in parts:
+            return self._deployments(req)
         if req["method"] == "POST" and parts[-1] == "pytorchjobs":
             if self.fail_job_create:
                 return 422, _status(422, "admission webhook denied the request")
@@ -169,6 +172,19 @@ class FakeApiServer:
             }
         if req["method"] == "GET" and parts[-1] == "log":
             return 200, "step 1 loss 10.9\nstep 2 loss 10.7\n"
+        return 404, _status(404, f"no route {req['method']} {req['path']}")
+
+    def _deployments(self, req: dict[str, Any]) -> tuple[int, Any]:
+        if req["method"] == "POST":
+            assert req["path"].startswith("/apis/apps/v1/namespaces/")
+            self.deployments[req["body"]["metadata"]["name"]] = copy.deepcopy(req["body"])
+            return 201, req["body"]
+        if req["method"] == "DELETE":  # by label selector
+            key, value = req["query"]["labelSelector"][0].split("=")
+            for name, dep in list(self.deployments.items()):
+                if dep["metadata"]["labels"].get(key) == value:
+                    del self.deployments[name]
+            return 200, _status(200)
         return 404, _status(404, f"no route {req['method']} {req['path']}")
 
     def _config_maps(self, req: dict[str, Any], parts: list[str]) -> tuple[int, Any]:
@@ -249,6 +265,21 @@ def test_submit_posts_the_rendered_objects(api: FakeApiServer, tmp_path: Path) -
     assert (record["name"], record["namespace"], record["uid"]) == ("llama3-70b", "team-a", "u-1")
 
 
+def test_remote_tier_submits_its_uploader_and_delete_removes_it(
+    api: FakeApiServer, tmp_path: Path
+) -> None:
+    remote = ["checkpoint.remote.url=s3://bucket/runs", "launch.k8s.remote_secret=s3-creds"]
+    argv = RECIPES["llama3_70b"] + [f"output_dir={tmp_path}", *remote] + BASE
+    _, rendered = k8s.render_run(argv)
+    assert cli(argv) == 0
+    posted = [r for r in api.requests if r["method"] == "POST"]
+    assert posted[-1]["path"] == "/apis/apps/v1/namespaces/default/deployments"
+    assert posted[-1]["body"] == rendered.uploader
+    assert list(api.deployments) == ["llama3-70b-uploader"]
+    assert cli(["delete", "llama3-70b"]) == 0
+    assert api.deployments == {} and api.config_maps == {}
+
+
 def test_resubmit_after_delete_never_collides(
     api: FakeApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -310,6 +341,7 @@ def test_status_logs_delete(
         ("GET", "/api/v1/namespaces/default/pods/job-master-0/log"),
         ("DELETE", "/apis/kubeflow.org/v1/namespaces/default/pytorchjobs/llama3-70b"),
         ("DELETE", "/api/v1/namespaces/default/configmaps"),
+        ("DELETE", "/apis/apps/v1/namespaces/default/deployments"),
     ]
     pods, log_req = api.requests[4], api.requests[5]
     assert pods["query"]["labelSelector"] == [

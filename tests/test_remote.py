@@ -191,3 +191,21 @@ def test_a_run_that_lost_its_run_dir_resumes_exactly_from_the_object_store(
     record = json.loads((shared / "run" / "attempts" / "attempt-01.json").read_text())
     assert (record["restored_step"], record["restored_tier"]) == (5, "remote")
     assert losses(shared / "run") == losses(reference / "run")[5:]
+
+
+def test_launch_local_runs_the_uploader_beside_the_job(
+    s3: S3Server, tiny_overrides: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key, value in s3.env.items():
+        monkeypatch.setenv(key, value)
+    url = s3.url("launched")
+    cmd = [sys.executable, "-m", "launch", "local", "--nproc=2", *tiny_overrides,
+           f"output_dir={tmp_path}", "run_id=run", "checkpoint.save_interval=5",
+           f"checkpoint.remote.url={url}", "checkpoint.remote.follow_interval_s=1"]  # fmt: skip
+    env = {**os.environ, **s3.env, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, text=True, capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "launch local: uploader:" in proc.stderr and "final upload exited 0" in proc.stderr
+    store = ObjectStore(url, s3.endpoint_url)
+    assert read_latest(store, "run") == 10
+    assert verify_remote_step(store, "run", 10, full=True).ok

@@ -219,6 +219,33 @@ def test_dry_run_renders_a_valid_script(stdlib_corpus: str, tmp_path: Path) -> N
     assert syntax.returncode == 0, syntax.stderr
 
 
+@pytest.mark.parametrize("container", [False, True], ids=["host", "container"])
+def test_remote_tier_runs_an_uploader_beside_the_job(
+    container: bool, stdlib_corpus: str, tmp_path: Path
+) -> None:
+    image = ["launch.slurm.container_image=nvcr.io/nvidia/pytorch:25.01-py3"] if container else []
+    overrides = [
+        *_base(stdlib_corpus, tmp_path, "up"),
+        *LAYOUT_2x1,
+        *image,
+        "checkpoint.remote.url=s3://bucket/runs",
+        "checkpoint.remote.follow_interval_s=30",
+    ]
+    assert _dry_run(overrides) == 0
+    script = _script(tmp_path, "up")
+    runner = "srun --overlap --nodes=1 --ntasks=1 --cpus-per-task=1" if container else BIN
+    start = script.index("UPLOAD=(")
+    assert script[start:].startswith(f"UPLOAD=({runner}")
+    assert '-m resiliency upload "$RUN_DIR" --to s3://bucket/runs' in script
+    assert '"${UPLOAD[@]}" --follow --interval=30 &\nUPLOADER_PID=$!' in script
+    # after srun: stopped, then one last pass for the steps it missed
+    stop = script.index('kill -TERM "$UPLOADER_PID"')
+    assert script.index("srun ended with") < stop < script.index('    "${UPLOAD[@]}" ||')
+    syntax = subprocess.run(["bash", "-n", str(tmp_path / "up" / "slurm" / "up.sbatch")],
+                            capture_output=True, text=True)  # fmt: skip
+    assert syntax.returncode == 0, syntax.stderr
+
+
 def test_render_gpus_container_and_ft_launcher(stdlib_corpus: str, tmp_path: Path) -> None:
     overrides = [
         *_base(stdlib_corpus, tmp_path, "gpu"),

@@ -21,7 +21,7 @@ from resiliency.checkpoint.topology import Target, TopologyRefusedError, Topolog
 from resiliency.storage.layout import RunLayout
 from resiliency.storage.manifest import Manifest, read_manifest
 from resiliency.storage.object_store import ObjectStore
-from resiliency.storage.remote import fetch_newest
+from resiliency.storage.remote import committed_remote_steps, fetch_newest
 from resiliency.storage.select import select_restore_step
 from resiliency.storage.tokenizer_copy import TOKENIZER_DIR, tokenizer_difference
 from resiliency.storage.verify import balanced_share, checksum_problem
@@ -73,11 +73,12 @@ def pick_checkpoint(
         for name, reason in selection.skipped:
             log.warning("restore: skipped %s: %s", name, reason)
         choice = str(selection.step_dir) if selection.step_dir else None
+        remote_steps: list[int] = []
         if choice is None and remote is not None and remote.enabled:
-            fetched = fetch_from_remote(remote, layout, attempt, rejected)
+            fetched, remote_steps = fetch_from_remote(remote, layout, attempt, rejected)
             choice, tier = (str(fetched), "remote") if fetched else (None, tier)
-        if choice is None and layout.published_steps():
-            refusal = _unrecoverable(layout, selection.skipped, start_over)
+        if choice is None and (layout.published_steps() or remote_steps):
+            refusal = _unrecoverable(layout, selection.skipped, start_over, remote_steps)
     choice, tier, refusal = broadcast_object((choice, tier, refusal))
     if refusal is not None:
         raise UnrecoverableRunError(refusal)
@@ -89,9 +90,10 @@ def pick_checkpoint(
 
 def fetch_from_remote(
     remote: RemoteCheckpointConfig, layout: RunLayout, attempt: int, rejected: Mapping[int, str]
-) -> Path | None:
+) -> tuple[Path | None, list[int]]:
     """Last in the restore order (local, replica, shared, remote): the newest remote step that
-    verifies and downloads intact, published into the shared steps dir."""
+    verifies and downloads intact, published into the shared steps dir; and the committed
+    remote steps there were."""
     assert remote.url is not None
     store = ObjectStore(remote.url, remote.endpoint_url, remote.workers)
     log.warning(
@@ -100,13 +102,16 @@ def fetch_from_remote(
         remote.url,
     )
     below = min(rejected) if rejected else None  # a rejected step is not fetched again
-    return fetch_newest(store, layout, attempt, remote.workers, below)
+    steps = [s for s in committed_remote_steps(store, layout.run_id) if below is None or s < below]
+    return fetch_newest(store, layout, attempt, remote.workers, below), steps
 
 
 def _unrecoverable(
-    layout: RunLayout, skipped: list[tuple[str, str]], start_over: bool
+    layout: RunLayout, skipped: list[tuple[str, str]], start_over: bool, remote: list[int]
 ) -> str | None:
     steps = layout.published_steps()
+    if remote:  # every committed remote step failed its checks (each one logged why)
+        skipped = [*skipped, ("remote tier", f"steps {remote} committed, none fetched intact")]
     if start_over:
         log.warning(
             "restore: none of the %d published steps in %s verifies; "
@@ -117,7 +122,8 @@ def _unrecoverable(
         return None
     reasons = "\n".join(f"  {name}: {reason}" for name, reason in skipped)
     return (
-        f"{layout.steps_dir} holds {len(steps)} published step(s) and none verifies:\n"
+        f"{layout.steps_dir} holds {len(steps)} published step(s) and none verifies"
+        f"{f' (nor any of the remote tier, {len(remote)} committed)' if remote else ''}:\n"
         f"{reasons}\nNothing was changed. Repair or restore the steps (python -m resiliency "
         "verify <step dir> says why), or start this run's history over with "
         "checkpoint.start_over_if_unverified=true."

@@ -16,11 +16,13 @@ from resiliency.storage.object_store import ObjectStore
 from resiliency.storage.remote import (
     UploadError,
     committed_remote_steps,
+    fetch_newest,
     read_latest,
     remote_steps,
     upload_run,
     verify_remote_step,
 )
+from resiliency.storage.select import select_restore_step
 
 
 def split_remote(url: str, endpoint_url: str | None) -> tuple[ObjectStore, str, int | None]:
@@ -100,6 +102,39 @@ def cmd_upload(args: argparse.Namespace) -> int:
             return EXIT_OK
 
 
+def cmd_fetch(args: argparse.Namespace) -> int:
+    """Before a pod's trainer starts (a Kubernetes init container): the run dir has a step
+    that verifies, or the newest intact remote step is fetched into it, by the same selection
+    and verification code the trainer's own restore uses."""
+    layout = RunLayout.from_run_dir(Path(args.run_dir))
+    url = args.source or recorded_setting(layout, "remote.url").value
+    if not url:
+        print("error: give --from s3://bucket/prefix (the run records no checkpoint.remote.url)")
+        return EXIT_USAGE
+    local = select_restore_step(layout, layout.run_id, full_verify=False)
+    if local.step_dir is not None:
+        print(f"{local.step_dir} verifies: nothing to fetch")
+        return EXIT_OK
+    store = ObjectStore(url, args.endpoint_url, args.workers)
+    committed = committed_remote_steps(store, layout.run_id)
+    if not committed:
+        print(f"no committed step in {store.url}/{layout.run_id}: the run starts fresh")
+        return EXIT_OK
+    fetched = fetch_newest(store, layout, FETCH_ATTEMPT, args.workers)
+    if fetched is None:
+        print(f"BAD: none of the remote steps {committed} fetched intact from {store.url}")
+        return EXIT_BAD
+    print(f"fetched {store.url}/{layout.run_id}/steps/{fetched.name} into {fetched}")
+    return EXIT_OK
+
+
+def _add_fetch_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="the run dir to restore into (<root>/<run_id>)")
+    p.add_argument("--from", dest="source", help="s3://bucket[/prefix] (default: the run's own)")
+    p.add_argument("--endpoint-url", help="S3-compatible server (default: AWS_ENDPOINT_URL)")
+    p.add_argument("--workers", type=int, default=8, help="objects downloaded in parallel")
+
+
 def _add_upload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="a run dir (<root>/<run_id>)")
     p.add_argument("--to", help="s3://bucket[/prefix] (default: the run's checkpoint.remote.url)")
@@ -111,12 +146,20 @@ def _add_upload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--milestone-interval", type=int, help="remote steps never deleted: multiples")
 
 
+FETCH_ATTEMPT = 99  # the tmp dir's tag: no training attempt writes while it runs (lease)
 COMMANDS = {
+    "fetch": Command(
+        "no local step verifies? fetch the newest intact one from the object store (init step)",
+        _add_fetch_args,
+        cmd_fetch,
+        epilog="Exit 0: a local step verifies, one was fetched, or the remote has none; 1: the "
+        "remote has committed steps and none downloads intact.",
+    ),
     "upload": Command(
         "copy a run's committed steps to an object store (s3://), resumable; --follow keeps on",
         _add_upload_args,
         cmd_upload,
         epilog="Objects are never overwritten; COMMITTED is written last; latest.json only "
         "moves forward. Credentials: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or a profile.",
-    )
+    ),
 }

@@ -245,7 +245,7 @@ def fetch_newest(
 ) -> Path | None:
     """The newest remote step (below ``below``) that verifies and downloads intact, published
     into the run's steps dir; None if there is none."""
-    for step in reversed(remote_steps(store, layout.run_id)):
+    for step in reversed(committed_remote_steps(store, layout.run_id)):
         if below is not None and step >= below:
             continue
         started = time.perf_counter()
