@@ -209,3 +209,14 @@ def test_launch_local_runs_the_uploader_beside_the_job(
     store = ObjectStore(url, s3.endpoint_url)
     assert read_latest(store, "run") == 10
     assert verify_remote_step(store, "run", 10, full=True).ok
+
+
+def test_files_larger_than_a_part_go_up_in_parts(store: ObjectStore, tmp_path: Path) -> None:
+    layout = RunLayout(tmp_path / "shared", "run")
+    _many_file_step(layout, 3, files=2, size=11 << 20)  # 3 parts of <= 5 MiB each
+    parted = ObjectStore(store.url, os.environ["AWS_ENDPOINT_URL"], workers=2, part_mib=5)
+    [report] = upload_run(parted, layout, workers=2, keep_last=3)
+    assert report.bytes_sent == 2 * (11 << 20)
+    assert verify_remote_step(parted, "run", 3, full=True).ok
+    fetched = fetch_newest(parted, RunLayout(tmp_path / "new", "run"), attempt=1, workers=2)
+    assert fetched is not None and fetched.name == "step-000000003"

@@ -58,8 +58,11 @@ class ObjectStore:
     """One bucket; keys are relative to the URL's prefix. Credentials come from the usual
     places (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, a profile, an instance role)."""
 
-    def __init__(self, url: str, endpoint_url: str | None = None, workers: int = 8) -> None:
+    def __init__(
+        self, url: str, endpoint_url: str | None = None, workers: int = 8, part_mib: int = 512
+    ) -> None:
         self.url = url.rstrip("/")
+        self.part_bytes = part_mib << 20
         self.bucket, self.prefix = parse_s3_url(url)
         config = Config(
             max_pool_connections=max(10, workers * 2),
@@ -80,9 +83,38 @@ class ObjectStore:
         return f"{self.prefix}/{rel}" if self.prefix else rel
 
     def put_file(self, rel: str, path: Path, metadata: dict[str, str]) -> None:
-        """Upload ``path`` as a new object; PreconditionFailed if the key exists."""
+        """Upload ``path`` as a new object; PreconditionFailed if the key exists. Files above
+        ``part_bytes`` go up in parts (one PUT takes at most 5 GiB)."""
+        if path.stat().st_size > self.part_bytes:
+            self._put_parts(rel, path, metadata)
+            return
         with open(path, "rb") as body:
             self._put(rel, body, file_md5(path), metadata, IfNoneMatch="*")
+
+    def _put_parts(self, rel: str, path: Path, metadata: dict[str, str]) -> None:
+        key = self.key(rel)
+        upload = self.client.create_multipart_upload(Bucket=self.bucket, Key=key, Metadata=metadata)
+        parts = []
+        try:
+            with open(path, "rb") as f:
+                while chunk := f.read(self.part_bytes):
+                    md5 = base64.b64encode(hashlib.md5(chunk, usedforsecurity=False).digest())
+                    reply = self.client.upload_part(
+                        Bucket=self.bucket, Key=key, UploadId=upload["UploadId"],
+                        PartNumber=len(parts) + 1, Body=chunk, ContentMD5=md5.decode(),
+                    )  # fmt: skip
+                    parts.append({"ETag": reply["ETag"], "PartNumber": len(parts) + 1})
+            self.client.complete_multipart_upload(
+                Bucket=self.bucket, Key=key, UploadId=upload["UploadId"],
+                MultipartUpload={"Parts": parts}, IfNoneMatch="*",
+            )  # fmt: skip
+        except botocore.exceptions.ClientError as exc:
+            self.client.abort_multipart_upload(
+                Bucket=self.bucket, Key=key, UploadId=upload["UploadId"]
+            )
+            if _code(exc) in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+                raise PreconditionFailed(f"{self.url}/{rel}: {_code(exc)}") from None
+            raise
 
     def put_bytes(
         self, rel: str, data: bytes, if_match: str | None = None, metadata: dict | None = None
