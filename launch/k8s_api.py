@@ -154,9 +154,12 @@ def replica_logs(
         )
     pod = max(pods, key=lambda p: str(p.metadata.creation_timestamp or ""))
     with _api_errors(f"reading logs of pod {namespace}/{pod.metadata.name}"):
-        return core.read_namespaced_pod_log(
-            pod.metadata.name, namespace, container=CONTAINER, tail_lines=tail
-        )
+        # The raw body: kubernetes 36's deserializer returns str(bytes), "b'...'", for logs.
+        reply = core.read_namespaced_pod_log(
+            pod.metadata.name, namespace, container=CONTAINER, tail_lines=tail,
+            _preload_content=False,
+        )  # fmt: skip
+    return reply.data.decode(errors="replace")
 
 
 def delete(api: Any, namespace: str, name: str) -> None:
