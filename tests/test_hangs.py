@@ -181,6 +181,24 @@ def test_watchdog_heartbeat_costs_one_write_per_beat(tmp_path: Path) -> None:
     assert not watchdog.path.exists()
 
 
+def test_a_failed_rank_keeps_its_beats_so_a_stopped_peer_is_still_named(tmp_path: Path) -> None:
+    """Rank 1 stops; rank 0 beats on until the collective it waits in fails, then exits by
+    that exception (no dump): its kept beats are what rank 1's silence is measured against."""
+    stopped = StackWatchdog(tmp_path / "rank-00001.pid-2.txt", rank=1)
+    stopped.arm("checkpointing", 600.0, step=10)
+    time.sleep(2 * BEAT_S)
+    stopped._stop.set()  # frozen: no beat from here on
+    waiting = StackWatchdog(tmp_path / "rank-00000.pid-1.txt", rank=0)
+    waiting.arm("step", 600.0, step=10)
+    time.sleep(6 * BEAT_S)
+    waiting.close(keep=True)  # failed: "lost peer"
+    assert waiting.path.exists()
+    dumps = {r: read_stack_dump(tmp_path / f"rank-{r:05d}.pid-{r + 1}.txt") for r in (0, 1)}
+    assert attribute_hang(dumps)["rank"] == 1
+    del dumps[0]  # what a clean close left before: nothing to measure the silence against
+    assert attribute_hang(dumps)["rank"] == "undetermined"
+
+
 def _wait_for(check: Any, timeout: float) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:

@@ -127,6 +127,7 @@ class FaultToleranceHook(TrainHook):
         self.heartbeats_only = False
         self.timeouts = SectionTimeouts(cfg)
         self.sent: dict[str, float] = {}  # the timeouts the rank monitor has
+        self.failed = False  # this rank raised: its liveness file is kept
 
     # -- lifecycle
     def configure(self, run: "RunConfig", dp: int) -> "RunConfig":
@@ -192,6 +193,7 @@ class FaultToleranceHook(TrainHook):
             self._request_shutdown(f"planned exit {trainer.exit_code}")
 
     def on_exception(self, trainer: "Trainer | None", exc: BaseException) -> None:
+        self.failed = True  # the liveness file stays: evidence for the hang's post-mortem
         failure = classify(exc)
         if not failure.retryable:
             # ft_launcher would restart the group on any failure; a deterministic one would
@@ -200,7 +202,7 @@ class FaultToleranceHook(TrainHook):
 
     def close(self) -> None:
         if self.stacks is not None:
-            self.stacks.close()
+            self.stacks.close(keep=self.failed)
         if self.client is not None and self.client.is_initialized:
             self.client.end_all_sections()
             self.client.shutdown_workload_monitoring()

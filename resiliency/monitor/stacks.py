@@ -114,14 +114,17 @@ class StackWatchdog:
         faulthandler.cancel_dump_traceback_later()
         self.progress_at = time.time()
 
-    def close(self) -> None:
-        """Stop watching; keep the file only if it holds a dump."""
+    def close(self, keep: bool = False) -> None:
+        """Stop watching; keep the file if it holds a dump, or (``keep``) when the rank failed:
+        its last beats are a peer's liveness evidence. A rank that lost its peer in a
+        collective errors out cleanly; without its beats the stopped peer's silence had nothing
+        to be measured against (the peer read as "kept beating")."""
         self.disarm()
         self._stop.set()
         self._beater.join(timeout=2 * BEAT_S)
         dumped = os.lseek(self.fd, 0, os.SEEK_END) > HEADER_BYTES
         self.file.close()
-        if not dumped:
+        if not dumped and not keep:
             self.path.unlink(missing_ok=True)
 
 
