@@ -20,6 +20,8 @@ from recipes.launch_schema import SlurmConfig as SlurmConfig
 from recipes.logging_schema import LoggingConfig
 from recipes.logging_schema import WandbConfig as WandbConfig
 from recipes.perf_schema import PerfConfig
+from recipes.tier_schema import LocalCheckpointConfig as LocalCheckpointConfig
+from recipes.tier_schema import RemoteCheckpointConfig as RemoteCheckpointConfig
 
 
 @dataclass(kw_only=True)
@@ -309,56 +311,6 @@ class TrainConfig:
         )
         one_of("train", "device", self.device, ("auto", "cpu", "cuda"))
         one_of("train", "precision", self.precision, ("auto", "fp32", "bf16"))
-
-
-@dataclass(kw_only=True)
-class LocalCheckpointConfig:
-    """Node-local tier (nvidia-resiliency-ext), replicated to peers on other nodes."""
-
-    interval: Optional[int] = None  # steps between local saves; None: tier off
-    dir: Optional[str] = None  # node-local disk; each node writes <dir>/node-<node_rank>/<run_id>
-    replication_factor: int = 2  # copies of each rank's shard, on distinct nodes; 1: no replicas
-    replication_jump: Optional[int] = None  # rank distance between copies; None: ranks per node
-    keep_last: int = 2  # local steps kept per node
-
-    @property
-    def enabled(self) -> bool:
-        return self.interval is not None
-
-    def __post_init__(self) -> None:
-        positive("checkpoint.local", interval=self.interval, replication_jump=self.replication_jump)
-        require(
-            self.interval is None or bool(self.dir),
-            "checkpoint.local.interval is set but checkpoint.local.dir is not: give the "
-            "node-local directory, e.g. checkpoint.local.dir=/local_nvme/ckpt",
-        )
-        require(self.replication_factor >= 1, "checkpoint.local.replication_factor must be >= 1")
-        require(self.keep_last >= 1, "checkpoint.local.keep_last must be >= 1")
-
-
-@dataclass(kw_only=True)
-class RemoteCheckpointConfig:
-    """Object-store tier: committed steps copied to S3 by an independent uploader
-    (``python -m resiliency upload``), restored from when no local or shared step verifies."""
-
-    url: Optional[str] = None  # s3://bucket/prefix; None: tier off. Objects: <prefix>/<run_id>/...
-    endpoint_url: Optional[str] = None  # S3-compatible server (SeaweedFS, MinIO...); None: AWS
-    keep_last: int = 3  # committed remote steps kept (plus milestones); older ones deleted
-    workers: int = 8  # objects uploaded or downloaded in parallel
-    follow_interval_s: float = 10.0  # how often the launchers' uploader looks for new steps
-
-    @property
-    def enabled(self) -> bool:
-        return self.url is not None
-
-    def __post_init__(self) -> None:
-        require(
-            self.url is None or (self.url.startswith("s3://") and len(self.url) > 5),
-            f"checkpoint.remote.url={self.url!r}: give s3://bucket[/prefix]",
-        )
-        require(self.keep_last >= 1, "checkpoint.remote.keep_last must be >= 1")
-        positive("checkpoint.remote", workers=self.workers)
-        require(self.follow_interval_s > 0, "checkpoint.remote.follow_interval_s must be > 0")
 
 
 @dataclass(kw_only=True)
