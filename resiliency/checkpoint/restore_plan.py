@@ -103,7 +103,7 @@ def fetch_from_remote(
     )
     below = min(rejected) if rejected else None  # a rejected step is not fetched again
     steps = [s for s in committed_remote_steps(store, layout.run_id) if below is None or s < below]
-    return fetch_newest(store, layout, attempt, remote.workers, below), steps
+    return fetch_newest(store, layout, attempt, remote.workers, below, steps), steps
 
 
 def _unrecoverable(

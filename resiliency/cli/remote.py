@@ -120,7 +120,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     if not committed:
         print(f"no committed step in {store.url}/{layout.run_id}: the run starts fresh")
         return EXIT_OK
-    fetched = fetch_newest(store, layout, FETCH_ATTEMPT, args.workers)
+    fetched = fetch_newest(store, layout, FETCH_ATTEMPT, args.workers, committed=committed)
     if fetched is None:
         print(f"BAD: none of the remote steps {committed} fetched intact from {store.url}")
         return EXIT_BAD

@@ -241,11 +241,19 @@ def _fetch_file(store: ObjectStore, base: str, tmp: Path, entry: FileEntry) -> s
 
 
 def fetch_newest(
-    store: ObjectStore, layout: RunLayout, attempt: int, workers: int, below: int | None = None
+    store: ObjectStore,
+    layout: RunLayout,
+    attempt: int,
+    workers: int,
+    below: int | None = None,
+    committed: list[int] | None = None,
 ) -> Path | None:
-    """The newest remote step (below ``below``) that verifies and downloads intact, published
-    into the run's steps dir; None if there is none."""
-    for step in reversed(committed_remote_steps(store, layout.run_id)):
+    """The newest remote step (below ``below``; of ``committed``, when the caller listed them
+    already) that verifies and downloads intact, published into the run's steps dir; None if
+    there is none."""
+    if committed is None:
+        committed = committed_remote_steps(store, layout.run_id)
+    for step in reversed(committed):
         if below is not None and step >= below:
             continue
         started = time.perf_counter()
