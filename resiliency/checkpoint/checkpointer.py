@@ -101,9 +101,11 @@ class Checkpointer:
         attempt: int,
         faults: FaultInjector,
         writer_queue: SpawnedWriterQueue | None = None,
+        weights_only: bool = False,
     ) -> None:
         """``writer_queue``: a spawned writer already started (by the checkpoint hook, before
-        the model was built); used if async saves stage into shared memory, else closed."""
+        the model was built); used if async saves stage into shared memory, else closed.
+        ``weights_only``: saves hold no optimizer state (python -m pretrain.hf import)."""
         self.trainer, self.layout, self.attempt = trainer, layout, attempt
         self.faults = faults  # train.fault's points inside the save protocol (tests, drill)
         self.cfg = trainer.run.checkpoint
@@ -121,7 +123,7 @@ class Checkpointer:
         self._strategy: Any = None  # megatron save strategy, built by the first save
         self.staging = self._staging() if self.cfg.staging_buffers else None
         self._reserved = False  # reserve_staging ran (once per attempt)
-        self.weights_only = False  # a step without optimizer state (python -m pretrain.hf import)
+        self.weights_only = weights_only
         fix_orphaned_writer_manager()
         if self.cfg.async_save and self.staging is not None and self.staging.shared:
             self.queue = writer_queue

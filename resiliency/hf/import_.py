@@ -133,8 +133,9 @@ def import_hf(hf_dir: Path, overrides: list[str]) -> Path:
              run.model.name)  # fmt: skip
     layout.run_dir.mkdir(parents=True, exist_ok=True)
     with RunLease(layout, IMPORT_ATTEMPT, timeout_s=60.0):
-        checkpointer = Checkpointer(trainer, layout, IMPORT_ATTEMPT, trainer.faults)
-        checkpointer.weights_only = True
+        checkpointer = Checkpointer(
+            trainer, layout, IMPORT_ATTEMPT, trainer.faults, weights_only=True
+        )
         checkpointer.save()
         checkpointer.close()
     return layout.step_dir(0)
