@@ -24,6 +24,9 @@ from botocore.config import Config
 
 log = logging.getLogger(__name__)
 _CHUNK = 8 << 20
+# Error codes as AWS and S3-compatible servers spell them.
+_LOST_CONDITION = ("PreconditionFailed", "412", "ConditionalRequestConflict")
+_NO_SUCH_KEY = ("404", "NoSuchKey", "NotFound")
 
 
 class PreconditionFailed(Exception):
@@ -112,7 +115,7 @@ class ObjectStore:
             self.client.abort_multipart_upload(
                 Bucket=self.bucket, Key=key, UploadId=upload["UploadId"]
             )
-            if _code(exc) in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+            if _code(exc) in _LOST_CONDITION:
                 raise PreconditionFailed(f"{self.url}/{rel}: {_code(exc)}") from None
             raise
 
@@ -135,7 +138,7 @@ class ObjectStore:
                 **condition,
             )
         except botocore.exceptions.ClientError as exc:
-            if _code(exc) in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+            if _code(exc) in _LOST_CONDITION:
                 raise PreconditionFailed(f"{self.url}/{rel}: {_code(exc)}") from None
             raise
         return str(reply["ETag"])
@@ -144,7 +147,7 @@ class ObjectStore:
         try:
             reply = self.client.head_object(Bucket=self.bucket, Key=self.key(rel))
         except botocore.exceptions.ClientError as exc:
-            if _code(exc) in ("404", "NoSuchKey", "NotFound"):
+            if _code(exc) in _NO_SUCH_KEY:
                 return None
             raise
         return ObjectInfo(rel, reply["ContentLength"], reply["ETag"], reply.get("Metadata", {}))
@@ -154,7 +157,7 @@ class ObjectStore:
         try:
             reply = self.client.get_object(Bucket=self.bucket, Key=self.key(rel))
         except botocore.exceptions.ClientError as exc:
-            if _code(exc) in ("404", "NoSuchKey", "NotFound"):
+            if _code(exc) in _NO_SUCH_KEY:
                 return None
             raise
         return reply["Body"].read(), str(reply["ETag"])
