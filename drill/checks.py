@@ -116,6 +116,9 @@ def optimizer_state_numel(model_dir: Path) -> dict[str, int]:
     # torch: the drill itself never loads it otherwise
     from torch.distributed.checkpoint import FileSystemReader
 
+    from pretrain.compat import restrict_checkpoint_loads
+
+    restrict_checkpoint_loads()  # .metadata is a pickle: only the admitted globals load
     totals = {"exp_avg": 0, "exp_avg_sq": 0, "other": 0}
     metadata = FileSystemReader(str(model_dir)).read_metadata().state_dict_metadata
     for key, meta in metadata.items():

@@ -15,7 +15,7 @@ from recipes import ConfigError, RunConfig, load_config, to_yaml
 from recipes.inputs import check_inputs
 from recipes.validate import new_launch_id, resolve_run_id, validate_runtime
 from resiliency.storage.layout import RunLayout, atomic_write_json
-from resiliency.storage.lease import read_lease, stale_reason
+from resiliency.storage.lease import owner_liveness, read_lease
 
 log = logging.getLogger(__name__)
 GIB = 1 << 30
@@ -80,16 +80,17 @@ def rank_env(run: RunConfig) -> dict[str, str]:
 
 
 def check_run_dir_free(plan: LaunchPlan) -> None:
-    """Refuse to submit a second job onto a run whose lease a live job holds."""
+    """Refuse to submit a second job onto a run whose lease a job provably alive holds (on
+    this host); any other owner is judged by the trainer's own acquire, which watches it."""
     layout = RunLayout(plan.run_dir.parent, plan.run.run_id)
     try:
         info = read_lease(layout)
     except ValueError:
         return  # unreadable lease: the trainer's own acquire decides
-    if info is not None and stale_reason(info, plan.run.checkpoint.lease_timeout_s) is None:
+    if info is not None and owner_liveness(info.host, info.pid, info.pid_ns, info.pid_start)[0]:
         raise ConfigError(
             f"run dir {plan.run_dir} is owned by a live job "
-            f"({info.describe(time.time())}); stop it or choose another run_id"
+            f"({info.describe()}); stop it or choose another run_id"
         )
 
 

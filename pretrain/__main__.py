@@ -15,7 +15,7 @@ from recipes import ConfigError, RunConfig, load_config, to_yaml
 from recipes.cli_args import CliRequest, has_sweep, parse_args, sweep_points
 from recipes.cli_args import translate as translate_overrides
 from recipes.describe import catalogue, describe_keys, format_keys
-from recipes.inputs import DataInputError, check_inputs
+from recipes.inputs import DataInputError, check_environment, check_inputs
 from recipes.load import CONF_DIR, compose_tree, load_config_file
 from recipes.validate import resolve_device, resolve_run_id, validate_runtime
 
@@ -138,6 +138,7 @@ def _sweep(req: CliRequest) -> int:
 def _prepare(run: RunConfig) -> tuple[RunConfig, str, int]:
     """Checks that need no process group: files, the run's name, the device and layout."""
     check_inputs(run)  # before torch, megatron-core and the process group
+    check_environment(run)
     # torch: not for --help/--cfg
     import torch
 

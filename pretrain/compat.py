@@ -17,6 +17,13 @@ are written), :func:`fully_reshardable_state_from` (the optimizer state built in
 buffers) and :func:`lean_writer_imports` (a lighter megatron-core import in the checkpoint
 writer process). nvidia-resiliency-ext's straggler package is located by
 :func:`nvrx_straggler`; making it run on CPU is in :mod:`pretrain.cpu_shim`.
+
+M-O (table ``SAFE_LOADS``, applied by :func:`apply` on every stack) restrict what loading a
+checkpoint may unpickle to the allow-list ``CHECKPOINT_GLOBALS`` (pretrain/checkpoint_globals.py,
+torch-free so that the storage layer's static scan shares it): torch DCP's ``.metadata`` read
+(M), DCP's byte items, megatron's sharded objects and 0.19's common state (N), megatron's
+``common.pt`` (O). :func:`safe_torch_load` is the same load for the call sites that are ours
+(rank state, the node-local tier's nvrx manager).
 """
 
 from __future__ import annotations
@@ -25,16 +32,25 @@ import atexit
 import contextlib
 import functools
 import importlib
+import io
 import logging
 import os
+import pickle
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib.metadata import version
-from typing import Any
+from typing import IO, Any
 
 import torch
 
+from pretrain.checkpoint_globals import CHECKPOINT_GLOBALS as CHECKPOINT_GLOBALS  # its home
+from pretrain.checkpoint_globals import (
+    UnsafeCheckpointError,
+    admitted_globals,
+    global_name,
+    refusal,
+)
 from pretrain.file_queue import FileQueue
 
 log = logging.getLogger(__name__)
@@ -312,6 +328,198 @@ def nvrx_straggler(submodule: str = "") -> Any:
     return importlib.import_module(f"{package}.{submodule}" if submodule else package)
 
 
+# ---------------------------------------------------------------- M-O: checkpoint loads
+def admitted_names(mcore: str | None = None) -> frozenset[str]:
+    """The allow-list as the "module.qualname" strings torch's weights-only unpickler uses."""
+    return frozenset(global_name(m, q) for m, q in admitted_globals(mcore or mcore_version()))
+
+
+@functools.cache
+def _admitted_objects(mcore: str) -> tuple[tuple[Any, str], ...]:
+    """The listed globals torch's weights-only unpickler does not admit by default, for
+    ``torch.serialization.safe_globals`` (only listed modules are imported, to resolve them)."""
+    from torch import _weights_only_unpickler
+
+    defaults = _weights_only_unpickler._get_allowed_globals()
+    found = []
+    for module, qualname in sorted(admitted_globals(mcore)):
+        name = global_name(module, qualname)
+        if name in defaults:
+            continue
+        try:
+            obj = functools.reduce(getattr, qualname.split("."), importlib.import_module(module))
+        except (ImportError, AttributeError):  # not on this stack: nothing to admit
+            continue
+        found.append((obj, name))
+    return tuple(found)
+
+
+def check_torch_archive(source: str | os.PathLike | IO[bytes], where: str) -> None:
+    """A ``torch.save`` archive names admitted globals only, or UnsafeCheckpointError; read
+    with torch's own zip reader and its weights-only unpickler's static GLOBAL scan (protocol
+    2, what torch.save writes: an opcode it does not know is a refusal, not a guess)."""
+    from torch import _weights_only_unpickler
+    from torch import serialization as ser
+
+    with ser._open_file_like(source, "rb") as opened:
+        if not ser._is_zipfile(opened):
+            raise UnsafeCheckpointError(f"checkpoint file {where} is not a torch zip archive")
+        with ser._open_zipfile_reader(opened) as archive:
+            if ser._is_torchscript_zip(archive):
+                raise UnsafeCheckpointError(f"checkpoint file {where} is a TorchScript archive")
+            data = archive.get_record("data.pkl")
+    try:
+        names = _weights_only_unpickler.get_globals_in_pkl(io.BytesIO(data))
+    except (pickle.UnpicklingError, EOFError, ValueError) as exc:
+        raise UnsafeCheckpointError(
+            f"checkpoint file {where} is not a pickle torch's weights-only loader reads: {exc}"
+        ) from exc
+    refused = sorted(set(names) - admitted_names())
+    if refused:
+        raise UnsafeCheckpointError(refusal(where, refused[0]))
+
+
+def safe_torch_load(
+    source: str | os.PathLike | IO[bytes], where: str, map_location: Any = None
+) -> Any:
+    """``torch.load`` of checkpoint bytes: the archive's globals checked against the allow-list
+    first, then loaded by torch's weights-only unpickler admitting those globals only."""
+    check_torch_archive(source, where)
+    if hasattr(source, "seek"):
+        source.seek(0)
+    with torch.serialization.safe_globals(list(_admitted_objects(mcore_version()))):
+        return torch.load(source, map_location=map_location, weights_only=True)
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """For DCP's ``.metadata``: a protocol-4 pickle (STACK_GLOBAL, MEMOIZE, FRAME), which
+    torch's weights-only unpickler (protocol 2 only) cannot read, so Python's documented way
+    to restrict globals is used instead: ``find_class`` resolves listed names only (EXT codes
+    and INST go through it too), and nothing else of the file can call anything."""
+
+    def __init__(self, file: IO[bytes], where: str) -> None:
+        super().__init__(file)
+        self._where, self._admitted = where, admitted_globals(mcore_version())
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in self._admitted:
+            raise UnsafeCheckpointError(refusal(self._where, global_name(module, name)))
+        return super().find_class(module, name)
+
+
+class _MetadataPickle:
+    """Stands in for ``pickle`` in torch DCP's filesystem module, whose only ``pickle.load`` is
+    ``FileSystemReader.read_metadata`` (every DCP reader's, megatron's and nvrx's included);
+    ``pickle.dump`` and the rest are pickle's own."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(pickle, name)
+
+    @staticmethod
+    def load(file: IO[bytes], **_: Any) -> Any:
+        return _RestrictedUnpickler(file, str(getattr(file, "name", ".metadata"))).load()
+
+
+def _restrict_dcp_metadata() -> None:
+    from torch.distributed.checkpoint import filesystem
+
+    filesystem.pickle = _MetadataPickle()  # type: ignore[assignment]
+
+
+def _restrict_dcp_bytes() -> None:
+    from torch.distributed.checkpoint import default_planner
+
+    planner = default_planner.DefaultLoadPlanner
+    original = planner.load_bytes
+
+    @functools.wraps(original)
+    def load_bytes(self: Any, read_item: Any, value: io.BytesIO) -> None:
+        # torch's own body, with its torch.load(value, weights_only=False) made safe
+        fqn = read_item.dest_index.fqn
+        loaded = safe_torch_load(value, f".distcp item {fqn!r}")
+        if self.flatten_state_dict:
+            default_planner.set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
+
+    planner.load_bytes = load_bytes
+
+
+def _safe_common_load(original: Callable[..., Any], file_name: str) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def load_common(*args: Any) -> Any:
+        path = os.path.join(str(args[-1]), file_name)  # (self,) checkpoint_dir
+        if not os.path.isfile(path):
+            return original(*args)  # megatron's own missing-file error
+        return safe_torch_load(path, path, map_location="cpu")
+
+    return load_common
+
+
+def _restrict_common_pt() -> None:
+    # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.dist_checkpointing.strategies import common
+
+    if hasattr(common, "TorchCommonLoadStrategy"):  # 0.16: a strategy method
+        strategy = common.TorchCommonLoadStrategy
+        strategy.load_common = _safe_common_load(strategy.load_common, common.COMMON_STATE_FNAME)
+    if hasattr(serialization, "load_common"):  # 0.19: the legacy common.pt reader
+        safe = _safe_common_load(serialization.load_common, common.COMMON_STATE_FNAME)
+        serialization.load_common = common.load_common = safe
+
+
+@dataclass(frozen=True)
+class SafeLoad:
+    """A third-party load of checkpoint bytes that would run what the file names, restricted
+    to the allow-list (``MCORE_RECIPES_COMPAT_SKIP`` leaves it out, as for the fixes)."""
+
+    name: str
+    unsafe: str  # what the load does without it (measured: tests/test_safe_load.py)
+    apply: Callable[[], None]
+    affected: tuple[str, ...]  # megatron-core version prefixes measured to load this way
+
+
+SAFE_LOADS: tuple[SafeLoad, ...] = (
+    SafeLoad(
+        "M",
+        "torch DCP's FileSystemReader.read_metadata pickle.loads model/.metadata: any global "
+        "it names is imported and called (every restore, and our commit's loadability check)",
+        _restrict_dcp_metadata,
+        BOTH,
+    ),
+    SafeLoad(
+        "N",
+        "torch DCP's DefaultLoadPlanner.load_bytes torch.loads each byte item with "
+        "weights_only=False: megatron's sharded objects, and 0.19's common state (its "
+        "weights_only=True load after it is never reached)",
+        _restrict_dcp_bytes,
+        BOTH,
+    ),
+    SafeLoad(
+        "O",
+        "megatron's common.pt load (0.16: TorchCommonLoadStrategy.load_common; 0.19: the "
+        "legacy load_common) leaves weights_only unset: torch's default admits megatron's own "
+        "add_safe_globals list too, and TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 admits anything",
+        _restrict_common_pt,
+        BOTH,
+    ),
+)
+_restricted: list[str] = []
+
+
+def restrict_checkpoint_loads(mcore: str | None = None) -> list[str]:
+    """Apply, once, the load restrictions M-O (not skipped); returns the names applied."""
+    if _restricted:
+        return list(_restricted)
+    mcore = mcore or mcore_version()
+    for entry in SAFE_LOADS:
+        if entry.name not in skipped() and mcore.startswith(entry.affected):
+            entry.apply()
+            _restricted.append(entry.name)
+    return list(_restricted)
+
+
 FIXES: tuple[Fix, ...] = (
     Fix(
         "F",
@@ -409,7 +617,9 @@ def skipped() -> set[str]:
 
 
 def apply() -> list[str]:
-    """Apply, once, the fixes this megatron-core needs; returns the names applied."""
+    """Apply, once, the fixes this megatron-core needs; returns the names applied. The load
+    restrictions M-O are applied too (:func:`restrict_checkpoint_loads` says which)."""
+    restrict_checkpoint_loads()
     if _applied:
         return list(_applied)
     mcore = mcore_version()

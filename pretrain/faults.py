@@ -15,7 +15,8 @@ its CPU time: "slow@<step>:<rank>:<factor>", a straggler), sdc (a transient sile
 corruption: NaN gradients at that step once per process, so a replay of the step computes them
 clean), corrupt (once step N is committed, flip one byte of the largest model file of that
 step, then SIGKILL this rank: a newest checkpoint that rots on disk, which the restore must
-refuse). A "/<round>" suffix limits an
+refuse), eio_rehash (this rank's re-hash of step N, while restoring it, fails with EIO, as a
+flaky disk or a stale NFS handle would). A "/<round>" suffix limits an
 entry to one launcher round (TORCHELASTIC_RESTART_COUNT), so a fault can hit once and the
 restarted group run clean.
 Empty in every shipped recipe.
@@ -23,6 +24,7 @@ Empty in every shipped recipe.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -48,6 +50,7 @@ KINDS = (
     "stop_eval",
     "sdc",
     "corrupt",
+    "eio_rehash",
 )
 ROUND_ENV = "TORCHELASTIC_RESTART_COUNT"
 SPIKE_FACTOR = 1000.0  # spike@N without a factor
@@ -111,6 +114,12 @@ class FaultInjector:
                 os.kill(os.getpid(), signal.SIGSTOP)
             else:
                 os.kill(pid or os.getpid(), signal.SIGKILL)
+
+    def at_rehash(self, step: int) -> None:
+        """Restoring step ``step``, this rank's re-hash of its share starts: ``eio_rehash``."""
+        if self._due(step, ("eio_rehash",)):
+            log.warning("fault injection: EIO in the re-hash of step %d", step)
+            raise OSError(errno.EIO, os.strerror(errno.EIO), f"step {step} (injected)")
 
     def after_commit(self, step: int, model_dir: Path) -> None:
         """Step ``step`` is committed, its model state in ``model_dir``: ``corrupt`` flips one

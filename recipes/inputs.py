@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 from recipes.checks import ConfigError
@@ -32,6 +33,31 @@ def check_inputs(run: RunConfig, check_output: bool = True) -> None:
         )
     if check_output:
         check_writable(Path(run.output_dir), "output_dir")
+
+
+def signing_key(name: str | None, environ: Mapping[str, str] | None = None) -> bytes | None:
+    """The key in ``$name`` (checkpoint.signing_key_env); None when no variable is named. Named
+    but unset or empty is a ConfigError: a run asked to sign must never save or trust unsigned
+    steps. Checked by every rank at start, before any model is built."""
+    if not name:
+        return None
+    env = os.environ if environ is None else environ
+    value = env.get(name, "")
+    if not value:
+        state = "empty" if name in env else "not set"
+        raise ConfigError(
+            f"checkpoint.signing_key_env={name}: ${name} is {state} in this process's "
+            "environment. Set it, with the same key, on every rank (and for `python -m "
+            "resiliency verify --signing-key-env`), or drop checkpoint.signing_key_env to "
+            "save and restore without signatures"
+        )
+    return value.encode()
+
+
+def check_environment(run: RunConfig) -> None:
+    """What the run needs from its environment: the signing key, when one is named."""
+    if run.checkpoint.enabled:
+        signing_key(run.checkpoint.signing_key_env)
 
 
 def _check_prefix(prefix: str) -> None:

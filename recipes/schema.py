@@ -6,6 +6,7 @@ launch environment (world size, device) live in :mod:`recipes.validate`.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -22,6 +23,8 @@ from recipes.logging_schema import WandbConfig as WandbConfig
 from recipes.perf_schema import PerfConfig
 from recipes.tier_schema import LocalCheckpointConfig as LocalCheckpointConfig
 from recipes.tier_schema import RemoteCheckpointConfig as RemoteCheckpointConfig
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 @dataclass(kw_only=True)
@@ -234,6 +237,10 @@ class DataConfig:
     reset_position_ids: bool = False  # restart position ids after each eod
     reset_attention_mask: bool = False  # no attention across eod (document masking)
     eod_mask_loss: bool = False  # no loss on eod tokens
+    # A resume compares each prefix's .idx checksum with the one its checkpoint recorded and
+    # refuses a rebuilt corpus (its data cursor would select other samples); true: resume
+    # anyway, the differences logged and in the attempt record.
+    allow_changed_corpus: bool = False
 
     def __post_init__(self) -> None:
         one_of("data", "kind", self.kind, ("indexed", "mock"))
@@ -332,7 +339,7 @@ class CheckpointConfig:
     keep_last: int = 2  # published steps kept (older ones collected)
     # steps whose checkpoints are never collected; None: none
     milestone_interval: Optional[int] = None
-    full_verify: bool = True  # checksum every byte at restore, not only sizes
+    full_verify: bool = True  # checksum every byte at restore, not only sizes (pickles: always)
     lease_timeout_s: float = 60.0  # a run dir's lease is stale after this long without a heartbeat
     # Restoring with a different train.global_batch_size: refuse, or scale the LR by this rule.
     batch_change_lr_scaling: str = "refuse"
@@ -342,6 +349,10 @@ class CheckpointConfig:
     # The run dir has published steps but none verifies: refuse (exit 10), or start the run's
     # history over from step 0 (the bad steps are set aside as they are overwritten).
     start_over_if_unverified: bool = False
+    # The name of an environment variable holding a key: every published step then carries an
+    # HMAC-SHA256 of its manifest, and a restore from any tier rejects a step whose signature
+    # is missing or wrong. Set the variable on every rank. None: no signatures.
+    signing_key_env: Optional[str] = None
     local: LocalCheckpointConfig = field(default_factory=LocalCheckpointConfig)
     remote: RemoteCheckpointConfig = field(default_factory=RemoteCheckpointConfig)
 
@@ -361,6 +372,11 @@ class CheckpointConfig:
             "corrupt newest step always has a fallback",
         )
         require(self.lease_timeout_s > 0, "checkpoint.lease_timeout_s must be > 0")
+        require(
+            self.signing_key_env is None or _ENV_NAME.fullmatch(self.signing_key_env) is not None,
+            f"checkpoint.signing_key_env={self.signing_key_env!r}: give the name of an "
+            "environment variable holding the key (e.g. CKPT_SIGNING_KEY), not the key itself",
+        )
         one_of(
             "checkpoint",
             "batch_change_lr_scaling",

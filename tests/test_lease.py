@@ -64,45 +64,111 @@ def test_second_acquirer_refused_with_clear_message(layout: RunLayout) -> None:
     first.release()
 
 
-def test_stale_heartbeat_taken_over(layout: RunLayout) -> None:
-    _write_foreign_lease(layout, host="some-other-host", pid=12345, heartbeat=time.time() - 100)
-    RunLease(layout, attempt=2, timeout_s=10).acquire()
-    assert read_lease(layout).attempt == 2
+def _foreign_beater(layout: RunLayout, skew_s: float, interval_s: float) -> subprocess.Popen:
+    """A live owner "on another host" (its own host name and pid namespace) whose clock is
+    ``skew_s`` off ours, beating every ``interval_s`` as a real heartbeat thread does."""
+    code = f"""
+import json, os, time
+path, beats = {str(layout.lease_path)!r}, 0
+while True:
+    body = dict(attempt=9, host="other-host", pid=4242, heartbeat=time.time() + {skew_s},
+                pid_ns="other-boot/pid:[1]", generation=7, beats=beats, timeout_s=2)
+    with open(path + ".tmp", "w") as f:
+        json.dump(body, f)
+    os.replace(path + ".tmp", path)
+    beats += 1
+    time.sleep({interval_s})
+"""
+    layout.run_dir.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    deadline = time.monotonic() + 10
+    while not layout.lease_path.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return proc
 
 
-def test_fresh_lease_on_other_host_refused(layout: RunLayout) -> None:
-    _write_foreign_lease(layout, host="some-other-host", pid=12345, job_id="777")
-    with pytest.raises(LeaseHeldError, match="some-other-host.*job 777"):
-        RunLease(layout, attempt=2, timeout_s=10).acquire()
+@pytest.mark.parametrize("skew_s", [-120.0, 120.0])
+def test_a_live_owner_with_a_skewed_clock_is_never_taken_over(
+    layout: RunLayout, skew_s: float
+) -> None:
+    """Staleness is the owner's counter timed by the observer's monotonic clock: a clock two
+    minutes off either way changes nothing (wall-clock ages made a live owner look dead)."""
+    owner = _foreign_beater(layout, skew_s, interval_s=0.25)
+    try:
+        for attempt in (2, 3):
+            with pytest.raises(LeaseHeldError, match="other-host.*moved while this host watched"):
+                RunLease(layout, attempt=attempt, timeout_s=2).acquire()
+        assert read_lease(layout).attempt == 9
+    finally:
+        owner.kill()
+        owner.wait()
 
 
-def test_same_job_restart_on_other_host_takes_over(
+@pytest.mark.parametrize("skew_s", [-120.0, 120.0])
+def test_a_dead_owner_elsewhere_is_taken_over_within_the_timeout_and_a_beat(
+    layout: RunLayout, skew_s: float
+) -> None:
+    owner = _foreign_beater(layout, skew_s, interval_s=0.25)
+    time.sleep(0.6)
+    owner.kill()  # the owner's host died: nothing here can prove it
+    owner.wait()
+    started = time.monotonic()
+    lease = RunLease(layout, attempt=2, timeout_s=2)
+    lease.acquire()
+    took = time.monotonic() - started
+    assert 2.0 <= took <= 2.0 + 0.25 + 1.0, took
+    info = read_lease(layout)
+    assert (info.attempt, info.generation) == (2, 8)  # the generation only grows
+
+
+def test_the_same_job_needs_the_same_proof(
     layout: RunLayout, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A launcher restart may put rank 0 on another host: the same job id proves the old
-    group was torn down, so its fresh-looking lease does not block the restart."""
+    """A relaunch under the same job id (a requeue, a recreated pod) no longer assumes the old
+    group is dead: an owner on another host is watched like any other."""
     for name in ("MCORE_RECIPES_JOB_ID", "SLURM_JOB_ID"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-42")
-    _write_foreign_lease(layout, host="some-other-host", pid=12345, job_id="job-42")
-    RunLease(layout, attempt=2, timeout_s=60).acquire()
+    _write_foreign_lease(layout, host="some-other-host", pid=12345, job_id="job-42", pid_ns="x")
+    started = time.monotonic()
+    RunLease(layout, attempt=2, timeout_s=1).acquire()
+    assert time.monotonic() - started >= 1.0
     assert read_lease(layout).attempt == 2
 
 
 def test_dead_pid_on_same_host_taken_over_immediately(layout: RunLayout) -> None:
     _write_foreign_lease(layout, pid=_dead_pid(), heartbeat=time.time())
+    started = time.monotonic()
     RunLease(layout, attempt=2, timeout_s=3600).acquire()
+    assert time.monotonic() - started < 1.0
     assert read_lease(layout).attempt == 2
 
 
-def test_garbage_lease_refused_while_fresh(layout: RunLayout) -> None:
+def test_garbage_lease_replaced_only_after_staying_unchanged(layout: RunLayout) -> None:
     layout.run_dir.mkdir(parents=True)
     layout.lease_path.write_text("{torn")
-    with pytest.raises(LeaseHeldError, match="unreadable"):
-        RunLease(layout, attempt=1, timeout_s=60).acquire()
-    old = time.time() - 120
-    os.utime(layout.lease_path, (old, old))
-    RunLease(layout, attempt=1, timeout_s=60).acquire()
+    started = time.monotonic()
+    RunLease(layout, attempt=1, timeout_s=1).acquire()
+    assert time.monotonic() - started >= 1.0
+    assert read_lease(layout).attempt == 1
+
+
+def test_generation_grows_across_releases_and_fences_a_stale_owner(layout: RunLayout) -> None:
+    first = RunLease(layout, attempt=1, timeout_s=30)
+    first.acquire()
+    first.release()
+    first.acquire()
+    assert first.generation == 2 and read_lease(layout).generation == 2
+    with first.hold("publishing step 5"):
+        (layout.run_dir / "written").write_text("ok")
+    # Another host took the run over (as after a SIGSTOP past the timeout).
+    _write_foreign_lease(layout, host="other-host", pid=1, generation=3, attempt=2)
+    with pytest.raises(LeaseLostError, match=r"now held by attempt 2 on host other-host.*"
+                       r"generation 2\) is fenced: publishing step 6 refused"):  # fmt: skip
+        with first.hold("publishing step 6"):
+            (layout.run_dir / "never").write_text("written by a fenced owner")
+    assert not (layout.run_dir / "never").exists()
+    assert LeaseLostError.exit_code == 6
 
 
 def test_stale_mutex_of_dead_process_is_broken(layout: RunLayout) -> None:
@@ -137,7 +203,7 @@ def test_a_process_killed_taking_the_mutex_does_not_block_the_next(layout: RunLa
     RunLease(layout, attempt=2, timeout_s=60, lock_wait_s=2).acquire()
     assert time.monotonic() - started < 1.0
     assert read_lease(layout).attempt == 2
-    assert sorted(p.name for p in layout.run_dir.iterdir()) == ["LEASE"]
+    assert sorted(p.name for p in layout.run_dir.iterdir()) == ["LEASE", "LEASE.generation"]
 
 
 def test_heartbeat_and_loss_detection(layout: RunLayout) -> None:

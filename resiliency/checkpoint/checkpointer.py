@@ -43,8 +43,10 @@ from resiliency.checkpoint.staging import (
     staging_for,
 )
 from resiliency.checkpoint.state_dict import chunks_by_key, sharded_training_state
-from resiliency.storage.checksum import describe_files, describe_written, file_checksum, share_of
+from resiliency.storage.checksum import describe_files, describe_written, share_of
+from resiliency.storage.corpus import index_files
 from resiliency.storage.layout import RunLayout, payload_files
+from resiliency.storage.lease import LeaseLostError, RunLease
 from resiliency.storage.manifest import (
     Manifest,
     code_commit,
@@ -54,6 +56,7 @@ from resiliency.storage.manifest import (
 )
 from resiliency.storage.publish import begin_step, publish, set_aside, write_manifest_and_commit
 from resiliency.storage.retention import apply_gc, plan_gc
+from resiliency.storage.signing import SIGNED_ALGORITHM, key_from_env
 from resiliency.storage.tokenizer_copy import copy_tokenizer, tokenizer_record
 from resiliency.storage.verify import verify_step_dir
 
@@ -102,11 +105,18 @@ class Checkpointer:
         faults: FaultInjector,
         writer_queue: SpawnedWriterQueue | None = None,
         weights_only: bool = False,
+        fence: RunLease | None = None,
+        rejected_at_restore: frozenset[int] = frozenset(),
     ) -> None:
         """``writer_queue``: a spawned writer already started (by the checkpoint hook, before
         the model was built); used if async saves stage into shared memory, else closed.
-        ``weights_only``: saves hold no optimizer state (python -m pretrain.hf import)."""
+        ``weights_only``: saves hold no optimizer state (python -m pretrain.hf import).
+        ``fence``: rank 0's run lease; every publish, set-aside and retention delete holds it,
+        so nothing is written once another owner took the run over.
+        ``rejected_at_restore``: published steps this attempt's restore refused (a re-hash
+        that failed, maybe only on an I/O error): one reached again is set aside, not kept."""
         self.trainer, self.layout, self.attempt = trainer, layout, attempt
+        self.fence, self.rejected_at_restore = fence, rejected_at_restore
         self.faults = faults  # train.fault's points inside the save protocol (tests, drill)
         self.cfg = trainer.run.checkpoint
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -162,6 +172,20 @@ class Checkpointer:
             if self.rank == 0:
                 log.info("checkpoint step %d: writing in the background", step)
 
+    def check_fence(self, what: str) -> None:
+        """Collective: LeaseLostError on every rank when rank 0's lease was taken over (for
+        writes done on every rank, like the node-local tier's, that no one mutex covers)."""
+        lost = None
+        if self.fence is not None:
+            try:
+                with self.fence.hold(what):
+                    pass
+            except LeaseLostError as exc:
+                lost = str(exc)
+        lost = broadcast_object(lost)
+        if lost is not None:
+            raise LeaseLostError(lost)
+
     @property
     def staging_to_reserve(self) -> bool:
         """Async saves into staging buffers this attempt has not reserved yet."""
@@ -210,9 +234,12 @@ class Checkpointer:
         """A published dir at this step that fails verification was rejected at restore."""
         final = self.layout.step_dir(step)
         if final.exists():
-            verdict = verify_step_dir(final, self.trainer.run.run_id, full=self.cfg.full_verify)
+            key = key_from_env(self.cfg.signing_key_env)  # an unsigned step is rejected too
+            verdict = verify_step_dir(final, self.trainer.run.run_id, self.cfg.full_verify, key)
+            if verdict.ok and step in self.rejected_at_restore:
+                verdict = replace(verdict, ok=False, reason="refused by this attempt's restore")
             if not verdict.ok:
-                moved = set_aside(self.layout, step, verdict.reason)
+                moved = set_aside(self.layout, step, verdict.reason, self.fence)
                 log.warning(
                     "checkpoint step %d: invalid published dir moved to %s (%s)",
                     step,
@@ -325,12 +352,18 @@ class Checkpointer:
         failures = [f for f, _ in gathered if f]
         if failures:
             self._abort(pending.tmp_dir, CheckpointSaveError("; ".join(failures)))
+        fenced = None
         if self.rank == 0:
             try:
                 self._publish(pending, merge_file_entries(entries for _, entries in gathered))
+            except LeaseLostError as exc:
+                fenced = str(exc)
             except Exception as exc:  # noqa: BLE001 - shared with every rank below
                 failure = f"rank 0: {exc}"
-        failure = broadcast_object(failure)
+        failure, fenced = broadcast_object((failure, fenced))
+        if fenced:  # another owner holds the run: its steps dir is not ours to touch
+            self.pending = None
+            raise LeaseLostError(fenced)
         if failure:
             self._abort(pending.tmp_dir, CheckpointSaveError(failure))
         self.phase_times["publish"] = time.perf_counter() - phase
@@ -345,9 +378,12 @@ class Checkpointer:
         a round-robin share of the rest (metadata, rank state, anything a writer did not
         report), which is read back and hashed. Collective."""
         files = broadcast_object(payload_files(tmp_dir) if self.rank == 0 else None)
+        reports = writer_checksums().drain()
+        if self.cfg.signing_key_env is not None:  # a signature binds sha256, not crc32c
+            return describe_files(tmp_dir, share_of(files, self.rank, self.world), SIGNED_ALGORITHM)
         root = tmp_dir.absolute()
         written = {}
-        for path, (size, checksum) in writer_checksums().drain().items():
+        for path, (size, checksum) in reports.items():
             rel = Path(path).relative_to(root).as_posix() if path.startswith(f"{root}/") else None
             if rel in files:
                 written[rel] = (size, checksum)
@@ -360,9 +396,10 @@ class Checkpointer:
 
     def _publish(self, pending: PendingSave, files: list[Any]) -> None:
         self._check_loadable(pending.tmp_dir / MODEL_DIR)
-        write_manifest_and_commit(pending.tmp_dir, self._manifest(pending.step, files))
+        manifest, key = self._manifest(pending.step, files), key_from_env(self.cfg.signing_key_env)
+        write_manifest_and_commit(pending.tmp_dir, manifest, key)
         self.faults.at_checkpoint("publish", pending.step)
-        final = publish(self.layout, pending.tmp_dir, pending.step)
+        final = publish(self.layout, pending.tmp_dir, pending.step, fence=self.fence)
         log.info(
             "checkpoint step %d published: %s (%.2f s)",
             pending.step,
@@ -383,15 +420,17 @@ class Checkpointer:
             # the training thread. A dir is renamed to .trash- before it is emptied, so a crash
             # midway leaves trash the next collection removes, never a half-deleted step.
             self._gc_thread = threading.Thread(
-                target=self._apply_gc, args=(plan,), name="checkpoint-gc", daemon=True
+                target=self._apply_gc, args=(plan, self.fence), name="checkpoint-gc", daemon=True
             )
             self._gc_thread.start()
 
     @staticmethod
-    def _apply_gc(plan: Any) -> None:
+    def _apply_gc(plan: Any, fence: RunLease | None) -> None:
         try:
-            for path in apply_gc(plan):
+            for path in apply_gc(plan, fence):
                 log.info("retention: removed %s", path.name)
+        except LeaseLostError as exc:  # the heartbeat stops the run; nothing was deleted
+            log.error("retention: %s", exc)
         except Exception:  # noqa: BLE001 - the published step stands; the next save retries
             log.exception("retention: garbage collection failed")
 
@@ -438,11 +477,7 @@ class Checkpointer:
     def _dataset(self) -> dict[str, Any]:
         if self._dataset_snapshot is None:
             snapshot = dataset_fingerprint(self.trainer.run.data)
-            snapshot["index_files"] = {
-                p + ".idx": file_checksum(Path(p + ".idx"))
-                for p in self.trainer.run.data.paths
-                if Path(p + ".idx").is_file()
-            }
+            snapshot["index_files"] = index_files(list(self.trainer.run.data.paths))
             self._dataset_snapshot = snapshot
         return self._dataset_snapshot
 

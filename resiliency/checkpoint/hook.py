@@ -8,7 +8,6 @@ import dataclasses
 import json
 import logging
 import os
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,9 +27,14 @@ from resiliency.checkpoint.restore_plan import plan_restore
 from resiliency.checkpoint.resume_policy import ResumeDecision, reconcile
 from resiliency.checkpoint.shard_writer import writer_checksums
 from resiliency.health import HEALTH_DIR_ENV, read_reports
-from resiliency.storage.attempts import claim_attempt, ensure_run_record, write_attempt_record
+from resiliency.storage.attempts import (
+    TERMINAL_STATUSES,
+    claim_attempt,
+    ensure_run_record,
+    write_attempt_record,
+)
 from resiliency.storage.layout import RunLayout
-from resiliency.storage.lease import LeaseHeldError, RunLease
+from resiliency.storage.lease import LeaseHeldError, LeaseLostError, RunLease, process_identity
 
 if TYPE_CHECKING:
     from pretrain.distributed import DistEnv
@@ -44,7 +48,11 @@ log = logging.getLogger(__name__)
 
 
 class RunOwnership:
-    """Rank 0 holds the run's single-writer lease and claims an attempt id for all ranks."""
+    """Rank 0 holds the run's single-writer lease and claims an attempt id for all ranks.
+
+    The lease's generation fences every write a restore would see (``fence``); when the
+    heartbeat finds the lease taken over, ``lost`` says by whom and the hook stops the run at
+    the next step boundary with exit 6."""
 
     def __init__(self, layout: RunLayout, lease_timeout_s: float) -> None:
         self.layout, self.timeout_s = layout, lease_timeout_s
@@ -52,20 +60,30 @@ class RunOwnership:
         self.attempt = -1
         self.info: dict[str, Any] = {}
 
+    @property
+    def fence(self) -> RunLease | None:
+        """Rank 0's lease, which every publish, latest.json move and delete holds."""
+        return self.lease
+
+    @property
+    def lost(self) -> LeaseLostError | None:
+        return self.lease.lost if self.lease is not None else None
+
     def acquire(self, rank: int, world_size: int) -> int:
         error, attempt = None, -1
         if rank == 0:
             try:
                 self.info = {
                     "status": "starting",
-                    "host": socket.gethostname(),
                     "world_size": world_size,
                     "start_time": time.time(),
+                    **process_identity(),
                 }
-                attempt = claim_attempt(self.layout, self.info)
+                attempt = self.attempt = claim_attempt(self.layout, self.info)
                 self.lease = RunLease(self.layout, attempt, self.timeout_s)
                 self.lease.acquire()
                 self.lease.start_heartbeat()
+                self.record("starting", lease_generation=self.lease.generation)
                 ensure_run_record(self.layout, attempt)
             except LeaseHeldError as exc:
                 error = str(exc)
@@ -74,12 +92,17 @@ class RunOwnership:
             raise LeaseHeldError(error)
         return self.attempt
 
+    def lost_everywhere(self) -> str | None:
+        """Collective: rank 0's word on whether the lease was taken over (why, or None)."""
+        lost = self.lost
+        return broadcast_object(str(lost) if lost is not None else None)
+
     def record(self, status: str, **extra: Any) -> None:
         """Update this attempt's record (rank 0); earlier fields are kept."""
         if self.lease is None:
             return
         self.info.update(status=status, **extra)
-        if status in ("finished", "preempted", "failed"):
+        if status in TERMINAL_STATUSES:
             self.info["end_time"] = time.time()
         write_attempt_record(self.layout, self.attempt, self.info)
 
@@ -104,6 +127,8 @@ class CheckpointHook(TrainHook):
         self.decision: ResumeDecision | None = None  # config differences from the checkpoint
         self.health: dict[str, Any] | None = None  # the startup probe and node reports
         self.writer_queue: SpawnedWriterQueue | None = None  # async saves' writer, started early
+        self.fenced: str | None = None  # the lease was taken over: why (every rank)
+        self.rejected: dict[int, str] = {}  # steps this attempt's restore refused, and why
 
     def configure(self, run: "RunConfig", dp: int) -> "RunConfig":
         """Take the run's lease, then pick and validate the step to restore (nothing loaded)."""
@@ -179,7 +204,7 @@ class CheckpointHook(TrainHook):
     def _confirm_plan(self, trainer: "Trainer") -> None:
         """The chosen step was re-hashed while the model was built; when a file is bad, plan
         the next step and rebuild the model for it (uninitialised only if it has a step)."""
-        rejected: dict[int, str] = {}
+        rejected = self.rejected
         while self.plan is not None and (problem := self.plan.confirm()) is not None:
             rejected[self.plan.manifest.step] = problem
             log.warning(
@@ -203,7 +228,13 @@ class CheckpointHook(TrainHook):
     def on_start(self, trainer: "Trainer") -> None:
         self._confirm_plan(trainer)
         checkpointer = Checkpointer(
-            trainer, self.layout, self.ownership.attempt, trainer.faults, self.writer_queue
+            trainer,
+            self.layout,
+            self.ownership.attempt,
+            trainer.faults,
+            self.writer_queue,
+            fence=self.ownership.fence,
+            rejected_at_restore=frozenset(self.rejected),
         )
         self.writer_queue = None  # the checkpointer's now
         self.checkpointer = checkpointer
@@ -221,6 +252,7 @@ class CheckpointHook(TrainHook):
             local_dir=self.cfg.local.dir if self.local else None,
             config_changes=self.decision.record() if self.decision else None,
             health=self.health,
+            corpus_changes=self.plan.corpus_changes if self.plan else None,
         )
 
     def _restore(self, checkpointer: Checkpointer) -> tuple[int | None, str | None]:
@@ -252,8 +284,13 @@ class CheckpointHook(TrainHook):
             return "local"
         return None
 
+    def wants_stop(self, trainer: "Trainer") -> bool:
+        return self.ownership.lost is not None  # rank 0's heartbeat saw a takeover
+
     def after_step(self, trainer: "Trainer", result: StepResult) -> None:
         assert self.checkpointer is not None
+        if result.stop_asked and self._fenced(trainer):
+            return
         tier = self.tier_due(result.step)
         if tier is None:
             self._reserve_staging(trainer, result.step)
@@ -264,6 +301,16 @@ class CheckpointHook(TrainHook):
             else:
                 assert self.local is not None
                 self.local.save()
+
+    def _fenced(self, trainer: "Trainer") -> bool:
+        """A stop was voted: if it is because the lease was taken over, this attempt writes
+        nothing more and leaves with exit 6, the new owner named."""
+        lost = self.ownership.lost_everywhere()
+        if lost is None:
+            return False
+        self.fenced = lost
+        trainer.request_stop(exit_codes.LEASE_HELD, lost)
+        return True
 
     def _reserve_staging(self, trainer: "Trainer", step: int) -> None:
         """Once per attempt, at the first step no save follows: the dry run that sizes the
@@ -328,6 +375,10 @@ class CheckpointHook(TrainHook):
             checkpointer.finalize(blocking=True)
 
     def on_end(self, trainer: "Trainer") -> None:
+        if self.fenced is not None:  # another owner holds the run: no final save
+            log.error("run stopped, nothing saved: %s", self.fenced)
+            self.ownership.record("fenced", step=trainer.state.step, exit_code=trainer.exit_code)
+            return
         # A planned exit always leaves a persistent checkpoint of the final state.
         self.save_now(trainer)
         status = "preempted" if trainer.exit_code == exit_codes.REQUEUE else "finished"

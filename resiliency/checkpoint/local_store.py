@@ -3,12 +3,13 @@
 Each file (a rank's own shard or a peer's replica) gets a sidecar written before the file is
 renamed into place: its crc32c and size, computed while ``torch.save`` streams the bytes out,
 and the signature of the run that wrote it (run id, world size, parallel layout). Only files
-whose sidecar matches count as available, so ``find_latest`` (collective) picks the newest step
-that every rank can assemble from verified copies. A file that fails verification is renamed
-``*.rejected`` and logged once: it is never offered again (Megatron-LM #5281: a corrupt replica
-caused 44 restart cycles). Files are not fsynced: the tier protects against process and node
-loss, a torn file after a kernel crash fails its checksum and the replica or persistent tier
-takes over.
+whose sidecar matches (and, with checkpoint.signing_key_env, carries the file's sha256 and the
+sidecar's HMAC under that key) count as available, so ``find_latest`` (collective) picks the
+newest step that every rank can assemble from verified copies. A file that fails verification
+is renamed ``*.rejected`` and logged once: it is never offered again (Megatron-LM #5281: a
+corrupt replica caused 44 restart cycles). Files are not fsynced: the tier protects against
+process and node loss, a torn file after a kernel crash fails its checksum and the replica or
+persistent tier takes over.
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager impor
     LocalCheckpointManager,
 )
 
+from pretrain.compat import safe_torch_load
 from resiliency.storage.checksum import ChecksummingStream, file_checksum
 from resiliency.storage.layout import atomic_write_json
+from resiliency.storage.pickle_scan import file_pickle_problem
+from resiliency.storage.signing import SIGNED_ALGORITHM, SigningKey, record_problem, sign_record
 
 log = logging.getLogger(__name__)
 META_SUFFIX = ".meta.json"
@@ -74,15 +78,18 @@ def read_meta(entry: LocalFile) -> dict[str, Any] | None:
     return meta if isinstance(meta, dict) else None
 
 
-def content_problem(entry: LocalFile, meta: dict[str, Any]) -> str | None:
-    """None if the file's bytes match its sidecar, else what is wrong."""
+def content_problem(entry: LocalFile, meta: dict[str, Any], signed: bool = False) -> str | None:
+    """None if the file's bytes match its sidecar, else what is wrong; ``signed``: by the
+    sha256 a signed sidecar binds them with (crc32c can be matched by an edit)."""
     size = entry.path.stat().st_size
     if size != meta.get("bytes"):
         return f"size {size} != recorded {meta.get('bytes')} (truncated or overwritten)"
-    actual = file_checksum(entry.path)
-    if actual != meta.get("crc32c"):
-        return f"crc32c {actual} != recorded {meta.get('crc32c')} (corrupt)"
-    return None
+    algorithm = SIGNED_ALGORITHM if signed else "crc32c"
+    actual = file_checksum(entry.path, algorithm)
+    if actual != meta.get(algorithm):
+        return f"{algorithm} {actual} != recorded {meta.get(algorithm)} (corrupt)"
+    # A sidecar can be rewritten as easily as the file: what loading it would run is checked too.
+    return file_pickle_problem(entry.path, entry.path.name)
 
 
 class VerifiedLocalManager(LocalCheckpointManager):
@@ -95,9 +102,11 @@ class VerifiedLocalManager(LocalCheckpointManager):
         signature: dict[str, Any],
         keep_last: int,
         repl_strategy: Any = None,
+        key: SigningKey | None = None,
     ) -> None:
         super().__init__(node_dir, session_id=run_id, repl_strategy=repl_strategy)
         self.signature, self.keep_last = signature, keep_last
+        self.key = key  # checkpoint.signing_key_env: sidecars are signed, and must be
         self._trusted: dict[str, tuple[int, int]] = {}  # name -> (size, mtime_ns) verified
 
     @property
@@ -124,9 +133,19 @@ class VerifiedLocalManager(LocalCheckpointManager):
             "crc32c": checksum,
             "signature": self.signature,
         }
+        if self.key is not None:
+            meta[SIGNED_ALGORITHM] = file_checksum(dirty, SIGNED_ALGORITHM)
+        meta = sign_record(meta, self.key)
         atomic_write_json(final.with_name(final.name + META_SUFFIX), meta)
         dirty.rename(final)
         self._trust(final)
+
+    def _load(self, ckpt_id: Any) -> Any:
+        """nvrx loads with ``torch.load(weights_only=False)``: this admits the allow-list only."""
+        path = self._local_ckpt_path_from_id(ckpt_id)
+        if not path.is_file():
+            return super()._load(ckpt_id)  # nvrx's own missing-file error
+        return safe_torch_load(path, str(path))
 
     def _my_ckpt_ids(self) -> list[Any]:
         """Available = verified against the sidecar; failures are set aside, never retried."""
@@ -197,7 +216,12 @@ class VerifiedLocalManager(LocalCheckpointManager):
         meta = read_meta(entry)
         if meta is not None and meta.get("signature") != self.signature:
             return False  # another run's or topology's file: not corrupt, just not ours to use
-        problem = "no readable checksum sidecar" if meta is None else content_problem(entry, meta)
+        problem = (
+            "no readable checksum sidecar"
+            if meta is None
+            else record_problem(meta, self.key)
+            or content_problem(entry, meta, signed=self.key is not None)
+        )
         if problem is not None:
             self._reject(entry, problem)
             return False

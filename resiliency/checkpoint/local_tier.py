@@ -19,6 +19,7 @@ from recipes import ConfigError
 from resiliency.checkpoint import rank_state as state_io
 from resiliency.checkpoint.local_store import VerifiedLocalManager, node_rank, ranks_per_node
 from resiliency.checkpoint.state_dict import sharded_training_state
+from resiliency.storage.signing import key_from_env
 
 if TYPE_CHECKING:
     from pretrain.loop import Trainer
@@ -89,7 +90,12 @@ class LocalTier:
             "optim_format": LOCAL_OPTIM_FORMAT,
         }
         self.manager = VerifiedLocalManager(
-            node_dir(cfg), run.run_id, signature, cfg.keep_last, replication_strategy(cfg, world)
+            node_dir(cfg),
+            run.run_id,
+            signature,
+            cfg.keep_last,
+            replication_strategy(cfg, world),
+            key_from_env(run.checkpoint.signing_key_env),
         )
 
     # ------------------------------------------------------------ restore
@@ -192,6 +198,7 @@ class LocalTier:
         )
 
         step = self.trainer.state.step
+        self.checkpointer.check_fence(f"local-tier save of step {step}")
         sharded = sharded_training_state(self.trainer.parts, LOCAL_OPTIM_FORMAT)
         sharded["train_state"] = state_io.train_state_record(self.checkpointer.trainer)
         sharded["rank_state"] = rank_state_object(state_io.capture_rng(self.trainer.env.device))

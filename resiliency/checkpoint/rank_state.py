@@ -1,7 +1,8 @@
 """Per-rank and loop state that is not in the model/optimizer shards.
 
-Rank state (RNG streams) is stored as plain tensors and lists so it loads with
-``torch.load(weights_only=True)``: nothing in a checkpoint is unpickled as arbitrary objects.
+Rank state (RNG streams) is stored as plain tensors and lists, so it loads with torch's
+weights-only unpickler admitting the checkpoint allow-list only (pretrain/checkpoint_globals.py:
+tensors, dtypes, storage types): a file naming any other global is refused unrun.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 
 # The RNG streams themselves are captured in pretrain/rng.py (evaluation holds them still too).
+from pretrain.compat import safe_torch_load
 from pretrain.rng import capture_rng as capture_rng
 from pretrain.rng import reseed_rng as reseed_rng
 from pretrain.rng import restore_rng as restore_rng
@@ -33,7 +35,8 @@ def save_rank_state(step_dir: Path, rank: int, state: dict[str, Any]) -> Path:
 
 
 def load_rank_state(step_dir: Path, rank: int) -> dict[str, Any]:
-    return torch.load(rank_state_path(step_dir, rank), map_location="cpu", weights_only=True)
+    path = rank_state_path(step_dir, rank)
+    return safe_torch_load(path, f"{RANK_STATE_DIR}/{path.name}", map_location="cpu")
 
 
 def write_train_state(step_dir: Path, state: dict[str, Any]) -> None:

@@ -5,28 +5,35 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
 from pretrain import exit_codes
 from pretrain.distributed import broadcast_object
 from pretrain.failures import ClassifiedError
+from pretrain.faults import FaultInjector
 from recipes import ConfigError
 from recipes.schema import RemoteCheckpointConfig, RunConfig
 from resiliency.checkpoint.topology import Target, TopologyRefusedError, TopologyReport, validate
+from resiliency.storage.corpus import INDEX_SUFFIX, corpus_changes, describe_change
 from resiliency.storage.layout import RunLayout
 from resiliency.storage.manifest import Manifest, read_manifest
 from resiliency.storage.object_store import ObjectStore
+from resiliency.storage.pickle_scan import step_pickle_problem
 from resiliency.storage.remote import committed_remote_steps, fetch_newest
 from resiliency.storage.select import select_restore_step
+from resiliency.storage.signing import SigningKey, key_from_env
 from resiliency.storage.tokenizer_copy import TOKENIZER_DIR, tokenizer_difference
-from resiliency.storage.verify import balanced_share, checksum_problem
+from resiliency.storage.verify import balanced_share, checksum_problem, io_problem
 
 log = logging.getLogger(__name__)
+DATA_CACHE_NAME = "data-cache"  # the index cache when data.cache_dir is unset (pretrain/loop.py)
 
 
 @dataclass(frozen=True)
@@ -35,12 +42,15 @@ class RestorePlan:
     manifest: Manifest
     report: TopologyReport
     tier: str = "persistent"  # or "remote": fetched from the object store by this plan
-    # This rank's share of the step's files, re-hashed in the background while the model is
-    # built (I/O next to CPU work); None when checkpoint.full_verify is off.
+    # This rank's share of the step's files, re-hashed (unless checkpoint.full_verify is off)
+    # and pickle-scanned in the background while the model is built (I/O next to CPU work).
     rehash: Future[str | None] | None = field(default=None, compare=False)
+    # How the corpus differs from the one the step recorded, resumed anyway because
+    # data.allow_changed_corpus=true (corpus.corpus_changes); None when nothing differs.
+    corpus_changes: list[dict[str, Any]] | None = None
 
     def confirm(self) -> str | None:
-        """Collective: the first checksum problem any rank found in its share, or None."""
+        """Collective: the first checksum or pickle problem any rank found in its share."""
         if self.rehash is None:
             return None
         problems: list[str | None] = [None] * dist.get_world_size()
@@ -62,20 +72,24 @@ def pick_checkpoint(
     start_over: bool = False,
     remote: RemoteCheckpointConfig | None = None,
     attempt: int = 0,
+    key: SigningKey | None = None,
 ) -> tuple[Path | None, str]:
-    """Rank 0 picks the newest step whose marker, manifest and file sizes check out and that is
-    not ``rejected``; with none, the newest the remote tier holds intact (fetched here). Every
-    rank gets the same (step dir, tier) (collective). Published steps of which none verifies
-    stop the run, unless ``start_over``."""
+    """Rank 0 picks the newest step whose marker, manifest and file sizes check out (and, with
+    ``key``, whose manifest is signed with it) and that is not ``rejected``; with none, the
+    newest the remote tier holds intact (fetched here). Every rank gets the same (step dir,
+    tier) (collective). Published steps of which none verifies stop the run, unless
+    ``start_over``."""
     choice, tier, refusal = None, "persistent", None
     if dist.get_rank() == 0:
-        selection = select_restore_step(layout, run_id, full_verify=False, rejected=rejected)
+        selection = select_restore_step(
+            layout, run_id, full_verify=False, rejected=rejected, key=key
+        )
         for name, reason in selection.skipped:
             log.warning("restore: skipped %s: %s", name, reason)
         choice = str(selection.step_dir) if selection.step_dir else None
         remote_steps: list[int] = []
         if choice is None and remote is not None and remote.enabled:
-            fetched, remote_steps = fetch_from_remote(remote, layout, attempt, rejected)
+            fetched, remote_steps = fetch_from_remote(remote, layout, attempt, rejected, key)
             choice, tier = (str(fetched), "remote") if fetched else (None, tier)
         if choice is None and (layout.published_steps() or remote_steps):
             refusal = _unrecoverable(layout, selection.skipped, start_over, remote_steps)
@@ -89,7 +103,11 @@ def pick_checkpoint(
 
 
 def fetch_from_remote(
-    remote: RemoteCheckpointConfig, layout: RunLayout, attempt: int, rejected: Mapping[int, str]
+    remote: RemoteCheckpointConfig,
+    layout: RunLayout,
+    attempt: int,
+    rejected: Mapping[int, str],
+    key: SigningKey | None = None,
 ) -> tuple[Path | None, list[int]]:
     """Last in the restore order (local, replica, shared, remote): the newest remote step that
     verifies and downloads intact, published into the shared steps dir; and the committed
@@ -103,7 +121,7 @@ def fetch_from_remote(
     )
     below = min(rejected) if rejected else None  # a rejected step is not fetched again
     steps = [s for s in committed_remote_steps(store, layout.run_id) if below is None or s < below]
-    return fetch_newest(store, layout, attempt, remote.workers, below, steps), steps
+    return fetch_newest(store, layout, attempt, remote.workers, below, steps, key), steps
 
 
 def _unrecoverable(
@@ -130,14 +148,35 @@ def _unrecoverable(
     )
 
 
-def start_rehash(step_dir: Path, manifest: Manifest) -> Future[str | None]:
+def start_rehash(
+    step_dir: Path,
+    manifest: Manifest,
+    faults: FaultInjector | None = None,
+    checksums: bool = True,
+) -> Future[str | None]:
     """Re-hash this rank's share of the files on a helper thread (reads and crc32c release
     the GIL); together the ranks read the checkpoint once, which warms the page cache for
-    the load."""
-    mine = balanced_share(manifest.files, dist.get_rank(), dist.get_world_size())
+    the load. An I/O error is this rank's problem with the step, reported in the collective
+    that confirms the plan like a checksum mismatch (never raised past its peers' wait). So
+    is a pickle in the share that names a global the loader does not admit (pickle_scan.py:
+    found statically, before anything of the step is unpickled). Without ``checksums``
+    (checkpoint.full_verify=false) only the pickles are read: a forged step is still refused
+    here, and the previous one planned, rather than failing the load."""
+    rank = dist.get_rank()
+    mine = balanced_share(manifest.files, rank, dist.get_world_size())
 
     def first_problem() -> str | None:
-        return next((p for e in mine if (p := checksum_problem(step_dir / e.path, e))), None)
+        try:
+            if faults is not None:
+                faults.at_rehash(manifest.step)
+            problem = None
+            if checksums:
+                problem = next(
+                    (p for e in mine if (p := checksum_problem(step_dir / e.path, e))), None
+                )
+            return problem or step_pickle_problem(step_dir, [e.path for e in mine])
+        except OSError as exc:
+            return f"rank {rank}: {io_problem(exc)}"
 
     pool = ThreadPoolExecutor(1, thread_name_prefix="rehash")
     future = pool.submit(first_problem)
@@ -193,6 +232,58 @@ def check_tokenizer(manifest: Manifest, path: str | None, step_dir: Path) -> Non
     )
 
 
+def check_corpus(
+    run: RunConfig, manifest: Manifest, step_dir: Path, run_dir: Path
+) -> list[dict[str, Any]] | None:
+    """Collective: the dataset's index files are the ones the step recorded, or ConfigError
+    naming each difference (rank 0 re-hashes them, every rank gets its answer). With
+    data.allow_changed_corpus=true the differences are logged and returned instead, and the
+    run's own index cache (built from the old corpus, named by config, not content) is
+    removed so that megatron rebuilds it. A step saved before index checksums were recorded,
+    or mock data, is not checked."""
+    saved = manifest.dataset.get("index_files")
+    saved_kind = manifest.config.get("data", {}).get("kind", "indexed")
+    if saved is None or run.data.kind != "indexed" or saved_kind != "indexed":
+        return None
+    changes = corpus_changes(saved, run.data.paths) if dist.get_rank() == 0 else None
+    if changes and run.data.allow_changed_corpus:
+        _drop_stale_cache(run, run_dir)
+    changes = broadcast_object(changes)
+    if not changes:
+        return None
+    what = "; ".join(describe_change(c) for c in changes)
+    if not run.data.allow_changed_corpus:
+        raise ConfigError(
+            f"restore refused: {step_dir.name} was trained on another corpus than data.paths "
+            f"holds now: {what}. Its data cursor counts samples of the {INDEX_SUFFIX} files it "
+            "recorded, so it would now select other samples. Continue anyway with "
+            "data.allow_changed_corpus=true, or start a new run (another run_id)"
+        )
+    if dist.get_rank() == 0:
+        log.warning(
+            "restore: data.allow_changed_corpus=true: resuming %s on a changed corpus (%s); "
+            "the data cursor now selects other samples than the saved run would have",
+            step_dir.name,
+            what,
+        )
+    return changes
+
+
+def _drop_stale_cache(run: RunConfig, run_dir: Path) -> None:
+    """Rank 0: megatron's sample index cache of the old corpus would be reused as is."""
+    if run.data.cache_dir is not None:
+        log.warning(
+            "restore: data.cache_dir=%s may hold megatron index caches built from the old "
+            "corpus (they are named by config, not content): remove them before this resume",
+            run.data.cache_dir,
+        )
+        return
+    cache = run_dir / DATA_CACHE_NAME
+    if cache.is_dir():
+        shutil.rmtree(cache)
+        log.warning("restore: removed %s, built from the old corpus (rebuilt now)", cache)
+
+
 def plan_restore(
     run: RunConfig,
     layout: RunLayout,
@@ -215,17 +306,20 @@ def plan_restore(
         run.checkpoint.start_over_if_unverified,
         run.checkpoint.remote,
         attempt,
+        key_from_env(run.checkpoint.signing_key_env),
     )
     if step_dir is None:
         return run, None
     manifest = read_manifest(step_dir)
-    rehash = start_rehash(step_dir, manifest) if run.checkpoint.full_verify else None
+    faults = FaultInjector.parse(run.train.fault, dist.get_rank())
+    rehash = start_rehash(step_dir, manifest, faults, run.checkpoint.full_verify)
     target = target_for(run, world_size, dp, vocab_size)
     if manifest.weights_only:  # nothing of the optimizer to reshard: any layout loads it
         target = dataclasses.replace(target, load_optimizer=False)
     report = check_topology(manifest, target)
     check_tokenizer(manifest, run.data.tokenizer_path, step_dir)
+    changes = check_corpus(run, manifest, step_dir, layout.run_dir)
     padded = manifest.tokenizer.get("padded_vocab_size")
     model = dataclasses.replace(run.model, padded_vocab_size=padded)
-    plan = RestorePlan(step_dir, manifest, report, tier, rehash)
+    plan = RestorePlan(step_dir, manifest, report, tier, rehash, changes)
     return dataclasses.replace(run, model=model), plan

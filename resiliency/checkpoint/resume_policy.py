@@ -52,6 +52,9 @@ RULES: tuple[tuple[str, KeyClass], ...] = (
     ("model.init_method_std", "free"),
     ("model.make_vocab_size_divisible_by", "free"),  # the padded vocab is the checkpoint's
     ("data.cache_dir", "free"),
+    # Whether a rebuilt corpus may be resumed on: its files were compared by content already
+    # (restore_plan.check_corpus), this only says what to do about a difference.
+    ("data.allow_changed_corpus", "free"),
     ("train.fault", "free"),
     # What an anomaly does from now on; data already skipped is in the saved cursor.
     ("train.guard.", "free"),
@@ -67,7 +70,7 @@ RULES: tuple[tuple[str, KeyClass], ...] = (
     ("perf.", "free"),
     ("run_id", "free"),
     ("output_dir", "free"),
-    ("checkpoint.", "free"),
+    ("checkpoint.", "free"),  # checkpoint.signing_key_env too: which key, not what trained
     ("resiliency.", "free"),
     ("logging.", "free"),
     ("launch.", "free"),

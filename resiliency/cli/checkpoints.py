@@ -13,13 +13,14 @@ from resiliency.cli.attempt_table import attempt_rows
 from resiliency.cli.base import EXIT_BAD, EXIT_OK, EXIT_USAGE, Command
 from resiliency.cli.recorded import Setting, recorded_setting, schema_default
 from resiliency.cli.remote import remote_ls
-from resiliency.cli.verify import VERIFY
+from resiliency.cli.verify import VERIFY, add_signing_arg, cli_signing_key
 from resiliency.monitor.goodput import build_ledger, format_ledger
 from resiliency.storage.attempts import recorded_attempts
 from resiliency.storage.layout import COMMITTED_NAME, RunLayout, parse_step, step_name
-from resiliency.storage.lease import LeaseInfo, read_lease, stale_reason
+from resiliency.storage.lease import LeaseInfo, owner_liveness, read_lease
 from resiliency.storage.retention import GcPlan, apply_gc, plan_gc
 from resiliency.storage.select import read_latest_hint
+from resiliency.storage.signing import SigningKey
 from resiliency.storage.verify import verify_step_dir
 
 DEFAULT_LEASE_TIMEOUT_S = 600.0
@@ -68,11 +69,12 @@ def _lease_line(layout: RunLayout, default_timeout: float) -> tuple[str, LeaseIn
         return f"unreadable ({e})", None
     if info is None:
         return "none", None
-    now = time.time()
-    stale = stale_reason(info, info.timeout_s or default_timeout, now)
-    if stale is not None:
-        return f"{info.describe(now)} [stale: {stale}]", None
-    return f"{info.describe(now)} [live]", info
+    alive, why = owner_liveness(info.host, info.pid, info.pid_ns, info.pid_start)
+    if alive is False:
+        return f"{info.describe()} [stale: {why}]", None
+    beat = f"last beat written at {time.strftime('%H:%M:%S', time.localtime(info.heartbeat))}"
+    state = "live" if alive else f"held: {why}; {beat} by its host's clock"
+    return f"{info.describe()} [{state}]", info
 
 
 def _header(layout: RunLayout, lease_timeout: float) -> LeaseInfo | None:
@@ -93,12 +95,18 @@ def _row(*cols: object) -> str:
 
 
 def _step_row(
-    layout: RunLayout, step: int, hint: int | None, now: float, full: bool
+    layout: RunLayout,
+    step: int,
+    hint: int | None,
+    now: float,
+    full: bool,
+    key: SigningKey | None = None,
 ) -> tuple[str, bool]:
     """The step's row, and whether it passed the check (``full``: every byte re-hashed;
-    otherwise markers, manifest, file list and sizes only: the CHECK column says which)."""
+    otherwise markers, manifest, file list and sizes only: the CHECK column says which; with
+    ``key`` the manifest's signature too)."""
     path = layout.step_dir(step)
-    verdict = verify_step_dir(path, layout.run_id, full=full)
+    verdict = verify_step_dir(path, layout.run_id, full=full, key=key)
     notes = (["latest"] if step == hint else []) + ([] if verdict.ok else [verdict.reason])
     check = ("crc ok" if full else "sizes ok") if verdict.ok else "BAD"
     row = _row(
@@ -118,8 +126,12 @@ def _yes(flag: bool) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    key = cli_signing_key(args.signing_key_env)
+    if isinstance(key, str):
+        print(key)
+        return EXIT_USAGE
     if args.run_dir.startswith("s3://"):
-        return remote_ls(args.run_dir, args.endpoint_url, args.verify)
+        return remote_ls(args.run_dir, args.endpoint_url, args.verify, key)
     layout = _run_layout(args.run_dir)
     if layout is None:
         return EXIT_USAGE
@@ -134,7 +146,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for index, step in enumerate(steps, 1):
         if args.verify:  # progress on stderr: a full re-hash reads every byte of the step
             print(f"verifying {step_name(step)} ({index}/{len(steps)})", file=sys.stderr)
-        row, ok = _step_row(layout, step, hint, now, args.verify)
+        row, ok = _step_row(layout, step, hint, now, args.verify, key)
         all_ok &= ok
         print(row, flush=True)
     _print_tmp_rows(layout, now)
@@ -144,7 +156,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     local_dir = args.local_dir or _recorded_local_dir(layout)
     if local_dir:
         _print_local_tier(Path(local_dir), layout.run_id)
-    return EXIT_OK if all_ok or not args.verify else EXIT_BAD
+    return EXIT_OK if all_ok or not (args.verify or key) else EXIT_BAD
 
 
 def _print_tmp_rows(layout: RunLayout, now: float) -> None:
@@ -286,6 +298,7 @@ def _add_ls_args(p: argparse.ArgumentParser) -> None:
         help="checkpoint.local.dir to list too (default: as the run's "
         "attempt records say; on a cluster, run on each node)",
     )
+    add_signing_arg(p)
     _add_lease_timeout(p)
 
 

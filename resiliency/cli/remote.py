@@ -9,9 +9,11 @@ import threading
 from pathlib import Path
 from types import FrameType
 
+from pretrain import exit_codes
 from resiliency.cli.base import EXIT_BAD, EXIT_OK, EXIT_USAGE, Command
 from resiliency.cli.recorded import recorded_setting
 from resiliency.storage.layout import RunLayout, parse_step, step_name
+from resiliency.storage.lease import GenerationPin, LeaseLostError
 from resiliency.storage.object_store import ObjectStore
 from resiliency.storage.remote import (
     UploadError,
@@ -23,6 +25,7 @@ from resiliency.storage.remote import (
     verify_remote_step,
 )
 from resiliency.storage.select import select_restore_step
+from resiliency.storage.signing import SigningKey
 
 
 def split_remote(url: str, endpoint_url: str | None) -> tuple[ObjectStore, str, int | None]:
@@ -36,7 +39,7 @@ def split_remote(url: str, endpoint_url: str | None) -> tuple[ObjectStore, str, 
     return ObjectStore("/".join(parts[:-1]), endpoint_url), parts[-1], step
 
 
-def remote_ls(url: str, endpoint_url: str | None, full: bool) -> int:
+def remote_ls(url: str, endpoint_url: str | None, full: bool, key: SigningKey | None = None) -> int:
     store, run_id, _ = split_remote(url, endpoint_url)
     committed = set(committed_remote_steps(store, run_id))
     latest = read_latest(store, run_id)
@@ -45,7 +48,7 @@ def remote_ls(url: str, endpoint_url: str | None, full: bool) -> int:
     print(f"{'STEP':>10}  {'DIR':<16}  {'COMMITTED':<9}  CHECK")
     all_ok = True
     for step in reversed(remote_steps(store, run_id)):
-        verdict = verify_remote_step(store, run_id, step, full) if step in committed else None
+        verdict = verify_remote_step(store, run_id, step, full, key) if step in committed else None
         check = verdict.reason if verdict else "incomplete upload (no COMMITTED): never restored"
         all_ok &= verdict is None or verdict.ok
         mark = "yes" if step in committed else "no"
@@ -53,7 +56,9 @@ def remote_ls(url: str, endpoint_url: str | None, full: bool) -> int:
     return EXIT_OK if all_ok else EXIT_BAD
 
 
-def remote_verify(url: str, endpoint_url: str | None, full: bool) -> int:
+def remote_verify(
+    url: str, endpoint_url: str | None, full: bool, key: SigningKey | None = None
+) -> int:
     store, run_id, only = split_remote(url, endpoint_url)
     steps = [only] if only is not None else list(reversed(remote_steps(store, run_id)))
     if not steps:
@@ -61,7 +66,7 @@ def remote_verify(url: str, endpoint_url: str | None, full: bool) -> int:
         return EXIT_BAD
     bad = 0
     for step in steps:
-        verdict = verify_remote_step(store, run_id, step, full)
+        verdict = verify_remote_step(store, run_id, step, full, key)
         bad += not verdict.ok
         print(f"{'OK ' if verdict.ok else 'BAD'} {step_name(step)}: {verdict.reason}", flush=True)
     return EXIT_BAD if bad else EXIT_OK
@@ -77,6 +82,7 @@ def cmd_upload(args: argparse.Namespace) -> int:
         print("error: give --to s3://bucket/prefix (the run records no checkpoint.remote.url)")
         return EXIT_USAGE
     store = ObjectStore(url, args.endpoint_url, args.workers)
+    pin = GenerationPin(layout)  # the job whose lease it serves: a takeover fences its deletes
     stop = threading.Event()
     if args.follow:  # the launchers stop it with SIGTERM: finish the object, not the pass
 
@@ -88,7 +94,7 @@ def cmd_upload(args: argparse.Namespace) -> int:
     while True:
         try:
             for r in upload_run(
-                store, layout, args.workers, args.keep_last, args.milestone_interval
+                store, layout, args.workers, args.keep_last, args.milestone_interval, pin
             ):
                 rate = r.bytes_sent / 2**20 / max(r.seconds, 1e-9)
                 print(f"uploaded step {r.step} to {store.url}/{layout.run_id}: {r.sent} objects "
@@ -98,6 +104,9 @@ def cmd_upload(args: argparse.Namespace) -> int:
             print(f"error: {exc}")
             if not args.follow:
                 return EXIT_BAD
+        except LeaseLostError as exc:  # another job owns the run now; its uploader takes over
+            print(f"error: {exc}")
+            return exit_codes.LEASE_HELD
         if not args.follow or stop.wait(args.interval):
             return EXIT_OK
 

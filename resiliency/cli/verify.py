@@ -14,9 +14,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from recipes.checks import ConfigError
 from resiliency.cli.base import EXIT_BAD, EXIT_OK, EXIT_USAGE, Command
 from resiliency.cli.remote import remote_verify
 from resiliency.storage.layout import RunLayout
+from resiliency.storage.signing import SigningKey, key_from_env
 from resiliency.storage.verify import step_of_dir, verify_step_dir
 
 RUN_MARKERS = ("steps", "attempts", "run.json")  # what makes a dir a run dir
@@ -42,23 +44,37 @@ def _classify(path: Path) -> tuple[str, Path] | str:
     )
 
 
+def cli_signing_key(name: str | None) -> SigningKey | None | str:
+    """``--signing-key-env NAME``: the key, None when not asked, or the error to print."""
+    try:
+        return key_from_env(name)
+    except ConfigError as exc:
+        return f"error: {exc}"
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
+    key = cli_signing_key(args.signing_key_env)
+    if isinstance(key, str):
+        print(key)
+        return EXIT_USAGE
     if args.path.startswith("s3://"):
-        return remote_verify(args.path, args.endpoint_url, not args.quick)
+        return remote_verify(args.path, args.endpoint_url, not args.quick, key)
     target = _classify(Path(args.path).absolute())
     if isinstance(target, str):
         print(f"error: {target}")
         return EXIT_USAGE
     kind, path = target
     if kind == "run":
-        return _verify_run(path, args.run_id, not args.quick, args.newest)
+        return _verify_run(path, args.run_id, not args.quick, args.newest, key)
     run_id = args.run_id or path.parent.parent.name
-    verdict = verify_step_dir(path, run_id, full=not args.quick)
+    verdict = verify_step_dir(path, run_id, full=not args.quick, key=key)
     print(f"{'OK' if verdict.ok else 'BAD'} {path}: {verdict.reason}")
     return EXIT_OK if verdict.ok else EXIT_BAD
 
 
-def _verify_run(run_dir: Path, run_id: str | None, full: bool, newest: bool) -> int:
+def _verify_run(
+    run_dir: Path, run_id: str | None, full: bool, newest: bool, key: SigningKey | None = None
+) -> int:
     layout = RunLayout.from_run_dir(run_dir)
     expected = run_id or layout.run_id
     steps = list(reversed(layout.published_steps()))
@@ -73,7 +89,7 @@ def _verify_run(run_dir: Path, run_id: str | None, full: bool, newest: bool) -> 
     for index, step in enumerate(steps, 1):
         if full:  # progress on stderr: a full re-hash reads every byte of the step
             print(f"verifying step {step} ({index}/{len(steps)})", file=sys.stderr)
-        verdict = verify_step_dir(layout.step_dir(step), expected, full=full)
+        verdict = verify_step_dir(layout.step_dir(step), expected, full=full, key=key)
         (good if verdict.ok else bad).append(step)
         status = "OK " if verdict.ok else "BAD"
         print(f"{status} {layout.step_dir(step).name}: {verdict.reason}", flush=True)
@@ -116,6 +132,16 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--run-id", help="expected run_id (default: name of the run dir)")
     p.add_argument("--endpoint-url", help="s3:// runs: the S3-compatible server (AWS_ENDPOINT_URL)")
+    add_signing_arg(p)
+
+
+def add_signing_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--signing-key-env",
+        metavar="NAME",
+        help="the environment variable holding the run's key (checkpoint.signing_key_env): "
+        "a step whose manifest is not signed with it is BAD",
+    )
 
 
 VERIFY = Command(

@@ -44,8 +44,11 @@ class PreemptionHook(TrainHook):
         return self.received is not None
 
     def after_step(self, trainer: "Trainer", result: "StepResult") -> None:
-        # The last step ends the run anyway (and on_end saves it): nothing to requeue.
-        if not result.stop_asked or trainer.state.step >= trainer.run.train.train_steps:
+        # The last step ends the run anyway (and on_end saves it): nothing to requeue. A stop
+        # another hook already decided (a lease taken over: exit 6) saves nothing either.
+        if not result.stop_asked or trainer.stop_requested:
+            return
+        if trainer.state.step >= trainer.run.train.train_steps:
             return
         name = signal.Signals(self.received).name if self.received else "a peer's signal"
         log.warning(

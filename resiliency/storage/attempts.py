@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 ATTEMPT_ENV = "MCORE_RECIPES_ATTEMPT"
 _ATTEMPT_RE = re.compile(r"^attempt-(\d{2,})\.json$")
 _tokens: dict[int, str] = {}
+# An attempt whose record says one of these wrote it at its own end: it writes nothing more.
+TERMINAL_STATUSES = frozenset({"finished", "preempted", "failed", "fenced"})
 
 
 class AttemptConflictError(RuntimeError):
@@ -112,3 +114,12 @@ def ensure_run_record(layout: RunLayout, attempt: int) -> dict[str, Any]:
             f"{layout.run_json_path} belongs to run {data.get('run_id')!r}, not {layout.run_id!r}"
         )
     return data
+
+
+def read_attempt_record(layout: RunLayout, attempt: int) -> dict[str, Any] | None:
+    """The attempt's record, None if it has none (or it is unreadable)."""
+    try:
+        record = json.loads(layout.attempt_path(attempt).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None

@@ -82,6 +82,11 @@ class RunLayout:
         return self.run_dir / "LEASE"
 
     @property
+    def lease_generation_path(self) -> Path:
+        """The last lease generation handed out: survives a released (deleted) LEASE."""
+        return self.run_dir / "LEASE.generation"
+
+    @property
     def run_json_path(self) -> Path:
         return self.run_dir / "run.json"
 

@@ -1,14 +1,22 @@
-"""Single-writer lease on a run dir, so two jobs never write (or GC) the same run at once.
+"""Single-writer lease on a run dir, fenced by generation, judged without comparing clocks.
 
-LEASE holds the owner's identity and a heartbeat. Every read-decide-write of LEASE (acquire,
-heartbeat, release) runs under a short mutex: LEASE.lock, hard-linked into place from a file
-that already holds the owner's identity; link() of an existing name fails for all but one
-process, also across hosts on a shared filesystem (the classic NFS-safe lock). The lock is never
-seen without its owner, so a process killed while taking it leaves a lock whose dead pid marks
-it stale at once (an O_EXCL create followed by a write leaves an empty one in between, which
-only age can clear: a SIGSTOP there once cost a relaunch 30 s of setup).
-Writing LEASE itself with os.replace alone would not do: two acquirers could both read "stale"
-and both replace it, each believing it won.
+LEASE holds the owner's identity, a **generation** that grows with every acquisition (kept in
+LEASE.generation too, so a released lease does not reset it) and a heartbeat **counter**.
+Every write that changes what a restore would see (publishing a step, moving latest.json,
+retention deletes) runs inside :meth:`RunLease.hold`: under the lease mutex, LEASE must still
+name this owner and generation, else nothing is written and :class:`LeaseLostError` (exit 6)
+names the new owner. A stale owner woken from a stall (SIGSTOP, GC pause, hung NFS, partition)
+therefore cannot publish over its successor.
+
+Staleness never compares two hosts' clocks: an owner is presumed dead when its heartbeat counter
+has not moved for ``timeout_s`` as measured by the observer's own monotonic clock while it
+watches (the first look starts the watch), or at once when it is provably dead (same host and
+pid namespace, process gone). An owner provably alive (same host and namespace, pid running,
+even if stopped) is never taken over. The mutex's staleness is judged the same way.
+
+The mutex is LEASE.lock, hard-linked into place from a file that already holds the owner's
+identity; link() of an existing name fails for all but one process, also across hosts on a
+shared filesystem (the classic NFS-safe lock), and the lock is never seen without its owner.
 """
 
 from __future__ import annotations
@@ -35,7 +43,8 @@ from resiliency.storage.layout import RunLayout, atomic_write_json, fsync_dir
 
 logger = logging.getLogger(__name__)
 
-# The mutex is held for milliseconds; one older than this was left by a crashed process.
+# The mutex is held for milliseconds; one unchanged this long (by our clock) was left by a
+# crashed process.
 _LOCK_STALE_S = 30.0
 
 
@@ -45,8 +54,11 @@ class LeaseHeldError(ClassifiedError):
     kind, exit_code = "lease", exit_codes.LEASE_HELD
 
 
-class LeaseLostError(RuntimeError):
-    """Our lease was taken over (we were presumed dead) or removed."""
+class LeaseLostError(ClassifiedError):
+    """Our lease was taken over (we were presumed dead) or removed: this attempt is fenced
+    and writes nothing more that a restore would see."""
+
+    kind, exit_code = "lease", exit_codes.LEASE_HELD
 
 
 def _pid_namespace() -> str | None:
@@ -74,17 +86,45 @@ def _job_id() -> str | None:
     return None
 
 
+def process_identity() -> dict[str, Any]:
+    """Who this process is, in the terms :func:`owner_liveness` judges (attempt records)."""
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "pid_ns": _pid_namespace(),
+        "pid_start": _pid_start(os.getpid()),
+    }
+
+
+def owner_liveness(
+    host: Any, pid: Any, pid_ns: Any, pid_start: Any = None
+) -> tuple[bool | None, str]:
+    """(True: provably alive, False: provably dead, None: cannot tell from here; why).
+    Only a process on this host in this pid namespace can be judged; a stopped one is alive."""
+    local_ns = _pid_namespace()
+    if host != socket.gethostname() or local_ns is None or pid_ns != local_ns:
+        return None, "on another host or pid namespace"
+    if not isinstance(pid, int) or pid <= 0 or not psutil.pid_exists(pid):
+        return False, f"owner pid {pid} is no longer running on this host"
+    start = _pid_start(pid)
+    if pid_start is not None and start is not None and abs(start - float(pid_start)) > 1.0:
+        return False, f"owner pid {pid} now belongs to another process"
+    return True, f"owner pid {pid} is running on this host"
+
+
 @dataclass(frozen=True)
 class LeaseInfo:
     attempt: int
     host: str
     pid: int
-    heartbeat: float  # unix time
+    heartbeat: float  # unix time of the last beat: shown to people, never compared
     job_id: str | None = None
     pid_ns: str | None = None
     pid_start: float | None = None
     acquired_at: float | None = None
     timeout_s: float | None = None  # the owner's own timeout, for tools that only observe
+    generation: int = 0  # grows with every acquisition of the run's lease
+    beats: int = 0  # heartbeat counter: an observer watches it move by its own clock
 
     @classmethod
     def from_dict(cls, d: Any) -> LeaseInfo:
@@ -101,32 +141,47 @@ class LeaseInfo:
                 d.get("pid_start"),
                 d.get("acquired_at"),
                 d.get("timeout_s"),
+                int(d.get("generation", 0)),
+                int(d.get("beats", 0)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"lease is missing or has a bad field: {e}") from e
 
     @classmethod
     def for_this_process(
-        cls, attempt: int, timeout_s: float, acquired_at: float | None = None
+        cls,
+        attempt: int,
+        timeout_s: float,
+        acquired_at: float | None = None,
+        generation: int = 0,
+        beats: int = 0,
     ) -> LeaseInfo:
+        me = process_identity()
         now = time.time()
         return cls(
             attempt,
-            socket.gethostname(),
-            os.getpid(),
+            me["host"],
+            me["pid"],
             now,
             _job_id(),
-            _pid_namespace(),
-            _pid_start(os.getpid()),
+            me["pid_ns"],
+            me["pid_start"],
             acquired_at or now,
             timeout_s,
+            generation,
+            beats,
         )
 
-    def describe(self, now: float) -> str:
+    @property
+    def watch_key(self) -> tuple[Any, ...]:
+        """What must stay the same for the owner to look silent: who it is, and its count."""
+        return (self.attempt, self.host, self.pid, self.generation, self.beats)
+
+    def describe(self, now: float | None = None) -> str:
         job = f", job {self.job_id}" if self.job_id else ""
         return (
             f"attempt {self.attempt} on host {self.host} (pid {self.pid}{job}), "
-            f"last heartbeat {now - self.heartbeat:.1f}s ago"
+            f"lease generation {self.generation}, {self.beats} heartbeats"
         )
 
 
@@ -142,43 +197,69 @@ def read_lease(layout: RunLayout) -> LeaseInfo | None:
         raise ValueError(f"LEASE is not JSON: {e}") from e
 
 
-def stale_reason(info: LeaseInfo, timeout_s: float, now: float | None = None) -> str | None:
-    """Why ``info``'s owner is presumed dead, or None if it may still be alive."""
-    now = time.time() if now is None else now
-    age = now - info.heartbeat
-    if age > timeout_s:
-        return f"heartbeat {age:.1f}s old exceeds timeout {timeout_s:.0f}s"
-    local_ns = _pid_namespace()
-    if info.host != socket.gethostname() or local_ns is None or info.pid_ns != local_ns:
+class SilenceWatch:
+    """How long a value has stayed the same, by this process's monotonic clock: the first
+    look starts the watch, a change restarts it. Thread-safe; one per observed file."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[Any, float]] = {}
+        self._lock = threading.Lock()
+
+    def silent_for(self, name: str, value: Any) -> float:
+        now = time.monotonic()
+        with self._lock:
+            seen = self._seen.get(name)
+            if seen is None or seen[0] != value:
+                self._seen[name] = (value, now)
+                return 0.0
+            return now - seen[1]
+
+
+_WATCH = SilenceWatch()
+
+
+def stale_reason(
+    info: LeaseInfo, timeout_s: float, watch: SilenceWatch | None = None, name: str = ""
+) -> str | None:
+    """Why ``info``'s owner is presumed dead, or None if it may still be alive. Without a
+    ``watch`` (one look, e.g. ``ls``) only a provably dead owner is stale."""
+    alive, why = owner_liveness(info.host, info.pid, info.pid_ns, info.pid_start)
+    if alive is False:
+        return why
+    if alive or watch is None:
         return None
-    if not psutil.pid_exists(info.pid):
-        return f"owner pid {info.pid} is no longer running on this host"
-    start = _pid_start(info.pid)
-    if info.pid_start is not None and start is not None and abs(start - info.pid_start) > 1.0:
-        return f"owner pid {info.pid} now belongs to another process"
+    silent = watch.silent_for(f"lease:{name}", info.watch_key)
+    if silent >= timeout_s:
+        return (
+            f"its heartbeat counter stayed at {info.beats} for {silent:.1f}s by this "
+            f"host's clock (timeout {timeout_s:.0f}s)"
+        )
     return None
 
 
 def _lock_is_stale(lock: Path) -> bool:
     try:
-        age = time.time() - lock.stat().st_mtime
-        owner = json.loads(lock.read_text() or "null")
+        st = lock.stat()
+        raw = lock.read_text()
     except FileNotFoundError:
         return False
-    except (OSError, json.JSONDecodeError):
+    except OSError:
+        raw, st = "", None
+    try:
+        owner = json.loads(raw or "null")
+    except json.JSONDecodeError:
         owner = None
-    if age > _LOCK_STALE_S:
-        return True
-    if not isinstance(owner, dict):
-        return False  # exclusive-create fallback: created, identity not written yet
-    local = owner.get("pid_ns") == _pid_namespace() and owner.get("host") == socket.gethostname()
-    pid = owner.get("pid")
-    return local and isinstance(pid, int) and pid > 0 and not psutil.pid_exists(pid)
+    if isinstance(owner, dict):
+        alive, _ = owner_liveness(owner.get("host"), owner.get("pid"), owner.get("pid_ns"))
+        if alive is False:
+            return True
+    identity = (getattr(st, "st_ino", None), getattr(st, "st_dev", None), raw)
+    return _WATCH.silent_for(f"lock:{lock}", identity) >= _LOCK_STALE_S
 
 
 def _try_create_lock(lock: Path) -> bool:
     """Create `lock` holding our identity, atomically; False if it exists."""
-    me = {"host": socket.gethostname(), "pid": os.getpid(), "pid_ns": _pid_namespace()}
+    me = process_identity()
     # Per thread: the heartbeat thread and the main thread may both take the mutex.
     who = f"{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}"
     staged = lock.with_name(f"{lock.name}.{who}.tmp")
@@ -215,14 +296,22 @@ def _mutex(lease_path: Path, wait_s: float) -> Iterator[None]:
             continue
         if time.monotonic() > deadline:
             raise LeaseHeldError(
-                f"{lock} stayed locked for {wait_s:.0f}s; another process is "
-                f"acquiring the lease (delete the file if none is)"
+                f"{lock} stayed locked for {wait_s:.0f}s; another process is acquiring the "
+                f"lease (it is removed once unchanged for {_LOCK_STALE_S:.0f}s, or at once "
+                "when its owner is provably dead)"
             ) from None
         time.sleep(random.uniform(0.005, 0.03))
     try:
         yield
     finally:
         lock.unlink(missing_ok=True)
+
+
+def _read_generation(path: Path) -> int:
+    try:
+        return int(json.loads(path.read_text())["generation"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
 
 
 class RunLease:
@@ -236,6 +325,8 @@ class RunLease:
         self.layout, self.attempt, self.timeout_s = layout, attempt, timeout_s
         self.lock_wait_s = lock_wait_s
         self.lost: LeaseLostError | None = None
+        self.generation = 0  # ours, once acquired
+        self._beats = 0
         self._acquired_at: float | None = None
         self._stop: threading.Event | None = None
         self._thread: threading.Thread | None = None
@@ -245,65 +336,138 @@ class RunLease:
             info.attempt == self.attempt
             and info.host == socket.gethostname()
             and info.pid == os.getpid()
+            and info.generation == self.generation
         )
 
     def _write(self) -> None:
-        info = LeaseInfo.for_this_process(self.attempt, self.timeout_s, self._acquired_at)
+        info = LeaseInfo.for_this_process(
+            self.attempt, self.timeout_s, self._acquired_at, self.generation, self._beats
+        )
         atomic_write_json(self.layout.lease_path, asdict(info))
 
-    def _current(self) -> LeaseInfo | None:
+    def _current(self) -> tuple[LeaseInfo | None, str | None]:
+        """(LEASE, None), or (None, why it may be replaced) for an unreadable one that stayed
+        unchanged for the timeout by our clock; LeaseHeldError while it has not."""
         try:
-            return read_lease(self.layout)
+            return read_lease(self.layout), None
         except ValueError as e:
-            age = time.time() - self.layout.lease_path.stat().st_mtime
-            if age > self.timeout_s:
-                logger.warning("replacing unreadable LEASE (%s), last written %.0fs ago", e, age)
-                return None
-            raise LeaseHeldError(
-                f"{self.layout.lease_path} is unreadable ({e}) and was written "
-                f"{age:.0f}s ago; retry after {self.timeout_s:.0f}s"
-            ) from e
+            try:
+                raw = self.layout.lease_path.read_bytes()
+            except FileNotFoundError:
+                return None, None
+            silent = _WATCH.silent_for(f"garbage:{self.layout.lease_path}", raw)
+            if silent >= self.timeout_s:
+                return None, f"unreadable LEASE ({e}) unchanged for {silent:.0f}s"
+            raise _Watching(f"{self.layout.lease_path} is unreadable ({e})") from e
 
     def acquire(self) -> None:
+        """Take the run's lease: at once when it is free, ours, or its owner provably dead;
+        after watching it stay silent for ``timeout_s`` when the owner cannot be judged from
+        here; LeaseHeldError as soon as the owner is seen alive."""
         self.layout.run_dir.mkdir(parents=True, exist_ok=True)
-        with _mutex(self.layout.lease_path, self.lock_wait_s):
-            current = self._current()
-            if current is not None and not self._is_mine(current):
-                self._check_takeover(current)
-            self._acquired_at = time.time()
-            self._write()
+        deadline = time.monotonic() + self.timeout_s + max(1.0, self.timeout_s / 4)
+        waited = False
+        while True:
+            try:
+                if self._try_acquire(waited):
+                    break
+            except _Watching as watching:
+                if time.monotonic() > deadline:
+                    raise LeaseHeldError(f"{watching}; retry later") from None
+            if not waited:
+                logger.warning(
+                    "run %s is leased by an owner this host cannot check; watching its "
+                    "heartbeat for up to %.0fs before taking over",
+                    self.layout.run_dir,
+                    self.timeout_s,
+                )
+            waited = True
+            time.sleep(min(1.0, self.timeout_s / 8))
         self.lost = None
-        logger.info("acquired lease on %s for attempt %d", self.layout.run_dir, self.attempt)
+        logger.info(
+            "acquired lease on %s for attempt %d (generation %d)",
+            self.layout.run_dir,
+            self.attempt,
+            self.generation,
+        )
 
-    def _check_takeover(self, current: LeaseInfo) -> None:
-        now = time.time()
-        reason = stale_reason(current, self.timeout_s, now)
-        if reason is None and current.job_id is not None and current.job_id == _job_id():
-            # A launcher restarts a worker group only after tearing the old one down; the new
-            # rank 0 may sit on another host, where the dead owner's pid cannot be checked.
-            reason = f"same job {current.job_id} restarted its worker group"
-        if reason is None:
+    def _try_acquire(self, watched: bool) -> bool:
+        with _mutex(self.layout.lease_path, max(self.lock_wait_s, _LOCK_STALE_S + 5)):
+            current, garbage = self._current()
+            if current is not None and not self._is_mine(current):
+                if not self._may_take_over(current, watched):
+                    return False
+            elif garbage:
+                logger.warning("replacing %s", garbage)
+            last = max(
+                _read_generation(self.layout.lease_generation_path),
+                current.generation if current else 0,
+            )
+            self.generation, self._beats = last + 1, 0
+            self._acquired_at = time.time()
+            # The counter first: a crash between the two writes skips a number, never reuses one.
+            atomic_write_json(self.layout.lease_generation_path, {"generation": self.generation})
+            self._write()
+        return True
+
+    def _may_take_over(self, current: LeaseInfo, watched: bool) -> bool:
+        """True: presumed dead (logged); False: keep watching; LeaseHeldError: alive."""
+        first_look = _WATCH.silent_for(f"lease:{self.layout.lease_path}", current.watch_key)
+        reason = stale_reason(current, self.timeout_s, _WATCH, str(self.layout.lease_path))
+        if reason is not None:
+            logger.warning("taking over lease of %s: %s", current.describe(), reason)
+            return True
+        alive, why = owner_liveness(current.host, current.pid, current.pid_ns, current.pid_start)
+        if alive or (watched and first_look == 0.0):
+            seen = why if alive else "its heartbeat counter moved while this host watched"
             raise LeaseHeldError(
-                f"run {self.layout.run_dir} is held by {current.describe(now)}. Wait for that "
-                f"job to finish or stop it. If it is dead, its lease is taken over once the "
-                f"heartbeat is older than {self.timeout_s:.0f}s (immediately when the dead "
+                f"run {self.layout.run_dir} is held by {current.describe()}: {seen}. Wait for "
+                f"that job to finish or stop it. A dead owner's lease is taken over once its "
+                f"heartbeat has not moved for {self.timeout_s:.0f}s (at once when the dead "
                 f"process was on this host)."
             )
-        logger.warning("taking over lease of %s: %s", current.describe(now), reason)
+        return False
+
+    def hold(self, what: str) -> Any:
+        """Context manager: ``what`` (a write a restore would see) runs under the lease mutex
+        and only while LEASE still names this owner and generation; else LeaseLostError and
+        nothing is written."""
+        return self._holding(what)
+
+    @contextmanager
+    def _holding(self, what: str) -> Iterator[None]:
+        with _mutex(self.layout.lease_path, max(self.lock_wait_s, _LOCK_STALE_S + 5)):
+            self._check_still_mine(what)
+            yield
+
+    def _check_still_mine(self, what: str) -> None:
+        try:
+            current, _ = self._current()
+        except _Watching:
+            current = None
+        if current is None or not self._is_mine(current):
+            owner = current.describe() if current else "nobody"
+            lost = LeaseLostError(
+                f"lease on {self.layout.run_dir} lost: now held by {owner}; attempt "
+                f"{self.attempt} (generation {self.generation}) is fenced: {what} refused"
+            )
+            self.lost = self.lost or lost
+            raise lost
 
     def heartbeat(self) -> None:
-        """Refresh our heartbeat; LeaseLostError if someone else owns the lease now."""
+        """Count one beat; LeaseLostError if someone else owns the lease now."""
         with _mutex(self.layout.lease_path, min(self.lock_wait_s, self.timeout_s / 2)):
-            current = self._current()
-            if current is None or not self._is_mine(current):
-                owner = current.describe(time.time()) if current else "nobody"
-                raise LeaseLostError(f"lease on {self.layout.run_dir} lost: now held by {owner}")
+            self._check_still_mine("heartbeat")
+            self._beats += 1
             self._write()
 
     def release(self) -> None:
         self.stop_heartbeat()
         with _mutex(self.layout.lease_path, self.lock_wait_s):
-            current = self._current()
+            try:
+                current, _ = self._current()
+            except _Watching:
+                current = None
             if current is None or not self._is_mine(current):
                 logger.warning("not releasing lease on %s: not ours", self.layout.run_dir)
                 return
@@ -340,7 +504,6 @@ class RunLease:
                 self.heartbeat()
             except LeaseLostError as e:
                 logger.error("%s", e)
-                self.lost = e
                 if on_lost is not None:
                     on_lost(e)
                 return
@@ -366,3 +529,34 @@ class RunLease:
         tb: TracebackType | None,
     ) -> None:
         self.release()
+
+
+class _Watching(Exception):
+    """The lease (or an unreadable LEASE) may still be alive: keep watching it."""
+
+
+class GenerationPin:
+    """For a process that serves one job's lease without holding it (the remote uploader):
+    the generation it first sees is the job's; once LEASE names another generation, that job
+    was fenced and so is this process's deleting."""
+
+    def __init__(self, layout: RunLayout) -> None:
+        self.layout = layout
+        self.generation: int | None = None
+
+    def problem(self) -> str | None:
+        """Why this process may no longer delete, or None."""
+        try:
+            info = read_lease(self.layout)
+        except ValueError as e:
+            return f"LEASE is unreadable ({e}): not deleting until it is"
+        if info is None:
+            return None  # the job released it: nobody else writes
+        if self.generation is None:
+            self.generation = info.generation
+        if info.generation != self.generation:
+            return (
+                f"the run's lease moved from generation {self.generation} to "
+                f"{info.generation} ({info.describe()}): the job this process served was fenced"
+            )
+        return None

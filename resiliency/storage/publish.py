@@ -7,6 +7,7 @@ a crash after it leaves a published dir that latest.json may not point to yet (t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import time
@@ -23,7 +24,9 @@ from resiliency.storage.layout import (
     step_name,
     write_durable,
 )
-from resiliency.storage.manifest import Manifest, manifest_checksum, read_manifest
+from resiliency.storage.lease import RunLease
+from resiliency.storage.manifest import Manifest, read_manifest
+from resiliency.storage.signing import SigningKey, marker_text
 from resiliency.storage.verify import check_files, step_of_dir, verify_step_dir
 
 logger = logging.getLogger(__name__)
@@ -48,8 +51,11 @@ def begin_step(layout: RunLayout, step: int, attempt: int) -> Path:
     return tmp
 
 
-def write_manifest_and_commit(tmp_dir: Path, manifest: Manifest) -> None:
-    """Write manifest.json and then COMMITTED (holding the manifest's checksum), both durable."""
+def write_manifest_and_commit(
+    tmp_dir: Path, manifest: Manifest, key: SigningKey | None = None
+) -> None:
+    """Write manifest.json and then COMMITTED (holding the manifest's checksum and, with
+    ``key``, its HMAC: the marker and the signature appear together), both durable."""
     if step_of_dir(tmp_dir) != manifest.step:
         raise PublishError(f"manifest step {manifest.step} does not match dir {tmp_dir.name}")
     marker = tmp_dir / COMMITTED_NAME
@@ -60,7 +66,7 @@ def write_manifest_and_commit(tmp_dir: Path, manifest: Manifest) -> None:
     raw = manifest.to_json().encode()
     write_durable(tmp_dir / MANIFEST_NAME, raw)
     fsync_tree(tmp_dir)
-    write_durable(marker, (manifest_checksum(raw) + "\n").encode())
+    write_durable(marker, marker_text(raw, key).encode())
     fsync_dir(tmp_dir)
     logger.info(
         "committed %s (%d files, %d bytes)", tmp_dir, len(manifest.files), manifest.total_bytes
@@ -72,13 +78,19 @@ def update_latest(layout: RunLayout, step: int) -> None:
     atomic_write_json(layout.latest_path, {"step": step, "dir": f"steps/{step_name(step)}"})
 
 
-def set_aside(layout: RunLayout, step: int, reason: str) -> Path:
+def fenced(fence: RunLease | None, what: str) -> contextlib.AbstractContextManager[None]:
+    """``what`` under the lease (LeaseLostError if it was taken over); no lease: as is."""
+    return fence.hold(what) if fence is not None else contextlib.nullcontext()
+
+
+def set_aside(layout: RunLayout, step: int, reason: str, fence: RunLease | None = None) -> Path:
     """Move a published-looking but invalid dir out of the way, keeping it for forensics."""
     src = layout.step_dir(step)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     dst = layout.steps_dir / f".rejected-{src.name}-{stamp}"
-    src.rename(dst)
-    fsync_dir(layout.steps_dir)
+    with fenced(fence, f"setting aside {src.name}"):
+        src.rename(dst)
+        fsync_dir(layout.steps_dir)
     logger.warning("moved invalid %s to %s: %s", src, dst.name, reason)
     return dst
 
@@ -104,18 +116,27 @@ def _check_can_publish(layout: RunLayout, tmp_dir: Path, step: int, replace_inva
     set_aside(layout, step, verdict.reason)
 
 
-def publish(layout: RunLayout, tmp_dir: Path, step: int, replace_invalid: bool = False) -> Path:
+def publish(
+    layout: RunLayout,
+    tmp_dir: Path,
+    step: int,
+    replace_invalid: bool = False,
+    fence: RunLease | None = None,
+) -> Path:
     """Rename a committed tmp dir to its final name, then update latest.json.
 
     With ``replace_invalid`` an existing final dir that fails verification is moved aside
     (never deleted) so a new attempt that reached the same step again can still publish it.
+    With ``fence`` the checks, the rename and latest.json happen under the lease mutex and only
+    while the lease is still ours: a writer whose lease was taken over publishes nothing.
     """
-    _check_can_publish(layout, tmp_dir, step, replace_invalid)
-    final = layout.step_dir(step)
-    # rename(2) of a directory is atomic on POSIX filesystems: readers see the tmp name or the
-    # final name, never a half-populated final dir. It fails if final is a non-empty dir.
-    tmp_dir.rename(final)
-    fsync_dir(layout.steps_dir)
-    update_latest(layout, step)
+    with fenced(fence, f"publishing step {step}"):
+        _check_can_publish(layout, tmp_dir, step, replace_invalid)
+        final = layout.step_dir(step)
+        # rename(2) of a directory is atomic on POSIX filesystems: readers see the tmp name or
+        # the final name, never a half-populated final dir. It fails if final is non-empty.
+        tmp_dir.rename(final)
+        fsync_dir(layout.steps_dir)
+        update_latest(layout, step)
     logger.info("published %s", final)
     return final

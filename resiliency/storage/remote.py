@@ -38,9 +38,11 @@ from resiliency.storage.layout import (
     step_name,
     write_durable,
 )
+from resiliency.storage.lease import GenerationPin, LeaseLostError
 from resiliency.storage.manifest import Manifest, ManifestError, manifest_checksum
 from resiliency.storage.object_store import ObjectStore, PreconditionFailed
 from resiliency.storage.publish import begin_step, publish, set_aside
+from resiliency.storage.signing import SigningKey, parse_marker, signature_problem
 from resiliency.storage.verify import verify_step_dir
 
 log = logging.getLogger(__name__)
@@ -163,16 +165,22 @@ def read_latest(store: ObjectStore, run_id: str) -> int | None:
     return None if current is None else int(json.loads(current[0])["step"])
 
 
-def verify_remote_step(store: ObjectStore, run_id: str, step: int, full: bool) -> RemoteVerdict:
+def verify_remote_step(
+    store: ObjectStore, run_id: str, step: int, full: bool, key: SigningKey | None = None
+) -> RemoteVerdict:
     """COMMITTED names the manifest, and every object has the manifest's size and checksum
-    (``full``: downloaded and re-hashed, not only its recorded metadata)."""
+    (``full``: downloaded and re-hashed, not only its recorded metadata); with ``key`` the
+    manifest carries its HMAC under it."""
     base = step_prefix(run_id, step)
     marker = store.get_bytes(base + COMMITTED_NAME)
     if marker is None:
         return RemoteVerdict(False, step, "no COMMITTED (an upload that did not finish)")
     raw = store.get_bytes(base + MANIFEST_NAME)
-    if raw is None or manifest_checksum(raw[0]) != marker[0].decode().strip():
+    checksum, signature = parse_marker(marker[0].decode(errors="replace"))
+    if raw is None or manifest_checksum(raw[0]) != checksum:
         return RemoteVerdict(False, step, "manifest.json missing or not the one COMMITTED names")
+    if (problem := signature_problem(raw[0], signature, key)) is not None:
+        return RemoteVerdict(False, step, problem)
     try:
         manifest = Manifest.from_json(raw[0])
     except ManifestError as exc:
@@ -202,11 +210,17 @@ def _object_problem(store: ObjectStore, base: str, entry: FileEntry, full: bool)
 
 
 def fetch_step(
-    store: ObjectStore, layout: RunLayout, step: int, attempt: int, workers: int
+    store: ObjectStore,
+    layout: RunLayout,
+    step: int,
+    attempt: int,
+    workers: int,
+    key: SigningKey | None = None,
 ) -> Path | None:
     """Download a remote step into the run's steps dir and publish it there, every file
-    checked against the manifest on the way; None (nothing left behind) if any is not."""
-    verdict = verify_remote_step(store, layout.run_id, step, full=False)
+    checked against the manifest on the way (and, with ``key``, the manifest's signature
+    first); None (nothing left behind) if any is not."""
+    verdict = verify_remote_step(store, layout.run_id, step, full=False, key=key)
     if not verdict.ok or verdict.manifest is None:
         log.warning("remote: step %d skipped: %s", step, verdict.reason)
         return None
@@ -224,6 +238,11 @@ def fetch_step(
             assert got is not None
             write_durable(tmp / name, got[0])
         fsync_tree(tmp)
+        # What was written is verified like any step (the marker and signature included)
+        # before it is published: the objects could have changed since the check above.
+        written = verify_step_dir(tmp, layout.run_id, full=False, key=key)
+        if not written.ok:
+            raise UploadError(written.reason)
         return publish(layout, tmp, step)
     except (UploadError, OSError) as exc:
         log.warning("remote: step %d rejected: %s", step, exc)
@@ -247,6 +266,7 @@ def fetch_newest(
     workers: int,
     below: int | None = None,
     committed: list[int] | None = None,
+    key: SigningKey | None = None,
 ) -> Path | None:
     """The newest remote step (below ``below``; of ``committed``, when the caller listed them
     already) that verifies and downloads intact, published into the run's steps dir; None if
@@ -257,7 +277,7 @@ def fetch_newest(
         if below is not None and step >= below:
             continue
         started = time.perf_counter()
-        if (path := fetch_step(store, layout, step, attempt, workers)) is not None:
+        if (path := fetch_step(store, layout, step, attempt, workers, key)) is not None:
             log.info("remote: fetched step %d from %s (%.1f s)", step, store.url,
                      time.perf_counter() - started)  # fmt: skip
             return path
@@ -266,10 +286,11 @@ def fetch_newest(
 
 def upload_run(
     store: ObjectStore, layout: RunLayout, workers: int, keep_last: int,
-    milestone_interval: int | None = None,
+    milestone_interval: int | None = None, pin: GenerationPin | None = None,
 ) -> list[UploadReport]:  # fmt: skip
     """Upload every published local step the remote tier lacks (oldest first), move latest.json
-    forward, then apply the remote retention."""
+    forward, then apply the remote retention; with ``pin``, deletes only while the lease is
+    still the generation this uploader serves (else LeaseLostError, nothing deleted)."""
     done = set(committed_remote_steps(store, layout.run_id))
     reports = []
     for step in layout.published_steps():
@@ -286,6 +307,8 @@ def upload_run(
         log.info("remote: step %d uploaded to %s (%d objects sent, %d already there, "
                  "%.1f MiB, %.2f s)", step, store.url, report.sent, report.skipped,
                  report.bytes_sent / 2**20, report.seconds)  # fmt: skip
+    if pin is not None and (problem := pin.problem()) is not None:
+        raise LeaseLostError(f"remote retention refused: {problem}")
     apply_remote_retention(store, layout.run_id, keep_last, milestone_interval)
     return reports
 

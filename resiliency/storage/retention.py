@@ -7,13 +7,16 @@ that still looks published.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from resiliency.storage.attempts import TERMINAL_STATUSES, read_attempt_record
 from resiliency.storage.layout import TRASH_PREFIX, RunLayout, fsync_dir
+from resiliency.storage.lease import RunLease, owner_liveness
 from resiliency.storage.verify import verify_step_dir
 
 logger = logging.getLogger(__name__)
@@ -97,31 +100,59 @@ def _keep_reason(
 
 
 def _plan_tmp(layout: RunLayout, live_attempt: int | None, plan: GcPlan) -> None:
+    live = read_attempt_record(layout, live_attempt) if live_attempt is not None else None
+    generation = (live or {}).get("lease_generation")
     for path, _step, attempt in layout.tmp_dirs():
         if attempt == live_attempt:
             plan.keep.append((path, f"tmp dir of live attempt {attempt}"))
+            continue
+        over = _attempt_over(read_attempt_record(layout, attempt), generation)
+        if over is None:
+            plan.keep.append((path, f"tmp dir of attempt {attempt}, which may still be writing "
+                                    "(its lease was taken over, it is not known to be dead): "
+                                    "left for a later pass"))  # fmt: skip
         else:
-            plan.delete_tmp.append((path, f"tmp dir of dead attempt {attempt}"))
+            plan.delete_tmp.append((path, f"tmp dir of attempt {attempt} ({over})"))
 
 
-def _remove(path: Path) -> None:
+def _attempt_over(record: dict | None, live_generation: int | None) -> str | None:
+    """Why an earlier attempt can no longer be writing its tmp dirs, or None when it might:
+    a fenced owner woken from a stall may still be writing (never delete under it)."""
+    if record is None or record.get("lease_generation") is None or live_generation is None:
+        return "dead attempt"  # recorded before fencing: the old rule
+    if record.get("status") in TERMINAL_STATUSES:
+        return f"ended: {record['status']}"
+    alive, why = owner_liveness(
+        record.get("host"), record.get("pid"), record.get("pid_ns"), record.get("pid_start")
+    )
+    if alive is False:
+        return why
+    if int(record["lease_generation"]) <= int(live_generation) - 2:
+        return f"its lease generation {record['lease_generation']} was superseded twice"
+    return None
+
+
+def _remove(path: Path, fence: RunLease | None) -> None:
     trash = (
         path
         if path.name.startswith(TRASH_PREFIX)
         else (path.with_name(f"{TRASH_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}"))
     )
     if trash != path:
-        path.rename(trash)
-        fsync_dir(path.parent)
+        # The rename is what a restore sees: fenced. Emptying the trash is not.
+        with fence.hold(f"retention delete of {path.name}") if fence else contextlib.nullcontext():
+            path.rename(trash)
+            fsync_dir(path.parent)
     shutil.rmtree(trash)
 
 
-def apply_gc(plan: GcPlan) -> list[Path]:
-    """Delete what ``plan`` lists; returns what was deleted. Vanished paths are skipped."""
+def apply_gc(plan: GcPlan, fence: RunLease | None = None) -> list[Path]:
+    """Delete what ``plan`` lists; returns what was deleted. Vanished paths are skipped. With
+    ``fence``, each step leaves only while the lease is still ours (else LeaseLostError)."""
     deleted = []
     for path, reason in plan.deletions:
         try:
-            _remove(path)
+            _remove(path, fence)
         except FileNotFoundError:
             logger.info("gc: %s already gone", path)
             continue

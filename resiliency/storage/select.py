@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 from resiliency.storage.layout import RunLayout, step_name
+from resiliency.storage.signing import SigningKey
 from resiliency.storage.verify import Verdict, verify_step_dir
 
 logger = logging.getLogger(__name__)
@@ -58,9 +59,14 @@ def _skip(skipped: list[tuple[str, str]], name: str, reason: str) -> None:
 
 
 def select_restore_step(
-    layout: RunLayout, run_id: str, full_verify: bool, rejected: Mapping[int, str] | None = None
+    layout: RunLayout,
+    run_id: str,
+    full_verify: bool,
+    rejected: Mapping[int, str] | None = None,
+    key: SigningKey | None = None,
 ) -> Selection:
-    """``rejected``: steps already found bad (step -> reason), e.g. by a collective re-hash."""
+    """``rejected``: steps already found bad (step -> reason), e.g. by a collective re-hash.
+    ``key``: only steps signed with it are chosen (checkpoint.signing_key_env)."""
     skipped: list[tuple[str, str]] = []
     hint, problem = read_latest_hint(layout)
     if problem is not None:
@@ -68,11 +74,13 @@ def select_restore_step(
     verdicts = {step: Verdict(False, step, reason) for step, reason in (rejected or {}).items()}
     if hint is not None:
         if hint not in verdicts:
-            verdicts[hint] = verify_step_dir(layout.step_dir(hint), run_id, full_verify)
+            verdicts[hint] = verify_step_dir(layout.step_dir(hint), run_id, full_verify, key)
         if not verdicts[hint].ok:
             _skip(skipped, LATEST_NAME, f"points to step {hint}: {verdicts[hint].reason}")
     for step in reversed(layout.published_steps()):
-        verdict = verdicts.get(step) or verify_step_dir(layout.step_dir(step), run_id, full_verify)
+        verdict = verdicts.get(step) or verify_step_dir(
+            layout.step_dir(step), run_id, full_verify, key
+        )
         if verdict.ok:
             return _chosen(layout, step, hint, verdict, skipped)
         _skip(skipped, step_name(step), verdict.reason)

@@ -35,11 +35,18 @@ def write_payload(step_dir: Path, step: int, seed: int = 0) -> list[str]:
 
 
 def synthetic_manifest(
-    layout: RunLayout, step: int, attempt: int, tmp: Path, world_size: int = 2
+    layout: RunLayout,
+    step: int,
+    attempt: int,
+    tmp: Path,
+    world_size: int = 2,
+    algorithm: str = "crc32c",
 ) -> Manifest:
     files = payload_files(tmp)
     # Each "rank" describes its own share, as real ranks would before the coordinator gathers.
-    groups = [describe_files(tmp, files[r::world_size], fsync=False) for r in range(world_size)]
+    groups = [
+        describe_files(tmp, files[r::world_size], algorithm, fsync=False) for r in range(world_size)
+    ]
     return Manifest(
         run_id=layout.run_id,
         attempt=attempt,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -22,6 +23,13 @@ from resiliency.storage.manifest import (
     ManifestError,
     manifest_checksum,
     read_manifest_bytes,
+)
+from resiliency.storage.pickle_scan import step_pickle_problem
+from resiliency.storage.signing import (
+    SigningKey,
+    binding_problem,
+    parse_marker,
+    signature_problem,
 )
 
 logger = logging.getLogger(__name__)
@@ -47,8 +55,12 @@ def step_of_dir(step_dir: Path) -> int | None:
     return step
 
 
-def verify_step_dir(step_dir: Path, run_id: str, full: bool = True) -> Verdict:
-    """Check marker, manifest identity and every listed file; ``full`` also re-hashes the data."""
+def verify_step_dir(
+    step_dir: Path, run_id: str, full: bool = True, key: SigningKey | None = None
+) -> Verdict:
+    """Check marker, manifest identity and every listed file; ``full`` also re-hashes the data.
+    With ``key`` the manifest must carry its HMAC under that key (without one a signature is
+    neither required nor looked at)."""
     step_dir = Path(step_dir)
     step = step_of_dir(step_dir)
     if step is None:
@@ -56,12 +68,15 @@ def verify_step_dir(step_dir: Path, run_id: str, full: bool = True) -> Verdict:
     if not step_dir.is_dir():
         return _bad(step, f"{step_dir} does not exist or is not a directory")
     try:
-        manifest = _read_committed_manifest(step_dir)
+        manifest = _read_committed_manifest(step_dir, key)
     except ManifestError as e:
         return _bad(step, str(e))
     if (problem := _identity_problem(manifest, run_id, step)) is not None:
         return _bad(step, problem)
     if (problem := check_files(step_dir, manifest.files, full)) is not None:
+        return _bad(step, problem)
+    # full: what unpickling the step would import, found without unpickling it
+    if full and (problem := step_pickle_problem(step_dir, [e.path for e in manifest.files])):
         return _bad(step, problem)
     if (problem := _train_state_problem(step_dir, manifest.files, step)) is not None:
         return _bad(step, problem)
@@ -74,10 +89,10 @@ def verify_step_dir(step_dir: Path, run_id: str, full: bool = True) -> Verdict:
     )
 
 
-def _read_committed_manifest(step_dir: Path) -> Manifest:
+def _read_committed_manifest(step_dir: Path, key: SigningKey | None = None) -> Manifest:
     marker = step_dir / COMMITTED_NAME
     try:
-        committed = marker.read_text().strip()
+        committed, signature = parse_marker(marker.read_text())
     except FileNotFoundError as e:
         raise ManifestError(f"no {COMMITTED_NAME} marker (the save never finished)") from e
     except (OSError, UnicodeDecodeError) as e:
@@ -89,7 +104,12 @@ def _read_committed_manifest(step_dir: Path) -> Manifest:
             f"{COMMITTED_NAME} says {committed[:40]!r} but manifest.json hashes "
             f"to {expected!r} (marker belongs to another manifest)"
         )
-    return Manifest.from_json(raw)
+    if (problem := signature_problem(raw, signature, key)) is not None:
+        raise ManifestError(problem)
+    manifest = Manifest.from_json(raw)
+    if (problem := binding_problem((e.algorithm for e in manifest.files), key)) is not None:
+        raise ManifestError(problem)
+    return manifest
 
 
 def _identity_problem(manifest: Manifest, run_id: str, step: int) -> str | None:
@@ -140,7 +160,23 @@ def filesystem_problem(step_dir: Path, files: list[FileEntry]) -> str | None:
 
 
 def check_files(step_dir: Path, files: list[FileEntry], full: bool) -> str | None:
-    """First problem with the payload files of ``step_dir`` against ``files``, or None."""
+    """First problem with the payload files of ``step_dir`` against ``files``, or None. An
+    I/O error (EIO, EACCES, ESTALE in a stat, a listing or a read) is a problem like any
+    other: the step is unusable for now, and the restore moves to the next older one."""
+    try:
+        return _check_files(step_dir, files, full)
+    except OSError as exc:
+        return io_problem(exc)
+
+
+def io_problem(exc: OSError) -> str:
+    """One line for an I/O error met while checking a step."""
+    where = f" on {exc.filename}" if exc.filename else ""
+    name = errno.errorcode.get(exc.errno or 0, "OSError")
+    return f"I/O error{where}: {name} ({exc.strerror or exc})"
+
+
+def _check_files(step_dir: Path, files: list[FileEntry], full: bool) -> str | None:
     if (problem := filesystem_problem(step_dir, files)) is not None:
         return problem
     root = step_dir.resolve()
