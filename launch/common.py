@@ -16,6 +16,7 @@ from recipes.inputs import check_inputs
 from recipes.validate import new_launch_id, resolve_run_id, validate_runtime
 from resiliency.storage.layout import RunLayout, atomic_write_json
 from resiliency.storage.lease import owner_liveness, read_lease
+from resiliency.storage.remote_preflight import RemotePreflightError, check_remote
 
 log = logging.getLogger(__name__)
 GIB = 1 << 30
@@ -109,6 +110,20 @@ def record_submission(plan: LaunchPlan, backend: str, detail: dict) -> None:
         plan.run_dir / f"submission-{backend}.json",
         {"backend": backend, "time": time.time(), "overrides": plan.overrides, **detail},
     )
+
+
+def check_remote_tier(plan: LaunchPlan) -> None:
+    """checkpoint.remote, before any rank starts: the bucket answers these credentials and the
+    server honours conditional writes (resiliency/storage/remote_preflight.py); ConfigError
+    (exit 2) with one line if not. The trainer checks again where it runs."""
+    try:
+        result = check_remote(plan.run.checkpoint.remote, plan.run_dir.name)
+    except RemotePreflightError as exc:
+        raise ConfigError(str(exc)) from None
+    if result is not None:
+        honoured = "honoured" if result.conditional else "IGNORED (allowed)"
+        log.info("launch: object store %s reachable, conditional writes %s (%.1f s)",
+                 result.url, honoured, result.seconds)  # fmt: skip
 
 
 def check_fit(plan: LaunchPlan) -> None:

@@ -2,6 +2,7 @@
 
   python -m launch k8s recipe=NAME launch.k8s.image=IMAGE launch.k8s.shared_pvc=CLAIM
                        [key=value ...] [--dry-run] [--out FILE] [--skip-fit-check]
+                       [--skip-remote-check]
   python -m launch k8s status NAME [--namespace NS]
   python -m launch k8s logs NAME [--namespace NS] [--replica master|worker] [--index I] [--tail N]
   python -m launch k8s delete NAME [--namespace NS]
@@ -34,6 +35,7 @@ from launch import k8s_api
 from launch.common import (
     LaunchPlan,
     check_fit,
+    check_remote_tier,
     check_run_dir_free,
     plan_launch,
     record_submission,
@@ -63,6 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--skip-fit-check",
         action="store_true",
         help="submit even if `python -m pretrain --plan` says the layout does not fit",
+    )
+    parser.add_argument(
+        "--skip-remote-check",
+        action="store_true",
+        help="checkpoint.remote: do not probe the object store from this host (credentials "
+        "only the pods hold; their trainer still probes it)",
     )
     parser.add_argument("--namespace", help="namespace for status/logs/delete (default: default)")
     parser.add_argument(
@@ -106,6 +114,8 @@ def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
     check_run_dir_free(plan)
     if not args.skip_fit_check:
         check_fit(plan)
+    if not args.skip_remote_check:
+        check_remote_tier(plan)
     _write(path, text)
     write_resolved_config(dataclasses.replace(plan, run=rendered.pod_run))
     created = k8s_api.submit(k8s_api.api_client(), rendered)

@@ -29,15 +29,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
 from typing import IO
 
 from launch.common import (
     LaunchPlan,
+    check_remote_tier,
     check_run_dir_free,
     plan_launch,
     rank_env,
@@ -78,6 +78,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         overrides = [*overrides, f"launch.nproc_per_node={args.nproc}"]
     plan = plan_launch(overrides)
     check_run_dir_free(plan)
+    check_remote_tier(plan)
     config = write_resolved_config(plan, CONFIG_NAME)
     budget = plan.run.resiliency.max_restarts if args.max_restarts is None else args.max_restarts
     return LocalSupervisor(plan, config, budget).run()
@@ -103,27 +104,70 @@ def launcher_command(plan: LaunchPlan, config: Path, restarts: int) -> list[str]
     ]
 
 
-@contextmanager
-def uploading(plan: LaunchPlan) -> Iterator[None]:
-    """With checkpoint.remote set: the uploader runs beside the job as its own process (it
-    outlives a rank or launcher crash), then once more after it, for the steps it missed."""
-    follow = uploader_args(plan.run, plan.run_dir, follow=True)
-    if follow is None:
-        yield
-        return
-    log.info("launch local: uploader: %s", " ".join(follow))
-    uploader = subprocess.Popen([sys.executable, *follow], start_new_session=True)
-    try:
-        yield
-    finally:
-        uploader.terminate()  # finishes the object in flight; the final pass does the rest
-        try:
-            uploader.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            uploader.kill()
-        final = uploader_args(plan.run, plan.run_dir, follow=False) or []
+class Uploader:
+    """checkpoint.remote: ``python -m resiliency upload --follow`` beside the job, as its own
+    process (it outlives a rank or launcher crash), restarted with backoff whenever it dies
+    (except when the run's lease moved to another job, whose uploader takes over); then one
+    final pass after the job. ``ok`` says whether that pass left the newest verified step
+    committed remotely."""
+
+    def __init__(self, plan: LaunchPlan) -> None:
+        self.plan = plan
+        self.follow = uploader_args(plan.run, plan.run_dir, follow=True)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+        self.stopping = threading.Event()
+        self.watcher = threading.Thread(target=self._watch, name="uploader-watch", daemon=True)
+
+    def start(self) -> None:
+        if self.follow is None:
+            return
+        log.info("launch local: uploader: %s", " ".join(self.follow))
+        self._spawn()
+        self.watcher.start()
+
+    def _spawn(self) -> None:
+        assert self.follow is not None
+        self.proc = subprocess.Popen([sys.executable, *self.follow], start_new_session=True)
+
+    def _watch(self) -> None:
+        while not self.stopping.wait(1.0):
+            assert self.proc is not None
+            code = self.proc.poll()
+            if code is None:
+                continue
+            if code == exit_codes.LEASE_HELD:
+                log.warning("launch local: uploader exited %d: the run's lease moved to another "
+                            "job; not restarted", code)  # fmt: skip
+                return
+            delay = min(60.0, 2.0**self.restarts)
+            log.error("launch local: uploader exited %d; restarting it in %.0f s", code, delay)
+            if self.stopping.wait(delay):
+                return
+            self.restarts += 1
+            self._spawn()
+
+    def finish(self) -> bool:
+        """Stop the follower, run the final pass; True when the remote tier caught up."""
+        if self.follow is None:
+            return True
+        self.stopping.set()
+        self.watcher.join(timeout=5)
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()  # finishes the object in flight; the final pass does the rest
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        final = uploader_args(self.plan.run, self.plan.run_dir, follow=False) or []
         code = subprocess.run([sys.executable, *final], check=False).returncode
-        (log.info if code == 0 else log.error)("launch local: final upload exited %d", code)
+        (log.info if code == 0 else log.error)(
+            "launch local: final upload exited %d (uploader restarted %d times)%s",
+            code,
+            self.restarts,
+            "" if code == 0 else ": the object store lacks the newest verified step",
+        )
+        return code == 0
 
 
 class LocalSupervisor:
@@ -137,8 +181,15 @@ class LocalSupervisor:
         self.tokens_per_step = run.train.global_batch_size * run.model.seq_length
 
     def run(self) -> int:
-        with uploading(self.plan):
-            return self._supervise()
+        uploader = Uploader(self.plan)
+        uploader.start()
+        try:
+            code = self._supervise()
+        finally:
+            caught_up = uploader.finish()
+        if code == exit_codes.OK and not caught_up:
+            return exit_codes.REMOTE_BEHIND
+        return code
 
     def _supervise(self) -> int:
         before = newest_attempt(self.plan.run_dir)

@@ -19,6 +19,7 @@ from pathlib import Path
 from launch.common import (
     LaunchPlan,
     check_fit,
+    check_remote_tier,
     check_run_dir_free,
     plan_launch,
     record_submission,
@@ -44,6 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="submit a GPU job even if `python -m pretrain --plan` says it does not fit",
     )
+    parser.add_argument(
+        "--skip-remote-check",
+        action="store_true",
+        help="checkpoint.remote: do not probe the object store from this host (the job's "
+        "trainer still does, where it runs)",
+    )
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -54,6 +61,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     # After every check of the input: a bad value is reported as such, on any machine.
     if not args.dry_run and not args.skip_fit_check:
         check_fit(plan)
+    if not args.dry_run and not args.skip_remote_check:
+        check_remote_tier(plan)
     sbatch = None if args.dry_run else _find_sbatch()
     write_resolved_config(plan, CONFIG_NAME)
     if plan.run.launch.backend == "ft_launcher":

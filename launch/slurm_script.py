@@ -15,6 +15,7 @@ from pathlib import Path
 from string import Template
 
 from launch.common import rank_env, uploader_args
+from pretrain import exit_codes
 from recipes import ConfigError, RunConfig
 from resiliency.monitor.fault_tolerance import LAUNCHER_CONFIG_FILE
 
@@ -76,6 +77,7 @@ def render_sbatch(run: RunConfig, inputs: ScriptInputs) -> str:
         "nproc": str(launch.nproc_per_node),
         **_health_values(run, inputs),
         "uploader_start": _uploader_start(run, inputs),
+        "remote_behind": str(exit_codes.REMOTE_BEHIND),
     }
     return _ScriptTemplate(SCRIPT).substitute(values)
 
@@ -89,11 +91,8 @@ def _uploader_start(run: RunConfig, inputs: ScriptInputs) -> str:
     runner = f"srun {' '.join(one_task)} python" if container else _q(inputs.bin_dir / "python")
     quoted = " ".join('"$RUN_DIR"' if a == "$RUN_DIR" else _q(a) for a in args)
     interval = f"{run.checkpoint.remote.follow_interval_s:g}"
-    # A simple command in the background is exec'd by the forked shell: the TERM below
-    # reaches the uploader itself (a backgrounded function would leave it orphaned).
     return (
-        f"UPLOAD=({runner} {quoted})\n"
-        f'"${{UPLOAD[@]}}" --follow --interval={interval} &\nUPLOADER_PID=$!'
+        f"UPLOAD=({runner} {quoted})\nFOLLOW_INTERVAL={interval}\nfollow_uploads &\nUPLOADER_PID=$!"
     )
 
 
@@ -369,7 +368,27 @@ fi
 # ---------------------------------------------------------------- object-store uploader
 # With checkpoint.remote set, committed steps are copied to the object store by a process of
 # their own beside the training step (resumable; a copy it misses is made after srun ends).
+# The follower is restarted with backoff whenever it dies (exit 6: the run's lease moved to
+# another job, whose uploader takes over); the TERM after srun reaches it through the loop.
+follow_uploads() {
+    local stop= child= rc delay=1
+    trap 'stop=1; [ -n "$child" ] && kill -TERM "$child" 2>/dev/null' TERM
+    while [ -z "$stop" ]; do
+        "${UPLOAD[@]}" --follow --interval="$FOLLOW_INTERVAL" &
+        child=$!
+        wait "$child" && rc=0 || rc=$?
+        if [ -n "$stop" ]; then wait "$child" 2>/dev/null; return 0; fi
+        if [ "$rc" = 6 ]; then
+            echo "[$(date +%T)] uploader exited 6 (the run's lease moved): not restarted"
+            return 0
+        fi
+        echo "[$(date +%T)] uploader exited $rc; restarting it in ${delay} s"
+        sleep "$delay" & wait $! || true
+        delay=$(( delay * 2 > 60 ? 60 : delay * 2 ))
+    done
+}
 UPLOADER_PID=
+UPLOAD_BEHIND=
 @@{uploader_start}
 
 # ---------------------------------------------------------------- train
@@ -398,7 +417,11 @@ fi
 if [ -n "$UPLOADER_PID" ]; then
     kill -TERM "$UPLOADER_PID" 2>/dev/null || true
     wait "$UPLOADER_PID" 2>/dev/null || true
-    "${UPLOAD[@]}" || echo "[$(date +%T)] final upload failed (the next launch's uploader retries)"
+    if ! "${UPLOAD[@]}"; then
+        UPLOAD_BEHIND=1
+        echo "[$(date +%T)] final upload failed: the object store lacks the newest verified" \
+             "step (the next launch's uploader retries)"
+    fi
 fi
 if [ @@{health_enabled} = 1 ] && [ "$SRUN_RC" != 0 ] && [ -z "$SIGNALED_BY" ]; then
     # A node that broke during the run is found in this allocation, not the next one.
@@ -445,6 +468,7 @@ case "$DECISION" in
         exit 0
         ;;
     *)
+        if [ "$RC" = 0 ] && [ -n "$UPLOAD_BEHIND" ]; then exit @@{remote_behind}; fi
         exit "$RC"
         ;;
 esac

@@ -16,6 +16,9 @@ OOM = 8
 DATA = 9  # missing/corrupt data files
 CHECKPOINT_IO = 10  # a save could not be written (e.g. disk full) or a restore mismatched
 STRAGGLER = 11  # stopped on purpose: a rank is persistently slow (same hardware, same result)
+# The job's training ended well, but the object store lacks its newest verified step (the
+# launchers' final upload pass failed): the run is safe on the shared tier only.
+REMOTE_BEHIND = 12
 REQUEUE = 75  # planned exit after an emergency save (EX_TEMPFAIL): requeue me
 
 DO_NOT_RETRY = frozenset(

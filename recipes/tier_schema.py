@@ -40,9 +40,15 @@ class RemoteCheckpointConfig:
 
     url: str | None = None  # s3://bucket/prefix; None: tier off. Objects: <prefix>/<run_id>/...
     endpoint_url: str | None = None  # S3-compatible server (SeaweedFS, MinIO...); None: AWS
-    keep_last: int = 3  # committed remote steps kept (plus milestones); older ones deleted
+    keep_last: int = 3  # remote steps kept that verified remotely (plus milestones); >= 2
     workers: int = 8  # objects uploaded or downloaded in parallel
     follow_interval_s: float = 10.0  # how often the launchers' uploader looks for new steps
+    # Transient errors (timeouts, resets, 5xx, throttling) are retried with backoff this long
+    # per call; then a restore fails as infrastructure (exit 1, retried by the launchers).
+    retry_budget_s: float = 120.0
+    # The launch-time probe refuses a server that ignores If-None-Match / If-Match; true
+    # accepts it (steps could then be overwritten and latest.json moved backwards).
+    allow_unconditional: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -53,6 +59,11 @@ class RemoteCheckpointConfig:
             self.url is None or (self.url.startswith("s3://") and len(self.url) > 5),
             f"checkpoint.remote.url={self.url!r}: give s3://bucket[/prefix]",
         )
-        require(self.keep_last >= 1, "checkpoint.remote.keep_last must be >= 1")
+        require(
+            self.keep_last >= 2,
+            f"checkpoint.remote.keep_last={self.keep_last}: keep at least 2 remote steps (a "
+            "step found bad at restore needs an older one to fall back to)",
+        )
+        require(self.retry_budget_s > 0, "checkpoint.remote.retry_budget_s must be > 0")
         positive("checkpoint.remote", workers=self.workers)
         require(self.follow_interval_s > 0, "checkpoint.remote.follow_interval_s must be > 0")

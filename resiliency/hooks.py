@@ -37,7 +37,8 @@ def build_hooks(run: RunConfig, env: DistEnv, run_dir: Path) -> list[TrainHook]:
     )
     front: list[TrainHook] = [evidence] if evidence is not None else []
     if under_ft_launcher():
-        front.append(FaultToleranceHook(cfg.ft, env, run_dir, checkpoint))
+        remote = run.checkpoint.remote if checkpoint is not None and run.checkpoint.resume else None
+        front.append(FaultToleranceHook(cfg.ft, env, run_dir, checkpoint, remote))
     middle: list[TrainHook] = []
     if checkpoint is not None:
         middle.append(checkpoint)

@@ -50,6 +50,15 @@ def test_alert_rule_is_the_reference_expression() -> None:
     )
 
 
+def test_remote_lag_rule_is_the_reference_expression() -> None:
+    rules = yaml.safe_load(RULES.read_text())["groups"][0]["rules"]
+    lagging = next(r for r in rules if r["alert"] == "CheckpointRemoteLagging")
+    assert " ".join(lagging["expr"].split()) == (
+        "max by (run_id) (checkpoint_remote_lag_steps) "
+        "> 2 * max by (run_id) (checkpoint_remote_save_interval_steps)"
+    )
+
+
 def test_http_endpoint_serves_the_registry() -> None:
     metrics = RunMetrics("web")
     metrics.labels(metrics.last_success).set(123.0)

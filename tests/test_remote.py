@@ -62,11 +62,12 @@ def test_upload_is_committed_last_resumable_and_listed(
     layout = RunLayout(tmp_path, "run")
     for step in (2, 4):
         write_synthetic_step(layout, step)
-    reports = upload_run(store, layout, workers=4, keep_last=3)
+    reports = upload_run(store, layout, workers=4, keep_last=3).reports
     assert [r.step for r in reports] == [2, 4] and all(r.skipped == 0 for r in reports)
     assert read_latest(store, "run") == 4
     assert verify_remote_step(store, "run", 4, full=True).ok
-    assert upload_run(store, layout, workers=4, keep_last=3) == []  # nothing left to send
+    again = upload_run(store, layout, workers=4, keep_last=3)
+    assert again.reports == [] and again.committed == [2, 4]  # nothing left to send
 
     proc = cli(s3, "ls", f"{store.url}/run")
     assert proc.returncode == 0, proc.stderr
@@ -215,7 +216,7 @@ def test_files_larger_than_a_part_go_up_in_parts(store: ObjectStore, tmp_path: P
     layout = RunLayout(tmp_path / "shared", "run")
     _many_file_step(layout, 3, files=2, size=11 << 20)  # 3 parts of <= 5 MiB each
     parted = ObjectStore(store.url, os.environ["AWS_ENDPOINT_URL"], workers=2, part_mib=5)
-    [report] = upload_run(parted, layout, workers=2, keep_last=3)
+    [report] = upload_run(parted, layout, workers=2, keep_last=3).reports
     assert report.bytes_sent == 2 * (11 << 20)
     assert verify_remote_step(parted, "run", 3, full=True).ok
     fetched = fetch_newest(parted, RunLayout(tmp_path / "new", "run"), attempt=1, workers=2)

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -237,13 +238,53 @@ def test_remote_tier_runs_an_uploader_beside_the_job(
     start = script.index("UPLOAD=(")
     assert script[start:].startswith(f"UPLOAD=({runner}")
     assert '-m resiliency upload "$RUN_DIR" --to s3://bucket/runs' in script
-    assert '"${UPLOAD[@]}" --follow --interval=30 &\nUPLOADER_PID=$!' in script
+    assert "FOLLOW_INTERVAL=30\nfollow_uploads &\nUPLOADER_PID=$!" in script
     # after srun: stopped, then one last pass for the steps it missed
     stop = script.index('kill -TERM "$UPLOADER_PID"')
-    assert script.index("srun ended with") < stop < script.index('    "${UPLOAD[@]}" ||')
+    assert script.index("srun ended with") < stop < script.index('    if ! "${UPLOAD[@]}"; then')
     syntax = subprocess.run(["bash", "-n", str(tmp_path / "up" / "slurm" / "up.sbatch")],
                             capture_output=True, text=True)  # fmt: skip
     assert syntax.returncode == 0, syntax.stderr
+
+
+def _follow_uploads(script: str) -> str:
+    start = script.index("follow_uploads() {")
+    return script[start : script.index("\n}\n", start) + 3]
+
+
+def test_the_batch_script_restarts_a_dead_uploader(stdlib_corpus: str, tmp_path: Path) -> None:
+    """The script's own loop, run by bash around a stand-in uploader that is SIGKILLed from
+    outside: restarted after a backoff; TERM stops loop and uploader; exit 6 is final."""
+    overrides = [*_base(stdlib_corpus, tmp_path, "sup"), *LAYOUT_2x1,
+                 "checkpoint.remote.url=s3://bucket/runs"]  # fmt: skip
+    assert _dry_run(overrides) == 0
+    loop = _follow_uploads(_script(tmp_path, "sup"))
+    starts = tmp_path / "starts"
+    fake = f"echo $$ >> {starts}; [ -e {tmp_path}/final ] && exit 6; exec sleep 60"
+    driver = f"{loop}\nUPLOAD=(bash -c '{fake}' uploader)\nFOLLOW_INTERVAL=1\nfollow_uploads\n"
+    proc = subprocess.Popen(["bash", "-c", driver], text=True, stdout=subprocess.PIPE)
+
+    def started() -> list[int]:
+        return [int(pid) for pid in starts.read_text().split()] if starts.exists() else []
+
+    def wait_for(count: int) -> list[int]:
+        deadline = time.monotonic() + 20
+        while len(started()) < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return started()
+
+    first = wait_for(1)[0]
+    os.kill(first, signal.SIGKILL)  # the uploader dies from outside
+    second = wait_for(2)[1]
+    proc.send_signal(signal.SIGTERM)  # the script stops it after srun
+    output, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "uploader exited 137; restarting it in 1 s" in output, output
+    assert second != first and not os.path.exists(f"/proc/{second}")  # TERM reached it
+    (tmp_path / "final").touch()  # an uploader that exits 6: the run's lease moved
+    again = subprocess.run(["bash", "-c", driver], text=True, capture_output=True, timeout=30)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "uploader exited 6 (the run's lease moved): not restarted" in again.stdout
+    assert len(started()) == 3
 
 
 def test_render_gpus_container_and_ft_launcher(stdlib_corpus: str, tmp_path: Path) -> None:

@@ -35,6 +35,8 @@ from resiliency.storage.attempts import (
 )
 from resiliency.storage.layout import RunLayout
 from resiliency.storage.lease import LeaseHeldError, LeaseLostError, RunLease, process_identity
+from resiliency.storage.object_retry import ObjectStoreUnavailable
+from resiliency.storage.remote_preflight import RemotePreflightError, check_remote
 
 if TYPE_CHECKING:
     from pretrain.distributed import DistEnv
@@ -141,6 +143,7 @@ class CheckpointHook(TrainHook):
         if problem:
             raise ConfigError(problem)
         self.health = self._probe(run)
+        self._check_remote(run.run_id)
         self.ownership.acquire(self.env.rank, self.env.world_size)
         if self.cfg.async_save and self.cfg.staging_buffers:
             # Spawned now, its start-up (an interpreter importing torch and megatron-core,
@@ -154,6 +157,22 @@ class CheckpointHook(TrainHook):
                 run, self.layout, self.env.world_size, dp, vocab, None, self.ownership.attempt
             )
         return self._model_init_for_plan(self._reconcile(run))
+
+    def _check_remote(self, run_id: str) -> None:
+        """checkpoint.remote: rank 0 probes the object store (credentials, bucket, conditional
+        writes; remote_preflight.py) before the lease and the restore; every rank raises what
+        it found, before any model is built: exit 2, or 1 when the store is out (retried)."""
+        if not self.cfg.remote.enabled:
+            return
+        error: Exception | None = None
+        if self.env.rank == 0:
+            try:
+                check_remote(self.cfg.remote, run_id, at_launch=False)
+            except (RemotePreflightError, ObjectStoreUnavailable) as exc:
+                error = exc
+        error = broadcast_object(error)
+        if error is not None:
+            raise error
 
     @staticmethod
     def _probe(run: "RunConfig") -> dict[str, Any] | None:

@@ -24,6 +24,7 @@ from resiliency.checkpoint.topology import Target, TopologyRefusedError, Topolog
 from resiliency.storage.corpus import INDEX_SUFFIX, corpus_changes, describe_change
 from resiliency.storage.layout import RunLayout
 from resiliency.storage.manifest import Manifest, read_manifest
+from resiliency.storage.object_retry import ObjectStoreAccessError, ObjectStoreUnavailable
 from resiliency.storage.object_store import ObjectStore
 from resiliency.storage.pickle_scan import step_pickle_problem
 from resiliency.storage.remote import committed_remote_steps, fetch_newest
@@ -79,7 +80,7 @@ def pick_checkpoint(
     newest the remote tier holds intact (fetched here). Every rank gets the same (step dir,
     tier) (collective). Published steps of which none verifies stop the run, unless
     ``start_over``."""
-    choice, tier, refusal = None, "persistent", None
+    choice, tier, refusal, error = None, "persistent", None, None
     if dist.get_rank() == 0:
         selection = select_restore_step(
             layout, run_id, full_verify=False, rejected=rejected, key=key
@@ -89,11 +90,16 @@ def pick_checkpoint(
         choice = str(selection.step_dir) if selection.step_dir else None
         remote_steps: list[int] = []
         if choice is None and remote is not None and remote.enabled:
-            fetched, remote_steps = fetch_from_remote(remote, layout, attempt, rejected, key)
-            choice, tier = (str(fetched), "remote") if fetched else (None, tier)
-        if choice is None and (layout.published_steps() or remote_steps):
+            try:
+                fetched, remote_steps = fetch_from_remote(remote, layout, attempt, rejected, key)
+                choice, tier = (str(fetched), "remote") if fetched else (None, tier)
+            except (ObjectStoreUnavailable, ObjectStoreAccessError) as exc:
+                error = exc  # every rank raises it: the store is out, no step is to blame
+        if error is None and choice is None and (layout.published_steps() or remote_steps):
             refusal = _unrecoverable(layout, selection.skipped, start_over, remote_steps)
-    choice, tier, refusal = broadcast_object((choice, tier, refusal))
+    choice, tier, refusal, error = broadcast_object((choice, tier, refusal, error))
+    if error is not None:
+        raise error
     if refusal is not None:
         raise UnrecoverableRunError(refusal)
     if choice is None:
@@ -113,7 +119,9 @@ def fetch_from_remote(
     verifies and downloads intact, published into the shared steps dir; and the committed
     remote steps there were."""
     assert remote.url is not None
-    store = ObjectStore(remote.url, remote.endpoint_url, remote.workers)
+    store = ObjectStore(
+        remote.url, remote.endpoint_url, remote.workers, retry_budget_s=remote.retry_budget_s
+    )
     log.warning(
         "restore: no verified step in %s; looking in the remote tier %s",
         layout.steps_dir,

@@ -12,11 +12,13 @@ from types import FrameType
 from pretrain import exit_codes
 from resiliency.cli.base import EXIT_BAD, EXIT_OK, EXIT_USAGE, Command
 from resiliency.cli.recorded import recorded_setting
+from resiliency.monitor.remote_metrics import RemoteUploadMetrics
 from resiliency.storage.layout import RunLayout, parse_step, step_name
 from resiliency.storage.lease import GenerationPin, LeaseLostError
+from resiliency.storage.object_retry import ObjectStoreAccessError, ObjectStoreUnavailable
 from resiliency.storage.object_store import ObjectStore
 from resiliency.storage.remote import (
-    UploadError,
+    UploadPass,
     committed_remote_steps,
     fetch_newest,
     read_latest,
@@ -72,43 +74,107 @@ def remote_verify(
     return EXIT_BAD if bad else EXIT_OK
 
 
-def cmd_upload(args: argparse.Namespace) -> int:
-    layout = RunLayout.from_run_dir(Path(args.run_dir))
-    if not layout.steps_dir.is_dir():
-        print(f"error: {args.run_dir} has no steps/: not a run dir")
-        return EXIT_USAGE
-    url = args.to or recorded_setting(layout, "remote.url").value
-    if not url:
-        print("error: give --to s3://bucket/prefix (the run records no checkpoint.remote.url)")
-        return EXIT_USAGE
-    store = ObjectStore(url, args.endpoint_url, args.workers)
-    pin = GenerationPin(layout)  # the job whose lease it serves: a takeover fences its deletes
+def _stop_event(follow: bool) -> threading.Event:
+    """Set by SIGTERM/SIGINT under --follow: the launchers stop it so; the object in flight is
+    finished, not the pass."""
     stop = threading.Event()
-    if args.follow:  # the launchers stop it with SIGTERM: finish the object, not the pass
+    if follow:
 
         def request_stop(signum: int, frame: FrameType | None) -> None:
             stop.set()
 
         signal.signal(signal.SIGTERM, request_stop)
         signal.signal(signal.SIGINT, request_stop)
+    return stop
+
+
+def _wait_for_run_dir(
+    layout: RunLayout, follow: bool, stop: threading.Event, interval: float
+) -> bool:
+    """The run dir exists, or (--follow) appears: the launchers start the uploader before the
+    trainer has created it. False: not a run dir, or stopped while waiting."""
+    if layout.steps_dir.is_dir():
+        return True
+    if not follow:
+        print(f"error: {layout.run_dir} has no steps/: not a run dir")
+        return False
+    print(f"waiting for {layout.steps_dir} to appear", flush=True)
+    while not stop.wait(min(interval, 2.0)):
+        if layout.steps_dir.is_dir():
+            return True
+    return False
+
+
+def _print_pass(result: UploadPass, url: str) -> None:
+    for r in result.reports:
+        rate = r.bytes_sent / 2**20 / max(r.seconds, 1e-9)
+        print(f"uploaded step {r.step} to {url}: {r.sent} objects sent, {r.skipped} already "
+              f"there, {r.bytes_sent / 2**20:.1f} MiB in {r.seconds:.2f} s ({rate:.1f} MiB/s)",
+              flush=True)  # fmt: skip
+    for step, why in result.skipped:
+        print(f"skipped step {step}: {why}", flush=True)
+
+
+def _behind(result: UploadPass) -> int | None:
+    """The newest local step that should be on the remote tier and is not (None: caught up).
+    A step skipped because it does not verify locally or was deleted is not owed."""
+    owed = [s for s in result.local if s not in dict(result.skipped)]
+    newest = owed[-1] if owed else None
+    return None if newest is None or newest in result.committed else newest
+
+
+def cmd_upload(args: argparse.Namespace) -> int:
+    """Exit 0: caught up (the newest verified local step is committed remotely); 1 it is not
+    (the store was out, or an object did not verify); 2 usage, credentials or bucket; 6 the
+    run's lease moved to another job (its own uploader takes over). --follow ends only by a
+    signal, a lease loss or an access error: per-step and network errors are retried."""
+    layout = RunLayout.from_run_dir(Path(args.run_dir))
+    stop = _stop_event(args.follow)
+    if args.keep_last < 2:
+        print(f"error: --keep-last={args.keep_last}: keep at least 2 remote steps")
+        return EXIT_USAGE
+    if not _wait_for_run_dir(layout, args.follow, stop, args.interval):
+        return EXIT_OK if stop.is_set() else EXIT_USAGE
+    url = args.to or recorded_setting(layout, "remote.url").value
+    if not url:
+        print("error: give --to s3://bucket/prefix (the run records no checkpoint.remote.url)")
+        return EXIT_USAGE
+    budget = args.retry_budget_s or recorded_setting(layout, "remote.retry_budget_s").value
+    store = ObjectStore(url, args.endpoint_url, args.workers, retry_budget_s=float(budget))
+    pin = GenerationPin(layout)  # the job whose lease it serves: a takeover fences its deletes
+    interval = recorded_setting(layout, "save_interval").value
+    metrics, verified = RemoteUploadMetrics(layout, interval), set()
+    where = f"{store.url}/{layout.run_id}"
     while True:
+        result = None
         try:
-            for r in upload_run(
-                store, layout, args.workers, args.keep_last, args.milestone_interval, pin
-            ):
-                rate = r.bytes_sent / 2**20 / max(r.seconds, 1e-9)
-                print(f"uploaded step {r.step} to {store.url}/{layout.run_id}: {r.sent} objects "
-                      f"sent, {r.skipped} already there, {r.bytes_sent / 2**20:.1f} MiB in "
-                      f"{r.seconds:.2f} s ({rate:.1f} MiB/s)", flush=True)  # fmt: skip
-        except UploadError as exc:
-            print(f"error: {exc}")
-            if not args.follow:
-                return EXIT_BAD
+            result = upload_run(store, layout, args.workers, args.keep_last,
+                                args.milestone_interval, pin, verified)  # fmt: skip
+            _print_pass(result, where)
+            metrics.record(result)
+        except ObjectStoreUnavailable as exc:  # the next pass tries again
+            print(f"error: {exc}", flush=True)
+            metrics.record(None, errors=1)
+        except ObjectStoreAccessError as exc:
+            print(f"error: {exc}", flush=True)
+            return EXIT_USAGE
         except LeaseLostError as exc:  # another job owns the run now; its uploader takes over
             print(f"error: {exc}")
             return exit_codes.LEASE_HELD
         if not args.follow or stop.wait(args.interval):
-            return EXIT_OK
+            return _final_word(result, where)
+
+
+def _final_word(result: UploadPass | None, where: str) -> int:
+    if result is None:
+        print(f"BEHIND: the last pass to {where} failed; the newest steps may not be there")
+        return EXIT_BAD
+    remote = result.committed[-1] if result.committed else None
+    print(f"newest local step: {result.newest_local}; newest remote committed step: {remote}")
+    if (owed := _behind(result)) is not None:
+        print(f"BEHIND: local step {owed} is not committed on {where}")
+        return EXIT_BAD
+    return EXIT_OK
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
@@ -125,11 +191,18 @@ def cmd_fetch(args: argparse.Namespace) -> int:
         print(f"{local.step_dir} verifies: nothing to fetch")
         return EXIT_OK
     store = ObjectStore(url, args.endpoint_url, args.workers)
-    committed = committed_remote_steps(store, layout.run_id)
-    if not committed:
-        print(f"no committed step in {store.url}/{layout.run_id}: the run starts fresh")
-        return EXIT_OK
-    fetched = fetch_newest(store, layout, FETCH_ATTEMPT, args.workers, committed=committed)
+    try:
+        committed = committed_remote_steps(store, layout.run_id)
+        if not committed:
+            print(f"no committed step in {store.url}/{layout.run_id}: the run starts fresh")
+            return EXIT_OK
+        fetched = fetch_newest(store, layout, FETCH_ATTEMPT, args.workers, committed=committed)
+    except ObjectStoreUnavailable as exc:  # not the steps' fault: the pod's restart retries
+        print(f"error: {exc}")
+        return EXIT_BAD
+    except ObjectStoreAccessError as exc:
+        print(f"error: {exc}")
+        return EXIT_USAGE
     if fetched is None:
         print(f"BAD: none of the remote steps {committed} fetched intact from {store.url}")
         return EXIT_BAD
@@ -153,6 +226,11 @@ def _add_upload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=8, help="objects uploaded in parallel")
     p.add_argument("--keep-last", type=int, default=3, help="remote steps kept (plus milestones)")
     p.add_argument("--milestone-interval", type=int, help="remote steps never deleted: multiples")
+    p.add_argument(
+        "--retry-budget-s",
+        type=float,
+        help="per call, transient errors retried this long (default: the run's)",
+    )
 
 
 FETCH_ATTEMPT = 99  # the tmp dir's tag: no training attempt writes while it runs (lease)

@@ -36,12 +36,16 @@ from resiliency.monitor.timeouts import (
 )
 from resiliency.storage.layout import RunLayout, atomic_write_json
 from resiliency.storage.manifest import ManifestError, read_manifest
+from resiliency.storage.object_retry import ObjectStoreAccessError, ObjectStoreUnavailable
+from resiliency.storage.object_store import ObjectStore
+from resiliency.storage.remote import newest_remote_bytes
 
 if TYPE_CHECKING:
     from pretrain.distributed import DistEnv
     from pretrain.hooks import EvalResult
     from pretrain.loop import Trainer
     from recipes.schema import FtConfig, RunConfig
+    from recipes.tier_schema import RemoteCheckpointConfig
     from resiliency.checkpoint.hook import CheckpointHook
 
 log = logging.getLogger(__name__)
@@ -97,12 +101,16 @@ def load_timeouts(run_dir: Path) -> dict[str, Any] | None:
     return saved if isinstance(saved, dict) and "samples" in saved else None
 
 
-def newest_rank_bytes(run_dir: Path, world_size: int) -> tuple[int, bool]:
-    """(bytes per rank of the newest published checkpoint, whether there is one to restore)."""
+def newest_rank_bytes(
+    run_dir: Path, world_size: int, remote: "RemoteCheckpointConfig | None" = None
+) -> tuple[int, bool]:
+    """(bytes per rank of the newest published checkpoint, whether there is one to restore).
+    With no local step but a remote tier, the restore downloads the newest remote step whole
+    (rank 0) before reading its share: that is the bytes to allow for, not a hang."""
     layout = RunLayout.from_run_dir(run_dir)
     steps = layout.published_steps()
     if not steps:
-        return 0, False
+        return _remote_restore_bytes(layout, world_size, remote)
     try:
         total = read_manifest(layout.step_dir(steps[-1])).total_bytes
     except (OSError, ManifestError, ValueError):
@@ -110,14 +118,36 @@ def newest_rank_bytes(run_dir: Path, world_size: int) -> tuple[int, bool]:
     return total // max(world_size, 1), True
 
 
+def _remote_restore_bytes(
+    layout: RunLayout, world_size: int, remote: "RemoteCheckpointConfig | None"
+) -> tuple[int, bool]:
+    if remote is None or remote.url is None:
+        return 0, False
+    try:  # a short look: the setup timeout's base covers an answer that does not come
+        store = ObjectStore(remote.url, remote.endpoint_url, workers=1, retry_budget_s=10.0)
+        total = newest_remote_bytes(store, layout.run_id)
+    except (ObjectStoreUnavailable, ObjectStoreAccessError) as exc:
+        log.warning("ft: setup timeout not sized from the remote tier: %s", exc)
+        return 0, True
+    if total is None:
+        return 0, False
+    return total + total // max(world_size, 1), True
+
+
 # ------------------------------------------------------------------ rank side
 class FaultToleranceHook(TrainHook):
     """Sections for the rank monitor, learned timeouts, stack dumps, no restart on bugs."""
 
     def __init__(
-        self, cfg: "FtConfig", env: "DistEnv", run_dir: Path, checkpoint: "CheckpointHook | None"
+        self,
+        cfg: "FtConfig",
+        env: "DistEnv",
+        run_dir: Path,
+        checkpoint: "CheckpointHook | None",
+        remote: "RemoteCheckpointConfig | None" = None,
     ) -> None:
         self.cfg, self.env, self.run_dir, self.checkpoint = cfg, env, run_dir, checkpoint
+        self.remote = remote  # checkpoint.remote: a restore may download its newest step
         self.client: Any = None
         self.open: dict[str, float] = {}  # open section -> when it opened
         self.paused: list[str] = []  # sections closed while a checkpoint runs
@@ -149,7 +179,8 @@ class FaultToleranceHook(TrainHook):
             self.heartbeats_only = True
             return run
         self.timeouts = SectionTimeouts(self.cfg, load_timeouts(self.run_dir))
-        self.timeouts.set_checkpoint_bytes(*newest_rank_bytes(self.run_dir, self.env.world_size))
+        restore = newest_rank_bytes(self.run_dir, self.env.world_size, self.remote)
+        self.timeouts.set_checkpoint_bytes(*restore)
         self._send(persist=False)
         if self.cfg.stack_dumps:
             stacks = RunLayout.from_run_dir(self.run_dir).attempts_dir / STACKS_DIR

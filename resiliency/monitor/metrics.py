@@ -27,6 +27,7 @@ from pretrain.hooks import StepResult, TrainHook
 from resiliency.monitor.goodput import build_ledger
 from resiliency.monitor.postmortem import read_record
 from resiliency.storage.attempts import recorded_attempts
+from resiliency.storage.layout import RunLayout
 
 if TYPE_CHECKING:
     from pretrain.loop import Trainer
@@ -140,7 +141,7 @@ class MetricsHook(TrainHook):
         evidence: "AttemptEvidenceHook | None",
         straggler: "StragglerHook | None",
     ) -> None:
-        self.cfg, self.path = cfg, run_dir / "metrics" / METRICS_FILE
+        self.cfg, self.path = cfg, RunLayout.from_run_dir(run_dir).metrics_dir / METRICS_FILE
         self.checkpoint, self.evidence, self.straggler = checkpoint, evidence, straggler
         self.m = RunMetrics(run_id)
         self.step_times: list[float] = []

@@ -87,6 +87,11 @@ class RunLayout:
         return self.run_dir / "LEASE.generation"
 
     @property
+    def metrics_dir(self) -> Path:
+        """Prometheus textfiles (node-exporter's textfile collector reads every ``*.prom``)."""
+        return self.run_dir / "metrics"
+
+    @property
     def run_json_path(self) -> Path:
         return self.run_dir / "run.json"
 

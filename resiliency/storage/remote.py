@@ -15,6 +15,11 @@ and a restarted one skips what already verifies. latest.json is replaced with If
 version read, so two uploaders cannot move it backwards. A restore re-checks COMMITTED against
 the manifest, and every downloaded file against the manifest's checksum, before it publishes
 the step locally through the usual protocol.
+
+Failures of the network or the server are not failures of a step: every call is retried by
+object_retry.RetryPolicy, and only a size or checksum mismatch, or a missing object the manifest
+names, rejects a step. A pass of the uploader skips (and reports) a local step that does not
+verify or that local retention deleted mid-upload, and uploads the newer ones.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from resiliency.storage.checksum import FileEntry, file_checksum
@@ -40,7 +45,7 @@ from resiliency.storage.layout import (
 )
 from resiliency.storage.lease import GenerationPin, LeaseLostError
 from resiliency.storage.manifest import Manifest, ManifestError, manifest_checksum
-from resiliency.storage.object_store import ObjectStore, PreconditionFailed
+from resiliency.storage.object_store import ObjectMissing, ObjectStore, PreconditionFailed
 from resiliency.storage.publish import begin_step, publish, set_aside
 from resiliency.storage.signing import SigningKey, parse_marker, signature_problem
 from resiliency.storage.verify import verify_step_dir
@@ -60,6 +65,21 @@ class UploadReport:
     skipped: int  # objects already there and verified (a resumed upload), or the whole step
     bytes_sent: int
     seconds: float
+
+
+@dataclass
+class UploadPass:
+    """One pass of the uploader: what went up, what was skipped and why."""
+
+    reports: list[UploadReport] = field(default_factory=list)
+    skipped: list[tuple[int, str]] = field(default_factory=list)  # (step, why)
+    local: list[int] = field(default_factory=list)  # published local steps when it began
+    committed: list[int] = field(default_factory=list)  # committed remotely after the pass
+    deleted: list[int] = field(default_factory=list)  # by remote retention
+
+    @property
+    def newest_local(self) -> int | None:
+        return self.local[-1] if self.local else None
 
 
 @dataclass(frozen=True)
@@ -151,7 +171,7 @@ def advance_latest(store: ObjectStore, run_id: str, step: int) -> bool:
     body = json.dumps({"step": step, "dir": f"steps/{step_name(step)}"}).encode()
     while True:
         current = store.get_bytes(rel)
-        if current is not None and int(json.loads(current[0])["step"]) >= step:
+        if current is not None and (_latest_step(current[0]) or -1) >= step:
             return False
         try:
             store.put_bytes(rel, body, if_match=current[1] if current else None)
@@ -162,7 +182,18 @@ def advance_latest(store: ObjectStore, run_id: str, step: int) -> bool:
 
 def read_latest(store: ObjectStore, run_id: str) -> int | None:
     current = store.get_bytes(f"{run_id}/{LATEST}")
-    return None if current is None else int(json.loads(current[0])["step"])
+    return None if current is None else _latest_step(current[0])
+
+
+def _latest_step(data: bytes) -> int | None:
+    """latest.json's step; None when it is not what we write (a hint only: the listing of
+    committed steps decides, and the next advance replaces it)."""
+    try:
+        step = json.loads(data)["step"]
+    except (ValueError, KeyError, TypeError):
+        log.warning("remote: latest.json is not valid (%r...): ignored", data[:60])
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def verify_remote_step(
@@ -244,10 +275,13 @@ def fetch_step(
         if not written.ok:
             raise UploadError(written.reason)
         return publish(layout, tmp, step)
-    except (UploadError, OSError) as exc:
+    except (UploadError, ObjectMissing, OSError) as exc:
         log.warning("remote: step %d rejected: %s", step, exc)
         shutil.rmtree(tmp, ignore_errors=True)
         return None
+    except BaseException:  # the store is out (retry budget spent): not this step's fault
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _fetch_file(store: ObjectStore, base: str, tmp: Path, entry: FileEntry) -> str | None:
@@ -287,30 +321,55 @@ def fetch_newest(
 def upload_run(
     store: ObjectStore, layout: RunLayout, workers: int, keep_last: int,
     milestone_interval: int | None = None, pin: GenerationPin | None = None,
-) -> list[UploadReport]:  # fmt: skip
+    verified: set[int] | None = None,
+) -> UploadPass:  # fmt: skip
     """Upload every published local step the remote tier lacks (oldest first), move latest.json
     forward, then apply the remote retention; with ``pin``, deletes only while the lease is
-    still the generation this uploader serves (else LeaseLostError, nothing deleted)."""
+    still the generation this uploader serves (else LeaseLostError, nothing deleted). A step
+    that cannot go up is skipped with its reason; newer steps still go up. ``verified``:
+    steps this process saw verify remotely (kept across passes, so retention re-checks none)."""
+    verified = set() if verified is None else verified
     done = set(committed_remote_steps(store, layout.run_id))
-    reports = []
-    for step in layout.published_steps():
+    local = layout.published_steps()
+    result = UploadPass(local=local)
+    for step in local:
         if step in done:
             continue
         try:
             report = upload_step(store, layout.step_dir(step), layout.run_id, workers)
-        except UploadError as exc:
-            if not layout.step_dir(step).exists():  # collected locally meanwhile: nothing lost
-                continue
-            raise UploadError(f"step {step}: {exc}") from None
-        reports.append(report)
+        except (UploadError, OSError) as exc:
+            why = str(exc)
+            if not layout.step_dir(step).exists():  # collected locally mid-upload: skip it
+                why = f"deleted by local retention during its upload ({exc})"
+            log.warning("remote: step %d not uploaded: %s", step, why)
+            result.skipped.append((step, why))
+            continue
+        verified.add(step)  # every object was HEAD-checked against the manifest
+        result.reports.append(report)
         advance_latest(store, layout.run_id, step)
         log.info("remote: step %d uploaded to %s (%d objects sent, %d already there, "
                  "%.1f MiB, %.2f s)", step, store.url, report.sent, report.skipped,
                  report.bytes_sent / 2**20, report.seconds)  # fmt: skip
     if pin is not None and (problem := pin.problem()) is not None:
         raise LeaseLostError(f"remote retention refused: {problem}")
-    apply_remote_retention(store, layout.run_id, keep_last, milestone_interval)
-    return reports
+    result.deleted = apply_remote_retention(
+        store, layout.run_id, keep_last, milestone_interval, verified
+    )
+    result.committed = committed_remote_steps(store, layout.run_id)
+    return result
+
+
+def newest_remote_bytes(store: ObjectStore, run_id: str) -> int | None:
+    """Bytes of the newest committed remote step (what a restore from this tier downloads);
+    None when there is none or its manifest is unreadable."""
+    committed = committed_remote_steps(store, run_id)
+    if not committed:
+        return None
+    raw = store.get_bytes(step_prefix(run_id, committed[-1]) + MANIFEST_NAME)
+    try:
+        return Manifest.from_json(raw[0]).total_bytes if raw is not None else None
+    except ManifestError:
+        return None
 
 
 def committed_remote_steps(store: ObjectStore, run_id: str) -> list[int]:
@@ -319,20 +378,39 @@ def committed_remote_steps(store: ObjectStore, run_id: str) -> list[int]:
 
 
 def apply_remote_retention(
-    store: ObjectStore, run_id: str, keep_last: int, milestone_interval: int | None
+    store: ObjectStore,
+    run_id: str,
+    keep_last: int,
+    milestone_interval: int | None,
+    verified: set[int] | None = None,
 ) -> list[int]:
-    """Delete committed steps beyond the newest ``keep_last`` (milestones kept), and abandoned
-    partial uploads older than the oldest kept step; COMMITTED goes first, so a half-deleted
-    step never looks complete. Only ever after a newer step is committed remotely."""
+    """Keep the newest ``keep_last`` committed steps that verify remotely (HEAD of every object
+    against the manifest; ``verified``: known already), every committed step newer than the
+    oldest of them, and milestones; delete older committed steps and abandoned partial uploads
+    older than the oldest kept step. COMMITTED goes first, so a half-deleted step never looks
+    complete. Nothing is deleted until ``keep_last`` steps verify."""
+    verified = set() if verified is None else verified
     committed = committed_remote_steps(store, run_id)
     if len(committed) <= keep_last:
         return []
-    kept = set(committed[-keep_last:])
+    good: list[int] = []
+    for step in reversed(committed):
+        if step in verified or verify_remote_step(store, run_id, step, full=False).ok:
+            verified.add(step)
+            good.append(step)
+            if len(good) == keep_last:
+                break
+    if len(good) < keep_last:
+        log.warning("remote retention: only %d of the committed steps verify; nothing deleted",
+                    len(good))  # fmt: skip
+        return []
+    kept = {s for s in committed if s >= min(good)}
     kept |= {s for s in committed if milestone_interval and s % milestone_interval == 0}
     oldest_kept = min(kept)
     doomed = [s for s in remote_steps(store, run_id)
               if s not in kept and (s in committed or s < oldest_kept)]  # fmt: skip
     for step in doomed:
+        verified.discard(step)
         base = step_prefix(run_id, step)
         store.delete(base + COMMITTED_NAME)
         for rel in store.list(base):
