@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -159,26 +160,43 @@ def runtime_versions() -> dict[str, str | None]:
     return versions
 
 
+@functools.cache
 def code_commit() -> str | None:
+    """The commit this code runs from: ``$MCORE_RECIPES_CODE_COMMIT`` (set by the launchers for
+    every rank), else git's HEAD of the checkout holding this file, ``-dirty`` when tracked
+    files differ from it, else the commit pip recorded for a VCS install (PEP 610). Once per
+    process: every save records the same answer."""
     env = os.environ.get("MCORE_RECIPES_CODE_COMMIT")
     if env:
         return env
-    repo = Path(__file__).resolve().parents[1]
-    if not (repo / ".git").exists():
+    return _git_commit(Path(__file__).resolve().parent) or _installed_commit()
+
+
+def _git_commit(where: Path) -> str | None:
+    # git finds the work tree's root from any directory inside it.
+    head = _git(where, "rev-parse", "HEAD")
+    if head is None:
         return None
+    dirty = _git(where, "status", "--porcelain", "--untracked-files=no")
+    return f"{head}-dirty" if dirty else head
+
+
+def _git(where: Path, *args: str) -> str | None:
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=repo,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        )
+        out = subprocess.run(["git", *args], cwd=where, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError) as e:
-        logger.warning("cannot read git commit of %s: %s", repo, e)
+        logger.warning("cannot run git %s in %s: %s", args[0], where, e)
         return None
-    return out.stdout.strip() or None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _installed_commit() -> str | None:
+    try:
+        raw = metadata.distribution("mcore-recipes").read_text("direct_url.json")
+        commit = json.loads(raw or "{}").get("vcs_info", {}).get("commit_id")
+    except (metadata.PackageNotFoundError, ValueError, AttributeError):
+        return None
+    return commit if isinstance(commit, str) and commit else None
 
 
 def image_digest() -> str | None:
