@@ -74,6 +74,40 @@ def test_ledger_by_hand(tmp_path: Path) -> None:
     assert ledger.goodput == pytest.approx(6.0 / 24.0)
 
 
+def test_an_attempt_refused_at_config_costs_only_its_own_time(tmp_path: Path) -> None:
+    """Attempt 1 (t=0..10) saves step 2 and trains to step 3; attempt 2 (t=12..13) is refused
+    at config: restores nothing, trains nothing; attempt 3 (t=15..24) restores step 2. Only
+    step 3 of attempt 1 was lost, not all of attempt 1: every second by hand."""
+    attempts = [
+        {"attempt": 1, "start_time": 0.0, "end_time": 10.0, "status": "failed",
+         "startup": {"process_start": 0.0, "first_step_started_at": 4.0}},
+        {"attempt": 2, "start_time": 12.0, "end_time": 13.0, "status": "failed",
+         "startup": {"process_start": 12.0}},
+        {"attempt": 3, "start_time": 15.0, "end_time": 24.0, "status": "finished",
+         "restored_step": 2,
+         "startup": {"process_start": 15.0, "load_started_at": 16.0,
+                     "first_step_started_at": 18.0}},
+    ]  # fmt: skip
+    steps = [
+        {"step": 1, "step_time_s": 1.0, "time": 5.0},
+        {"step": 2, "step_time_s": 1.0, "time": 6.0},
+        {"step": 3, "step_time_s": 2.0, "time": 9.0},  # lost: attempt 3 restored step 2
+        {"step": 3, "step_time_s": 2.0, "time": 20.0},
+        {"step": 4, "step_time_s": 2.0, "time": 22.0},
+    ]
+    _write(tmp_path, attempts, steps, [{"step": 2, "blocked_s": 1.0, "time": 7.0}])
+    ledger = build_ledger(tmp_path)
+    assert ledger.lost_steps == 1
+    assert ledger.seconds["productive"] == 1.0 + 1.0 + 2.0 + 2.0
+    assert ledger.seconds["lost"] == 2.0
+    assert ledger.seconds["checkpoint_save"] == 1.0
+    assert ledger.seconds["startup"] == 4.0 + 1.0 + 1.0  # 0->4; 12->13 (no first step); 15->16
+    assert ledger.seconds["restore"] == 2.0  # 16->18
+    assert ledger.seconds["downtime"] == 2.0 + 2.0  # 10->12, 13->15
+    assert ledger.seconds["other"] == (10 - 4 - 5) + 0.0 + (24 - 15 - 3 - 4)
+    assert ledger.wall_s == 24.0 and ledger.goodput == pytest.approx(6.0 / 24.0)
+
+
 @pytest.mark.slow
 def test_killed_and_resumed_run(tiny_overrides: list[str], tmp_path: Path) -> None:
     base = [

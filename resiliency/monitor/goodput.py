@@ -105,10 +105,15 @@ def build_ledger(run_dir: Path) -> Ledger:
         _end(r, begins[i + 1] if i + 1 < len(records) else None, steps)
         for i, r in enumerate(records)
     ]
+    windows = list(zip(begins, ends))
+    # An attempt that restored nothing and trained nothing (refused at config, killed in
+    # start-up) says nothing about what was lost: the next one that did decides.
+    continued = [
+        r.get("restored_step") is not None or bool(_in(steps, w)) for r, w in zip(records, windows)
+    ]
     for i, record in enumerate(records):
-        window = (begins[i], ends[i])
-        following = records[i + 1] if i + 1 < len(records) else None
-        _attempt(ledger, record, window, following, steps, saves, evals)
+        following = next((records[j] for j in range(i + 1, len(records)) if continued[j]), None)
+        _attempt(ledger, record, windows[i], following, steps, saves, evals)
         if i + 1 < len(records):
             ledger.seconds["downtime"] += max(0.0, begins[i + 1] - ends[i])
     ledger.wall_s = ends[-1] - begins[0]
