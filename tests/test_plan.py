@@ -95,6 +95,11 @@ def test_bad_counts_are_refused(bad: str) -> None:
         parse_count(bad)
 
 
+def test_a_bare_small_count_is_refused_naming_the_scaled_forms() -> None:
+    with pytest.raises(ValueError, match="give the count with its scale, e.g. 70e9 or 70B"):
+        parse_count("70")
+
+
 def test_cli_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
     assert (
         main(

@@ -123,6 +123,11 @@ def parse_count(text: str) -> float:
         ) from None
     if not count > 0:
         raise ValueError(f"parameter count must be positive, got {text!r}")
+    if scale is None and count < 1e6:  # "70" meant 70B: no model worth planning has 70 params
+        raise ValueError(
+            f"--params {text}: {count:g} parameters? give the count with its scale, e.g. "
+            f"{text}e9 or {text}B"
+        )
     return count
 
 
