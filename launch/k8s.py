@@ -112,10 +112,10 @@ def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
         print(text, end="")
         return exit_codes.OK
     check_run_dir_free(plan)
+    if not args.skip_remote_check:  # seconds at most: before the fit check's model plan
+        check_remote_tier(plan)
     if not args.skip_fit_check:
         check_fit(plan)
-    if not args.skip_remote_check:
-        check_remote_tier(plan)
     _write(path, text)
     write_resolved_config(dataclasses.replace(plan, run=rendered.pod_run))
     created = k8s_api.submit(k8s_api.api_client(), rendered)

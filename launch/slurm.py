@@ -59,10 +59,10 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     _warn_on_short_grace(plan)
     text = render(plan)  # before writing anything: a value it cannot render is bad input too
     # After every check of the input: a bad value is reported as such, on any machine.
+    if not args.dry_run and not args.skip_remote_check:  # before the fit check's model plan
+        check_remote_tier(plan)
     if not args.dry_run and not args.skip_fit_check:
         check_fit(plan)
-    if not args.dry_run and not args.skip_remote_check:
-        check_remote_tier(plan)
     sbatch = None if args.dry_run else _find_sbatch()
     write_resolved_config(plan, CONFIG_NAME)
     if plan.run.launch.backend == "ft_launcher":

@@ -20,6 +20,7 @@ import yaml
 
 from launch import k8s
 from pretrain import exit_codes
+from recipes import ConfigError
 from recipes.load import load_config_file
 from tests.helpers import REPO
 from tests.k8s_helpers import (
@@ -266,12 +267,17 @@ def test_submit_posts_the_rendered_objects(api: FakeApiServer, tmp_path: Path) -
 
 
 def test_remote_tier_submits_its_uploader_and_delete_removes_it(
-    api: FakeApiServer, tmp_path: Path
+    api: FakeApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance role to wait for
     remote = ["checkpoint.remote.url=s3://bucket/runs", "launch.k8s.remote_secret=s3-creds"]
     argv = RECIPES["llama3_70b"] + [f"output_dir={tmp_path}", *remote] + BASE
     _, rendered = k8s.render_run(argv)
-    assert cli(argv) == 0
+    with pytest.raises(ConfigError, match="checkpoint.remote: s3://bucket/runs"):
+        cli(argv)  # no object store reachable from here: refused before anything is submitted
+    assert not [r for r in api.requests if r["method"] == "POST"]
+    # Credentials only the pods hold (launch.k8s.remote_secret): the pods' trainer probes.
+    assert cli([*argv, "--skip-remote-check"]) == 0
     posted = [r for r in api.requests if r["method"] == "POST"]
     assert posted[-1]["path"] == "/apis/apps/v1/namespaces/default/deployments"
     assert posted[-1]["body"] == rendered.uploader
