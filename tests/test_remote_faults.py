@@ -33,6 +33,7 @@ from resiliency.storage.remote import (
     read_latest,
     step_prefix,
     upload_run,
+    verify_remote_step,
 )
 from resiliency.storage.synthetic import write_synthetic_step
 from tests.fault_proxy import FaultProxy
@@ -200,6 +201,7 @@ def test_launch_local_uploads_each_step_and_rides_out_an_outage(
         assert step in remote, (step, remote, published)
         assert remote[step] - published[step] <= interval + 3.0, (step, remote, published)
     assert committed_remote_steps(direct, "run")[-1] == 40
+    assert verify_remote_step(direct, "run", 40, full=True).ok  # every byte, downloaded
     assert "newest remote committed step: 40" in output
     assert "object store:" in output and "retry" in output  # the outage was seen and retried
     metrics = (layout.metrics_dir / "remote.prom").read_text()
