@@ -19,6 +19,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from recipes.megatron_names import megatron_hint
 from recipes.schema import ConfigError, RunConfig
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
@@ -118,6 +119,14 @@ def _reject_unknown_keys(tree: Any, overrides: list[str], prefix: str = "") -> N
 
 
 def _unknown_key_message(bad: str) -> str:
+    show = "Run `python -m pretrain --show-keys` to list every valid key."
+    if (megatron := megatron_hint(bad)) is not None:
+        return f"unknown config key '{bad}': {megatron}. {show}"
+    if (parent := _dict_parent(bad)) is not None:
+        return (
+            f"unknown config key '{bad}': {parent} is a dict, and Hydra adds a key to it only "
+            f"with '+': +{bad}=<value>"
+        )
     close = difflib.get_close_matches(bad, schema_keys(), n=3, cutoff=0.6)
     hint = f" Did you mean: {', '.join(close)}?" if close else ""
     return (
@@ -126,12 +135,30 @@ def _unknown_key_message(bad: str) -> str:
     )
 
 
+def _dict_parent(bad: str) -> str | None:
+    """The longest dict-typed schema key that ``bad`` is a key inside of, or None."""
+    fields = schema_fields()
+    parts = bad.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        field = fields.get(".".join(parts[:end]))
+        if field is not None and type_name(field).startswith("dict"):
+            return ".".join(parts[:end])
+    return None
+
+
 def _explain(exc: BaseException, overrides: list[str]) -> str:
     """Turn Hydra/OmegaConf errors into one message naming the bad key and close valid ones."""
     text = str(exc).strip()
     cause = exc.__cause__ or exc.__context__
     if cause is not None and str(cause).strip() not in text:
         text = f"{text}\n{str(cause).strip()}"
+    sweep = re.search(r"Ambiguous value for argument '([^=']+)=([^']*)'", text)
+    if sweep:
+        key, value = sweep.groups()
+        return (
+            f"{key}={value}: a comma makes a sweep; add -m to run one job per value, or "
+            f"write {key}=[{value}] for a list, {key}='{value}' for a string"
+        )
     if "You must specify 'recipe'" in text or "recipe: ???" in text:
         return f"no recipe chosen: add recipe=<name>, one of {list_recipes()}"
     match = re.search(r"Could not find '(\w+)/(\w+)'", text)
