@@ -14,7 +14,7 @@ from pretrain.logs import setup_logging
 from recipes import ConfigError, RunConfig, load_config, to_yaml
 from recipes.cli_args import CliRequest, has_sweep, parse_args, sweep_points
 from recipes.cli_args import translate as translate_overrides
-from recipes.describe import catalogue, describe_keys, format_keys
+from recipes.describe import catalogue, composed_keys, describe_keys, format_keys
 from recipes.inputs import DataInputError, check_environment, check_inputs
 from recipes.load import CONF_DIR, compose_tree, load_config_file
 from recipes.validate import resolve_device, resolve_run_id, validate_runtime
@@ -30,7 +30,8 @@ options:
   --cfg job|hydra|all  print the composed config (Hydra's --cfg) and exit; --resolve resolves it
   --info               where the config comes from: search path, the options each group got
   -m, --multirun       sweep (a=1,2 b=range(3)...): one run per point, one after another
-  --show-keys          every key with its type, default and description
+  --show-keys [FILTER] every key (containing FILTER) with its type, default and description;
+                       with recipe=... and overrides, the composed values instead
   --plan               parameters and memory per GPU at the recipe's layout, built on the meta
                        device (no GPU, no memory); --gpu h100-80gb|h200-141gb|a100-80gb|<GiB>
                        (default: launch.gpu),
@@ -46,9 +47,11 @@ def main(argv: list[str]) -> int:
     try:
         req = parse_args(argv)
         req.overrides = translate_overrides(req.overrides)
-        if req.help or req.show_keys:
-            print(USAGE + "\n" + catalogue() if req.help else format_keys(describe_keys()))
+        if req.help:
+            print(USAGE + "\n" + catalogue())
             return 0
+        if req.show_keys:
+            return _show_keys(req)
         if req.cfg or req.info:
             return _print_config(req)
         if req.plan:
@@ -63,6 +66,18 @@ def main(argv: list[str]) -> int:
     from pretrain.session import train
 
     return train(run, device, dp)
+
+
+def _show_keys(req: CliRequest) -> int:
+    """--show-keys [FILTER] [recipe=... overrides]: with overrides, the composed values."""
+    if req.overrides or req.config_file:
+        keys = composed_keys(_load(req), req.keys_filter)
+    else:
+        keys = [k for k in describe_keys() if req.keys_filter is None or req.keys_filter in k.key]
+    if not keys:
+        raise ConfigError(f"no config key contains {req.keys_filter!r}")
+    print(format_keys(keys))
+    return 0
 
 
 def _plan(req: CliRequest) -> int:
@@ -95,10 +110,11 @@ def _print_config(req: CliRequest) -> int:
         choices = OmegaConf.to_container(tree.hydra.runtime.choices)
         print(f"config search path: {CONF_DIR} (primary config: config.yaml)")
         print("options chosen per group (defaults list, after recipe and overrides):")
-        for group, option in sorted(choices.items()):
-            if not group.startswith("hydra/"):
-                print(f"  {group}: {option}")
+        groups = {g: o for g, o in sorted(choices.items()) if not g.startswith("hydra/")}
+        for group, option in groups.items():
+            print(f"  {group}: {option}")
         print(f"overrides: {req.overrides}")
+        _print_value_sources(req.overrides, groups, tree)
         return 0
     if req.cfg == "job":
         OmegaConf.set_struct(tree, False)
@@ -109,6 +125,28 @@ def _print_config(req: CliRequest) -> int:
         print("# Hydra's own node as composed; only hydra.run.dir and hydra.sweep.dir act here")
     print(OmegaConf.to_yaml(tree, resolve=req.resolve), end="")
     return 0
+
+
+def _print_value_sources(overrides: list[str], groups: dict[str, str], tree: object) -> None:
+    """Where the composed values differ from the chosen group options: the recipe set them
+    (its own lines or the recipes it extends), or an override on this command line."""
+    recipe = groups.get("recipe")
+    options = [f"{group}={option}" for group, option in groups.items() if group != "recipe"]
+    plain = compose_tree(["~recipe", *options])
+    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
+    rows = []
+    for info in describe_keys():
+        value = OmegaConf.select(tree, info.key)
+        if value != OmegaConf.select(plain, info.key):
+            source = "override" if info.key in given else f"recipe {recipe}"
+            rows.append((info.key, value, source))
+    if not rows:
+        print("values: every one as its group option (or the schema default) sets it")
+        return
+    print("values the group options do not set (from the recipe and its bases, or overrides):")
+    width = max(len(key) for key, _, _ in rows)
+    for key, value, source in rows:
+        print(f"  {key:<{width}}  = {value!r}  ({source})")
 
 
 def _sweep(req: CliRequest) -> int:

@@ -51,6 +51,7 @@ class CliRequest:
     info: bool = False
     multirun: bool = False
     show_keys: bool = False
+    keys_filter: str | None = None  # --show-keys FILTER: keys containing it
     help: bool = False
     # --plan: parameters and memory per GPU at the recipe's layout (pretrain/plan.py)
     plan: bool = False
@@ -80,6 +81,8 @@ def parse_args(argv: Sequence[str]) -> CliRequest:
             req.multirun = True
         elif arg == "--show-keys":
             req.show_keys = True
+            if args and not args[0].startswith("-") and "=" not in args[0]:
+                req.keys_filter = args.pop(0)
         elif arg in ("--plan", "--json"):
             setattr(req, arg[2:], True)
         elif arg == "--gpu":

@@ -41,6 +41,20 @@ def describe_keys(node: type = RunConfig, prefix: str = "") -> list[KeyInfo]:
     return keys
 
 
+def composed_keys(run: RunConfig, pattern: str | None = None) -> list[KeyInfo]:
+    """Every leaf key (containing ``pattern``) with its value in the composed ``run``."""
+    keys = []
+    for info in describe_keys():
+        if pattern is not None and pattern not in info.key:
+            continue
+        value: object = run
+        for part in info.key.split("."):
+            value = getattr(value, part)
+        shown = "null" if value is None else repr(value)
+        keys.append(dataclasses.replace(info, default=shown))
+    return keys
+
+
 def _default(f: dataclasses.Field) -> str:
     if f.default is not dataclasses.MISSING:
         return "null" if f.default is None else repr(f.default)
