@@ -13,6 +13,7 @@ from resiliency.cli.attempt_table import attempt_rows
 from resiliency.cli.base import EXIT_BAD, EXIT_OK, EXIT_USAGE, Command
 from resiliency.cli.recorded import Setting, recorded_setting, schema_default
 from resiliency.cli.remote import remote_ls
+from resiliency.cli.run_table import run_dirs, run_rows
 from resiliency.cli.verify import VERIFY, add_signing_arg, cli_signing_key
 from resiliency.monitor.goodput import build_ledger, format_ledger
 from resiliency.storage.attempts import recorded_attempts
@@ -135,6 +136,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
     layout = _run_layout(args.run_dir)
     if layout is None:
         return EXIT_USAGE
+    if not (layout.steps_dir.is_dir() or layout.attempts_dir.is_dir()):
+        if runs := run_dirs(layout.run_dir):  # an output root: list its runs
+            print(f"runs in {layout.run_dir} (ls <run dir> for one):")
+            print("\n".join(run_rows(runs)))
+            return EXIT_OK
     live = _header(layout, args.lease_timeout)
     hint, _ = read_latest_hint(layout)
     now = time.time()
@@ -239,6 +245,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
     layout = _run_layout(args.run_dir)
     if layout is None:
         return EXIT_USAGE
+    if not (layout.steps_dir.is_dir() or layout.attempts_dir.is_dir()):
+        if runs := run_dirs(layout.run_dir):  # an output root: list its runs
+            print(f"runs in {layout.run_dir} (ls <run dir> for one):")
+            print("\n".join(run_rows(runs)))
+            return EXIT_OK
     live = _header(layout, args.lease_timeout)
     keep, milestones = _gc_settings(layout, args)
     if live is not None and not args.dry_run:
@@ -338,7 +349,8 @@ def _add_gc_args(p: argparse.ArgumentParser) -> None:
 
 COMMANDS = {
     "ls": Command(
-        "list a run's steps, tmp dirs, attempts (status, exit, failure class, restored step)",
+        "list a run's steps, tmp dirs, attempts (status, exit, failure class, restored step); "
+        "an output dir: its runs",
         _add_ls_args,
         cmd_ls,
     ),
