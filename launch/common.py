@@ -16,7 +16,6 @@ from recipes.inputs import check_inputs
 from recipes.validate import new_launch_id, resolve_run_id, validate_runtime
 from resiliency.storage.layout import RunLayout, atomic_write_json
 from resiliency.storage.lease import owner_liveness, read_lease
-from resiliency.storage.remote_preflight import RemotePreflightError, check_remote
 
 log = logging.getLogger(__name__)
 GIB = 1 << 30
@@ -116,6 +115,11 @@ def check_remote_tier(plan: LaunchPlan) -> None:
     """checkpoint.remote, before any rank starts: the bucket answers these credentials and the
     server honours conditional writes (resiliency/storage/remote_preflight.py); ConfigError
     (exit 2) with one line if not. The trainer checks again where it runs."""
+    if not plan.run.checkpoint.remote.enabled:
+        return
+    # boto3 (0.2 s): only for runs with an object-store tier, not for every --help
+    from resiliency.storage.remote_preflight import RemotePreflightError, check_remote
+
     try:
         result = check_remote(plan.run.checkpoint.remote, plan.run_dir.name)
     except RemotePreflightError as exc:

@@ -14,7 +14,6 @@ from pathlib import Path
 from pretrain import exit_codes
 from pretrain.logs import setup_logging
 from recipes import ConfigError
-from resiliency.hf.export import ExportError, export_step
 
 log = logging.getLogger("pretrain.hf")
 # As python -m resiliency's (resiliency/cli/base.py): 1 is "the checkpoint (or check) is bad".
@@ -60,6 +59,9 @@ def run_export(args: argparse.Namespace) -> int:
     if not args.step_dir.is_dir():
         log.error("export: %s is not a directory (give <run dir>/steps/step-N)", args.step_dir)
         return EXIT_USAGE
+    # torch and megatron-core: not for --help
+    from resiliency.hf.export import ExportError, export_step
+
     try:
         step = export_step(args.step_dir, args.out, args.force)
     except ExportError as exc:
