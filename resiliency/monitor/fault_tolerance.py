@@ -36,9 +36,6 @@ from resiliency.monitor.timeouts import (
 )
 from resiliency.storage.layout import RunLayout, atomic_write_json
 from resiliency.storage.manifest import ManifestError, read_manifest
-from resiliency.storage.object_retry import ObjectStoreAccessError, ObjectStoreUnavailable
-from resiliency.storage.object_store import ObjectStore
-from resiliency.storage.remote import newest_remote_bytes
 
 if TYPE_CHECKING:
     from pretrain.distributed import DistEnv
@@ -123,6 +120,11 @@ def _remote_restore_bytes(
 ) -> tuple[int, bool]:
     if remote is None or remote.url is None:
         return 0, False
+    # boto3: only when the restore may come from the object store
+    from resiliency.storage.object_retry import ObjectStoreAccessError, ObjectStoreUnavailable
+    from resiliency.storage.object_store import ObjectStore
+    from resiliency.storage.remote import newest_remote_bytes
+
     try:  # a short look: the setup timeout's base covers an answer that does not come
         store = ObjectStore(remote.url, remote.endpoint_url, workers=1, retry_budget_s=10.0)
         total = newest_remote_bytes(store, layout.run_id)
