@@ -30,6 +30,7 @@ from pretrain.hooks import EvalResult, StepResult, TrainHook
 from pretrain.progress import Progress
 from pretrain.schedule import run_schedule
 from pretrain.tokenizer import build_tokenizer
+from recipes import ConfigError
 from recipes.schema import RunConfig
 from recipes.validate import num_microbatches
 
@@ -84,6 +85,12 @@ def build_components(run: RunConfig, env: DistEnv, dp: int, run_dir: Path) -> Co
 
     bf16 = run.train.precision == "bf16" or (run.train.precision == "auto" and env.device == "cuda")
     tokenizer = build_tokenizer(run.data.tokenizer, run.data.tokenizer_path)
+    if run.data.vocab_size not in (None, tokenizer.vocab_size):
+        raise ConfigError(
+            f"data.vocab_size={run.data.vocab_size}, but the tokenizer "
+            f"({run.data.tokenizer_path or run.data.tokenizer}) has {tokenizer.vocab_size} ids: "
+            "fix data.vocab_size (the recipe's planning figure) or the tokenizer"
+        )
     padded = model_lib.padded_vocab_size(run.model, tokenizer.vocab_size, run.parallel.tp)
     tcfg = model_lib.transformer_config(run.model, run.parallel, env.device, bf16, run.perf)
     chunks = model_lib.build_chunks(

@@ -77,6 +77,8 @@ def vocab_size(run: RunConfig, vocab: int | None) -> int:
     """``--vocab``, or the recipe's tokenizer (local files); ConfigError naming what to give."""
     if vocab is not None:
         return vocab
+    if run.data.vocab_size is not None:
+        return run.data.vocab_size
     try:
         return build_tokenizer(run.data.tokenizer, run.data.tokenizer_path).vocab_size
     except (ValueError, OSError, ImportError) as exc:

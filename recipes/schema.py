@@ -232,6 +232,10 @@ class DataConfig:
     # huggingface: a tokenizer.json or a local tokenizer directory; sentencepiece: a .model file;
     # tiktoken: a megatron tiktoken vocabulary .json; byte: none. Never downloaded.
     tokenizer_path: Optional[str] = None
+    # The tokenizer's vocabulary size, known without its files: the planners (--plan, resiliency
+    # plan) use it where the files are not (a laptop planning a cluster run); a run refuses a
+    # tokenizer of another size. None: read from the tokenizer's files.
+    vocab_size: Optional[int] = None
     cache_dir: Optional[str] = None  # None: <run dir>/data-cache
     seed: int = 1234  # sample shuffling seed of megatron's GPTDataset
     reset_position_ids: bool = False  # restart position ids after each eod

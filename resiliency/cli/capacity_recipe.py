@@ -75,6 +75,9 @@ def padded_vocab(run: RunConfig, vocab: int | None) -> tuple[int | None, str]:
         return padded, f"padded vocab {padded} (--vocab {vocab})"
     if (pinned := run.model.padded_vocab_size) is not None:
         return pinned, f"padded vocab {pinned} (model.padded_vocab_size)"
+    if (known := run.data.vocab_size) is not None:
+        padded = padded_vocab_size(run.model, known, run.parallel.tp)
+        return padded, f"padded vocab {padded} (data.vocab_size {known})"
     try:
         size = build_tokenizer(run.data.tokenizer, run.data.tokenizer_path).vocab_size
     except (ValueError, OSError, ImportError) as exc:
