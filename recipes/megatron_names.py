@@ -8,49 +8,25 @@ to name a real key (tests/test_config_hints.py).
 
 from __future__ import annotations
 
-# Megatron-LM's argument name (dashes as underscores), as Bridge spells it too -> our key.
+# Megatron-LM's argument name (dashes as underscores), as Bridge spells it too -> our key. Names
+# that are also ours (lr, seed, num_layers, ...) are not here: a wrong prefix on one of those
+# is a typo, and the fuzzy match names the key.
 MEGATRON_NAMES: dict[str, str] = {
     "tensor_model_parallel_size": "parallel.tp",
     "pipeline_model_parallel_size": "parallel.pp",
     "context_parallel_size": "parallel.cp",
     "expert_model_parallel_size": "parallel.ep",
     "virtual_pipeline_model_parallel_size": "parallel.vpp",
-    "num_layers_per_virtual_pipeline_stage": "parallel.vpp",
-    "sequence_parallel": "parallel.sequence_parallel",
-    "micro_batch_size": "train.micro_batch_size",
-    "global_batch_size": "train.global_batch_size",
     "train_iters": "train.train_steps",
-    "eval_interval": "train.eval_interval",
-    "seed": "train.seed",
-    "lr": "optimizer.lr",
-    "min_lr": "optimizer.min_lr",
-    "weight_decay": "optimizer.weight_decay",
-    "clip_grad": "optimizer.clip_grad",
-    "adam_beta1": "optimizer.adam_beta1",
-    "adam_beta2": "optimizer.adam_beta2",
-    "use_distributed_optimizer": "optimizer.use_distributed_optimizer",
     "lr_warmup_iters": "scheduler.warmup_steps",
     "lr_decay_iters": "scheduler.decay_steps",
     "lr_decay_style": "scheduler.decay_style",
-    "num_layers": "model.num_layers",
-    "hidden_size": "model.hidden_size",
-    "ffn_hidden_size": "model.ffn_hidden_size",
-    "num_attention_heads": "model.num_attention_heads",
-    "num_query_groups": "model.num_query_groups",
-    "seq_length": "model.seq_length",
-    "max_position_embeddings": "model.max_position_embeddings",
-    "num_experts": "model.num_experts",
-    "save_interval": "checkpoint.save_interval",
     "save": "output_dir",
     "load": "output_dir",
     "data_path": "data.paths",
-    "split": "data.split",
     "tokenizer_type": "data.tokenizer",
     "tokenizer_model": "data.tokenizer_path",
-    "log_interval": "logging.log_interval",
     "recompute_granularity": "perf.recompute",
-    "recompute_method": "perf.recompute_method",
-    "recompute_num_layers": "perf.recompute_num_layers",
 }
 
 

@@ -141,7 +141,6 @@ def _relaunch(overrides: list[str]) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-@pytest.mark.current_stack
 def test_a_rebuilt_corpus_is_refused_unless_allowed(
     corpus_run: tuple[Path, str, list[str]],
 ) -> None:

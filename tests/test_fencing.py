@@ -77,7 +77,6 @@ def _published(layout: RunLayout) -> dict[int, int]:
 
 
 @pytest.mark.slow
-@pytest.mark.current_stack
 @pytest.mark.skipif(not _can_unshare(), reason="needs root and unshare --pid (CI has both)")
 def test_a_job_stopped_past_its_lease_writes_nothing_after_the_takeover(
     tiny_overrides: list[str], tmp_path: Path
@@ -150,7 +149,6 @@ def _lease_attempt(layout: RunLayout) -> int | None:
 
 
 @pytest.mark.slow
-@pytest.mark.current_stack
 def test_an_io_error_in_one_ranks_rehash_falls_back_on_every_rank(
     tiny_overrides: list[str], tmp_path: Path
 ) -> None:

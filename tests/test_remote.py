@@ -19,11 +19,8 @@ from pathlib import Path
 import pytest
 
 from bench.s3_server import S3Server, running_s3_server
-from resiliency.storage.checksum import describe_files
-from resiliency.storage.layout import RunLayout, payload_files
-from resiliency.storage.manifest import Manifest
+from resiliency.storage.layout import RunLayout
 from resiliency.storage.object_store import ObjectStore
-from resiliency.storage.publish import begin_step, publish, write_manifest_and_commit
 from resiliency.storage.remote import (
     advance_latest,
     fetch_newest,
@@ -32,7 +29,7 @@ from resiliency.storage.remote import (
     upload_run,
     verify_remote_step,
 )
-from resiliency.storage.synthetic import write_synthetic_step
+from resiliency.storage.synthetic import write_random_step, write_synthetic_step
 from tests.helpers import REPO
 
 
@@ -75,26 +72,13 @@ def test_upload_is_committed_last_resumable_and_listed(
     assert proc.returncode == 0 and proc.stdout.startswith("OK  step-000000004: ok (full")
 
 
-def _many_file_step(layout: RunLayout, step: int, files: int, size: int) -> Path:
-    tmp = begin_step(layout, step, 1)
-    rng = random.Random(step)
-    for i in range(files):
-        path = tmp / "model" / f"__{i}_0.distcp"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(rng.randbytes(size))
-    manifest = Manifest(run_id=layout.run_id, attempt=1, step=step, world_size=1,
-                        files=describe_files(tmp, payload_files(tmp), fsync=False))  # fmt: skip
-    write_manifest_and_commit(tmp, manifest)
-    return publish(layout, tmp, step)
-
-
 def test_a_killed_upload_never_verifies_incomplete_and_resumes(
     s3: S3Server, store: ObjectStore, tmp_path: Path
 ) -> None:
     seed = random.randrange(2**31)
     print(f"UPLOAD_KILL_SEED={seed}")
     layout = RunLayout(tmp_path, "run")
-    _many_file_step(layout, 10, files=120, size=64 << 10)
+    write_random_step(layout, 10, files=120, size=64 << 10)
     cmd = [sys.executable, "-m", "resiliency", "upload", str(layout.run_dir), "--to", store.url,
            "--workers", "2"]  # fmt: skip
     upload = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **s3.env},
@@ -169,7 +153,7 @@ def test_racing_uploaders_never_move_latest_backwards(store: ObjectStore) -> Non
 
 def test_files_larger_than_a_part_go_up_in_parts(store: ObjectStore, tmp_path: Path) -> None:
     layout = RunLayout(tmp_path / "shared", "run")
-    _many_file_step(layout, 3, files=2, size=11 << 20)  # 3 parts of <= 5 MiB each
+    write_random_step(layout, 3, files=2, size=11 << 20)  # 3 parts of <= 5 MiB each
     parted = ObjectStore(store.url, os.environ["AWS_ENDPOINT_URL"], workers=2, part_mib=5)
     [report] = upload_run(parted, layout, workers=2, keep_last=3).reports
     assert report.bytes_sent == 2 * (11 << 20)

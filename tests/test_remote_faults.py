@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -22,11 +21,8 @@ from bench.s3_server import S3Server, running_s3_server
 from pretrain import exit_codes
 from recipes.tier_schema import RemoteCheckpointConfig
 from resiliency.monitor.fault_tolerance import newest_rank_bytes
-from resiliency.storage.checksum import describe_files
-from resiliency.storage.layout import RunLayout, payload_files
-from resiliency.storage.manifest import Manifest
+from resiliency.storage.layout import RunLayout
 from resiliency.storage.object_store import ObjectStore
-from resiliency.storage.publish import begin_step, publish, write_manifest_and_commit
 from resiliency.storage.remote import (
     committed_remote_steps,
     fetch_newest,
@@ -35,7 +31,7 @@ from resiliency.storage.remote import (
     upload_run,
     verify_remote_step,
 )
-from resiliency.storage.synthetic import write_synthetic_step
+from resiliency.storage.synthetic import write_random_step, write_synthetic_step
 from tests.fault_proxy import FaultProxy
 from tests.helpers import REPO, losses, run_pretrain
 
@@ -70,19 +66,6 @@ def _env(s3: S3Server, endpoint: str) -> dict[str, str]:
     return {**s3.env, "AWS_ENDPOINT_URL": endpoint}
 
 
-def _step(layout: RunLayout, step: int, files: int, size: int) -> Path:
-    tmp = begin_step(layout, step, 1)
-    rng = random.Random(step)
-    for i in range(files):
-        path = tmp / "model" / f"__{i}_0.distcp"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(rng.randbytes(size))
-    manifest = Manifest(run_id=layout.run_id, attempt=1, step=step, world_size=1,
-                        files=describe_files(tmp, payload_files(tmp), fsync=False))  # fmt: skip
-    write_manifest_and_commit(tmp, manifest)
-    return publish(layout, tmp, step)
-
-
 @pytest.mark.parametrize(
     "mode, params",
     [
@@ -98,7 +81,7 @@ def test_a_flaky_fetch_is_retried_not_rejected(
     direct = ObjectStore(s3.url(prefix), s3.endpoint_url, workers=2)
     layout = RunLayout(tmp_path / "shared", "run")
     for step in (2, 4):
-        _step(layout, step, files=2, size=2 * MIB)
+        write_random_step(layout, step, files=2, size=2 * MIB)
     upload_run(direct, layout, workers=2, keep_last=3)
     flaky = ObjectStore(s3.url(prefix), proxy.endpoint_url, workers=2, retry_budget_s=30)
     proxy.set_mode(mode, **params)
@@ -113,7 +96,7 @@ def test_retention_racing_the_uploader_and_a_corrupt_step_do_not_block_newer_ste
 ) -> None:
     layout = RunLayout(tmp_path, "run")
     write_synthetic_step(layout, 2)
-    _step(layout, 4, files=24, size=64 << 10)
+    write_random_step(layout, 4, files=24, size=64 << 10)
     for step in (6, 8):
         write_synthetic_step(layout, step)
     target = next(layout.step_dir(2).rglob("*.distcp"))  # bit rot, not re-sealed
@@ -289,7 +272,7 @@ def test_the_setup_timeout_of_a_remote_restore_counts_its_download(
     """Under ft_launcher, with no local step, the setup section must allow for downloading
     the newest remote step (rank 0 fetches it whole), not only the shared tier's bytes."""
     layout = RunLayout(tmp_path / "shared", "run")
-    _step(layout, 3, files=2, size=MIB)
+    write_random_step(layout, 3, files=2, size=MIB)
     direct = ObjectStore(s3.url(prefix), s3.endpoint_url)
     upload_run(direct, layout, workers=2, keep_last=2)
     fresh = tmp_path / "new-cluster" / "run"

@@ -124,11 +124,18 @@ def test_recipe_without_gpu_says_what_is_missing() -> None:
     )
 
 
+def test_a_recipe_plans_from_its_own_vocabulary() -> None:
+    out = plan("recipe=llama3_8b")  # no --vocab, no tokenizer files: data.vocab_size
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "padded vocab 128256 (data.vocab_size 128256)" in out.stdout
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (
-            ["recipe=llama3_8b"],  # its tokenizer files are not in the repo
+            # the tokenizer files are not in the repo, and the recipe's own size is taken away
+            ["recipe=llama3_8b", "data.vocab_size=null"],
             "error: recipe llama3_8b: cannot count its parameters, tokenizer tokenizers/llama3: ",
         ),
         (["train.train_steps=3"], "error: no recipe chosen: add recipe=<name>"),

@@ -244,7 +244,6 @@ def _verify(run_dir: Path, key: str | None, *args: str) -> subprocess.CompletedP
 
 
 @pytest.mark.slow
-@pytest.mark.current_stack
 def test_a_forged_step_is_rejected_and_the_previous_one_restored(
     signed_run: Path, tiny_overrides: list[str], tmp_path: Path
 ) -> None:

@@ -66,3 +66,18 @@ def write_synthetic_step(
     write_payload(tmp, step, seed)
     write_manifest_and_commit(tmp, synthetic_manifest(layout, step, attempt, tmp))
     return publish(layout, tmp, step) if do_publish else tmp
+
+
+def write_random_step(layout: RunLayout, step: int, files: int, size: int) -> Path:
+    """Publish a step of ``files`` random ``model/__<i>_0.distcp`` files of ``size`` bytes each
+    (seeded by the step): a payload of chosen shape for transfer tests."""
+    tmp = begin_step(layout, step, 1)
+    rng = random.Random(step)
+    for i in range(files):
+        path = tmp / "model" / f"__{i}_0.distcp"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(rng.randbytes(size))
+    manifest = Manifest(run_id=layout.run_id, attempt=1, step=step, world_size=1,
+                        files=describe_files(tmp, payload_files(tmp), fsync=False))  # fmt: skip
+    write_manifest_and_commit(tmp, manifest)
+    return publish(layout, tmp, step)
