@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from bench.s3_server import S3Server, running_s3_server
 from pretrain.prepare import dataset_prefix, prepare_corpus, stdlib_documents
 from pretrain.tokenizer import build_tokenizer
+from tests.fault_proxy import FaultProxy
 
 CORPUS_BYTES = 1 << 20
 
@@ -33,3 +36,18 @@ def tiny_overrides(stdlib_corpus: str) -> list[str]:
 @pytest.fixture()
 def run_root(tmp_path: Path) -> Path:
     return tmp_path / "runs"
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """One real S3 server (SeaweedFS on 127.0.0.1) for every test that needs one; tests keep
+    to prefixes of their own."""
+    with running_s3_server(tmp_path_factory.mktemp("seaweedfs")) as server:
+        yield server
+
+
+@pytest.fixture()
+def proxy(s3: S3Server) -> Iterator[FaultProxy]:
+    """A fault-injecting TCP proxy in front of the server (tests/fault_proxy.py)."""
+    with FaultProxy(s3.endpoint_url) as fault_proxy:
+        yield fault_proxy

@@ -25,22 +25,10 @@ from botocore.exceptions import (
     ResponseStreamingError,
 )
 
-from bench.s3_server import S3Server, running_s3_server
+from bench.s3_server import S3Server
 from tests.fault_proxy import FaultProxy
 
 MIB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    with running_s3_server(tmp_path_factory.mktemp("seaweedfs")) as server:
-        yield server
-
-
-@pytest.fixture()
-def proxy(s3: S3Server) -> Iterator[FaultProxy]:
-    with FaultProxy(s3.endpoint_url) as proxy:
-        yield proxy
 
 
 def s3_client(s3: S3Server, endpoint_url: str) -> Any:

@@ -13,12 +13,11 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from bench.s3_server import S3Server, running_s3_server
+from bench.s3_server import S3Server
 from resiliency.storage.layout import RunLayout
 from resiliency.storage.object_store import ObjectStore
 from resiliency.storage.remote import (
@@ -31,12 +30,6 @@ from resiliency.storage.remote import (
 )
 from resiliency.storage.synthetic import write_random_step, write_synthetic_step
 from tests.helpers import REPO
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    with running_s3_server(tmp_path_factory.mktemp("seaweedfs")) as server:
-        yield server
 
 
 @pytest.fixture()

@@ -12,12 +12,11 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from bench.s3_server import S3Server, running_s3_server
+from bench.s3_server import S3Server
 from pretrain import exit_codes
 from recipes.tier_schema import RemoteCheckpointConfig
 from resiliency.monitor.fault_tolerance import newest_rank_bytes
@@ -38,23 +37,11 @@ from tests.helpers import REPO, losses, run_pretrain
 MIB = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    with running_s3_server(tmp_path_factory.mktemp("seaweedfs")) as server:
-        yield server
-
-
 @pytest.fixture(autouse=True)
 def credentials(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:
     """This process's own clients (the direct and the flaky store) use the server's keys."""
     for key, value in s3.env.items():
         monkeypatch.setenv(key, value)
-
-
-@pytest.fixture()
-def proxy(s3: S3Server) -> Iterator[FaultProxy]:
-    with FaultProxy(s3.endpoint_url) as fault_proxy:
-        yield fault_proxy
 
 
 @pytest.fixture()

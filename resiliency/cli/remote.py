@@ -118,7 +118,8 @@ def _print_pass(result: UploadPass, url: str) -> None:
 def _behind(result: UploadPass) -> int | None:
     """The newest local step that should be on the remote tier and is not (None: caught up).
     A step skipped because it does not verify locally or was deleted is not owed."""
-    owed = [s for s in result.local if s not in dict(result.skipped)]
+    skipped = {step for step, _ in result.skipped}
+    owed = [s for s in result.local if s not in skipped]
     newest = owed[-1] if owed else None
     return None if newest is None or newest in result.committed else newest
 
