@@ -20,6 +20,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from pretrain.host import pid_alive, pid_namespace_inode
+
 PREFIX = "mcore-recipes-results-"
 SUFFIX = ".pkl"
 POLL_S = 0.01
@@ -31,21 +33,21 @@ def _scratch_root() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _owner(name: str) -> tuple[int, int] | None:
+    """(pid namespace, pid) a queue dir's name records, None for a name not ours."""
+    ns, _, rest = name[len(PREFIX) :].partition("-")
+    pid = rest.split("-", 1)[0]
+    return (int(ns), int(pid)) if ns.isdigit() and pid.isdigit() else None
 
 
 def remove_stale(root: Path) -> None:
-    """Directories of queues whose owning process is gone (SIGKILLed ranks)."""
+    """Directories of queues whose owning process is gone (SIGKILLed ranks). Only queues of
+    this pid namespace are judged: /dev/shm may be shared with containers whose pids we cannot
+    see (a pod's containers, hostIPC), and their live queues must not be swept."""
+    here = pid_namespace_inode()
     for path in root.glob(f"{PREFIX}*"):
-        pid = path.name[len(PREFIX) :].split("-", 1)[0]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        owner = _owner(path.name)
+        if owner is not None and owner[0] == here and not pid_alive(owner[1]):
             shutil.rmtree(path, ignore_errors=True)
 
 
@@ -60,7 +62,8 @@ class FileQueue:
         """A new queue owned by this process, in a fresh directory under ``root``."""
         root = root or _scratch_root()
         remove_stale(root)
-        return cls(Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=root)))
+        prefix = f"{PREFIX}{pid_namespace_inode()}-{os.getpid()}-"
+        return cls(Path(tempfile.mkdtemp(prefix=prefix, dir=root)))
 
     def put(self, item: Any) -> None:
         # Names sort in put order (same clock on one machine); rename makes an item whole.

@@ -39,20 +39,28 @@ def test_items_from_child_processes_arrive_in_order(tmp_path: Path, method: str)
     assert os.listdir(results.directory) == []
 
 
+def _our_pid_namespace() -> int:
+    return int(os.readlink("/proc/self/ns/pid").removeprefix("pid:[").removesuffix("]"))
+
+
 def test_dead_owners_directories_are_removed(tmp_path: Path) -> None:
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],
         capture_output=True,
         text=True,
         check=True,
-    )
-    stale = tmp_path / f"{PREFIX}{dead.stdout.strip()}-abc"
+    ).stdout.strip()
+    ns = _our_pid_namespace()
+    stale = tmp_path / f"{PREFIX}{ns}-{dead}-abc"
     stale.mkdir()
     (stale / "left.pkl").write_bytes(b"x")
-    alive = tmp_path / f"{PREFIX}{os.getpid()}-def"
+    alive = tmp_path / f"{PREFIX}{ns}-{os.getpid()}-def"
     alive.mkdir()
+    # A queue of another container sharing /dev/shm: its pid means nothing here.
+    foreign = tmp_path / f"{PREFIX}{ns + 1}-{dead}-ghi"
+    foreign.mkdir()
     mine = FileQueue.create(tmp_path)
     assert not stale.exists()
-    assert alive.exists() and mine.directory.exists()
+    assert alive.exists() and foreign.exists() and mine.directory.exists()
     mine.remove()
     assert not mine.directory.exists()

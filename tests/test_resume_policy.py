@@ -14,8 +14,8 @@ from resiliency.checkpoint.resume_policy import classify_key, flatten, reconcile
 MUST_MATCH = {
     "data.eod_mask_loss", "data.kind", "data.paths", "data.reset_attention_mask",
     "data.reset_position_ids", "data.seed", "data.split", "data.tokenizer", "data.tokenizer_path",
-    "data.weights", "model.activation", "model.add_bias_linear", "model.attention_dropout",
-    "model.ffn_hidden_size", "model.hidden_dropout", "model.hidden_size",
+    "data.vocab_size", "data.weights", "model.activation", "model.add_bias_linear",
+    "model.attention_dropout", "model.ffn_hidden_size", "model.hidden_dropout", "model.hidden_size",
     "model.max_position_embeddings", "model.moe_aux_loss_coeff", "model.moe_ffn_hidden_size",
     "model.moe_router_topk", "model.name", "model.normalization", "model.num_attention_heads",
     "model.num_experts", "model.num_layers", "model.num_query_groups",

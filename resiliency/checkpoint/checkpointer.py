@@ -54,7 +54,13 @@ from resiliency.storage.manifest import (
     merge_file_entries,
     runtime_versions,
 )
-from resiliency.storage.publish import begin_step, publish, set_aside, write_manifest_and_commit
+from resiliency.storage.publish import (
+    begin_step,
+    fenced,
+    publish,
+    set_aside,
+    write_manifest_and_commit,
+)
 from resiliency.storage.retention import apply_gc, plan_gc
 from resiliency.storage.signing import SIGNED_ALGORITHM, key_from_env
 from resiliency.storage.tokenizer_copy import copy_tokenizer, tokenizer_record
@@ -217,15 +223,22 @@ class Checkpointer:
 
     def _begin(self, step: int) -> Path:
         """Rank 0 creates the tmp dir; a failure there is raised on every rank alike."""
-        tmp, error = None, None
+        tmp, error, lost = None, None, None
         if self.rank == 0:
             try:
-                self._set_aside_rejected(step)
-                tmp = str(begin_step(self.layout, step, self.attempt))
+                # Under the lease: a stale owner woken from a stall must learn it is fenced
+                # here, not by tripping over a step the new owner has already published.
+                self._set_aside_rejected(step)  # fenced itself (and the mutex is not reentrant)
+                with fenced(self.fence, f"starting checkpoint step {step}"):
+                    tmp = str(begin_step(self.layout, step, self.attempt))
                 (Path(tmp) / MODEL_DIR).mkdir()
+            except LeaseLostError as exc:
+                lost = str(exc)
             except Exception as exc:  # noqa: BLE001 - shared with every rank below
                 error = f"{type(exc).__name__}: {exc}"
-        tmp, error = broadcast_object((tmp, error))
+        tmp, error, lost = broadcast_object((tmp, error, lost))
+        if lost:
+            raise LeaseLostError(lost)
         if error:
             raise CheckpointSaveError(f"cannot start checkpoint step {step}: {error}")
         return Path(tmp)
@@ -487,6 +500,10 @@ class Checkpointer:
         # Any rank that sees the failure removes the dir: an async failure reaches ranks at
         # different points, and the launcher may stop the others before they get here.
         shutil.rmtree(tmp, ignore_errors=True)
+        if self.fence is not None and self.fence.lost is not None:
+            # The heartbeat saw a takeover: the new owner's work explains the failure (a step
+            # it published, its cleanup), and this attempt leaves fenced, not as a disk error.
+            raise self.fence.lost from exc
         if classify(exc).kind == "infrastructure":
             # A peer lost in the save's collectives (it was killed, or hung and torn down):
             # not a storage problem, and retried like any other lost peer.

@@ -407,7 +407,7 @@ class CheckpointHook(TrainHook):
         failure = classify(exc)
         step = trainer.state.step if trainer is not None else None
         self.ownership.record(
-            "failed",
+            "fenced" if failure.kind == "lease" else "failed",
             step=step,
             exit_code=failure.exit_code,
             failure_class=failure.kind,

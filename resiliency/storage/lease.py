@@ -39,6 +39,7 @@ import psutil
 
 from pretrain import exit_codes
 from pretrain.failures import ClassifiedError
+from pretrain.host import boot_and_pid_namespace
 from resiliency.storage.layout import RunLayout, atomic_write_json, fsync_dir
 
 logger = logging.getLogger(__name__)
@@ -61,16 +62,6 @@ class LeaseLostError(ClassifiedError):
     kind, exit_code = "lease", exit_codes.LEASE_HELD
 
 
-def _pid_namespace() -> str | None:
-    # Hostname alone does not say whether a pid is meaningful to us: containers with host
-    # networking share the node's hostname, and a reboot reuses pids. Boot id + pid namespace do.
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
-    except OSError:
-        return None
-
-
 def _pid_start(pid: int) -> float | None:
     try:
         return psutil.Process(pid).create_time()
@@ -91,7 +82,7 @@ def process_identity() -> dict[str, Any]:
     return {
         "host": socket.gethostname(),
         "pid": os.getpid(),
-        "pid_ns": _pid_namespace(),
+        "pid_ns": boot_and_pid_namespace(),
         "pid_start": _pid_start(os.getpid()),
     }
 
@@ -101,7 +92,7 @@ def owner_liveness(
 ) -> tuple[bool | None, str]:
     """(True: provably alive, False: provably dead, None: cannot tell from here; why).
     Only a process on this host in this pid namespace can be judged; a stopped one is alive."""
-    local_ns = _pid_namespace()
+    local_ns = boot_and_pid_namespace()
     if host != socket.gethostname() or local_ns is None or pid_ns != local_ns:
         return None, "on another host or pid namespace"
     if not isinstance(pid, int) or pid <= 0 or not psutil.pid_exists(pid):
