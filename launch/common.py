@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pretrain.plan_time import progress_problems, resolve_save_interval
 from recipes import ConfigError, RunConfig, load_config, to_yaml
 from recipes.inputs import check_inputs
 from recipes.validate import new_launch_id, resolve_run_id, validate_runtime
@@ -30,13 +31,18 @@ class LaunchPlan:
     dp: int
 
 
-def plan_launch(overrides: Sequence[str], check_files: bool = True) -> LaunchPlan:
+def plan_launch(
+    overrides: Sequence[str], check_files: bool = True, time_limit: bool = False
+) -> LaunchPlan:
     """Compose and validate for the launch layout (nodes x ranks per node), before submitting.
     ``check_files``: the data, tokenizer and output dir are paths this machine sees (not so
-    for a pod's volumes)."""
+    for a pod's volumes). ``time_limit``: the job ends at launch.slurm.time_limit, which
+    bounds checkpoint.save_interval=auto."""
     # A launch that names no run starts one; the pinned config keeps the name for every rank,
     # restart and requeue of this launch.
     run = resolve_run_id(load_config(list(overrides)), new_launch_id(), world_size=1)
+    # "auto" becomes a number here and is pinned: every requeue saves at the same steps.
+    run = resolve_save_interval(run, run.launch.slurm.time_limit_s if time_limit else None)
     device = "cuda" if run.launch.gpus_per_node > 0 else "cpu"
     try:
         dp = validate_runtime(run, run.launch.world_size, device)
@@ -128,6 +134,21 @@ def check_remote_tier(plan: LaunchPlan) -> None:
         honoured = "honoured" if result.conditional else "IGNORED (allowed)"
         log.info("launch: object store %s reachable, conditional writes %s (%.1f s)",
                  result.url, honoured, result.seconds)  # fmt: skip
+
+
+def check_progress(
+    plan: LaunchPlan, time_limit_s: float | None, grace_s: float, grace_key: str
+) -> None:
+    """A job that would not make progress is refused before it is submitted: one that ends
+    before two save intervals, or whose grace cannot cover a step and an emergency save
+    (pretrain/plan_time.py). Arithmetic on the config: it runs with --dry-run too."""
+    problems = progress_problems(plan.run, time_limit_s, grace_s, grace_key)
+    if problems:
+        raise ConfigError(
+            "this job would not make progress: "
+            + "; and ".join(problems)
+            + " (submit anyway with --skip-progress-check)"
+        )
 
 
 def check_fit(plan: LaunchPlan) -> None:

@@ -35,6 +35,7 @@ from launch import k8s_api
 from launch.common import (
     LaunchPlan,
     check_fit,
+    check_progress,
     check_remote_tier,
     check_run_dir_free,
     plan_launch,
@@ -65,6 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--skip-fit-check",
         action="store_true",
         help="submit even if `python -m pretrain --plan` says the layout does not fit",
+    )
+    parser.add_argument(
+        "--skip-progress-check",
+        action="store_true",
+        help="submit even if the termination grace cannot cover a step and an emergency save",
     )
     parser.add_argument(
         "--skip-remote-check",
@@ -105,6 +111,9 @@ def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
             "--namespace is for status/logs/delete; to submit elsewhere set launch.k8s.namespace"
         )
     plan, rendered = render_run(overrides)
+    if not args.skip_progress_check:  # a pod has no time limit: the grace is what is judged
+        grace = plan.run.launch.k8s.termination_grace_s
+        check_progress(plan, None, grace, "launch.k8s.termination_grace_s")
     text = to_manifest_yaml(rendered.objects)
     path = args.out or plan.run_dir / "k8s" / f"{rendered.name}.yaml"
     if args.dry_run:

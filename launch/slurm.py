@@ -19,6 +19,7 @@ from pathlib import Path
 from launch.common import (
     LaunchPlan,
     check_fit,
+    check_progress,
     check_remote_tier,
     check_run_dir_free,
     plan_launch,
@@ -27,6 +28,7 @@ from launch.common import (
 )
 from launch.slurm_script import ScriptInputs, render_sbatch
 from recipes import ConfigError
+from recipes.inputs import check_inputs
 from resiliency.monitor.fault_tolerance import write_launcher_config
 from resiliency.storage.manifest import code_commit, image_digest
 
@@ -46,6 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="submit a GPU job even if `python -m pretrain --plan` says it does not fit",
     )
     parser.add_argument(
+        "--skip-progress-check",
+        action="store_true",
+        help="submit even if the time limit fits fewer than two save intervals or the signal "
+        "grace cannot cover a step and an emergency save",
+    )
+    parser.add_argument(
         "--skip-remote-check",
         action="store_true",
         help="checkpoint.remote: do not probe the object store from this host (the job's "
@@ -54,8 +62,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
-    plan = _absolute_output_dir(plan_launch(overrides))
+    # A dry run renders for a cluster whose file systems may not be mounted here: missing
+    # inputs are reported, not fatal (a submission checks them).
+    plan = _absolute_output_dir(plan_launch(overrides, not args.dry_run, time_limit=True))
+    if args.dry_run:
+        _warn_on_missing_inputs(plan)
     check_run_dir_free(plan)
+    slurm = plan.run.launch.slurm
+    if not args.skip_progress_check:
+        check_progress(
+            plan, slurm.time_limit_s, slurm.signal_grace_s, "launch.slurm.signal_grace_s"
+        )
     _warn_on_short_grace(plan)
     text = render(plan)  # before writing anything: a value it cannot render is bad input too
     # After every check of the input: a bad value is reported as such, on any machine.
@@ -98,6 +115,13 @@ def _find_sbatch() -> str:
             "batch script"
         )
     return sbatch
+
+
+def _warn_on_missing_inputs(plan: LaunchPlan) -> None:
+    try:
+        check_inputs(plan.run)
+    except ConfigError as exc:
+        log.warning("dry run, rendered anyway: %s", exc)
 
 
 def _warn_on_short_grace(plan: LaunchPlan) -> None:

@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from pretrain import exit_codes
 from pretrain.logs import setup_logging
+from pretrain.plan_time import resolve_save_interval
 from recipes import ConfigError, RunConfig, load_config, to_yaml
 from recipes.cli_args import CliRequest, has_sweep, parse_args, sweep_points
 from recipes.cli_args import translate as translate_overrides
@@ -83,11 +84,15 @@ def _show_keys(req: CliRequest) -> int:
 def _plan(req: CliRequest) -> int:
     """--plan: the recipe's model built on the meta device, memory per GPU, fit (exit 0 when it
     fits, 1 when it does not)."""
+    if req.config_file:
+        raise ConfigError("--plan takes recipe=<name> [overrides], not --config")
+    if req.gpu is not None:  # a name is checked before torch is imported (seconds)
+        from recipes.gpus import gpu_bytes
+
+        gpu_bytes(req.gpu)
     # torch and megatron-core: only for --plan
     from pretrain.plan import as_json, make_plan, report
 
-    if req.config_file:
-        raise ConfigError("--plan takes recipe=<name> [overrides], not --config")
     plan = make_plan(req.overrides, req.gpu, req.vocab)
     print(as_json(plan) if req.json else report(plan))
     return 0 if plan.fits else 1
@@ -175,6 +180,7 @@ def _sweep(req: CliRequest) -> int:
 
 def _prepare(run: RunConfig) -> tuple[RunConfig, str, int]:
     """Checks that need no process group: files, the run's name, the device and layout."""
+    run = resolve_save_interval(run)  # "auto" (a launcher pins the number it resolved)
     check_inputs(run)  # before torch, megatron-core and the process group
     check_environment(run)
     # torch: not for --help/--cfg

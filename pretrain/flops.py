@@ -9,14 +9,8 @@ counted (model FLOPs, not hardware FLOPs), so MFU compares across recompute sett
 
 from __future__ import annotations
 
+from recipes.gpus import device_peak_tflops
 from recipes.schema import ModelConfig
-
-# Dense peak TFLOP/s per device (vendor datasheets, SXM parts, without sparsity).
-PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "A100": {"bf16": 312.0},
-    "H100": {"bf16": 989.0, "fp8": 1979.0},
-    "H200": {"bf16": 989.0, "fp8": 1979.0},
-}
 
 
 def flops_per_step(model: ModelConfig, global_batch_size: int, padded_vocab: int) -> float:
@@ -49,7 +43,4 @@ def flops_per_step(model: ModelConfig, global_batch_size: int, padded_vocab: int
 
 def peak_tflops(device_name: str, precision: str) -> float | None:
     """The device's dense peak for ``precision`` (bf16 | fp8), None when unknown (e.g. CPU)."""
-    for family, peaks in PEAK_TFLOPS.items():
-        if family in device_name.upper():
-            return peaks.get(precision)
-    return None
+    return device_peak_tflops(device_name, precision)

@@ -3,7 +3,7 @@
 Builds the recipe's real model on the meta device at its real layout (:mod:`pretrain.plan_model`),
 then reports parameters per rank and in total, memory per GPU (:mod:`pretrain.plan_memory`),
 whether the busiest rank fits the GPU with the headroom left, and if not the smallest change
-that would; and the checkpoint's size per version and per rank, with the ``resiliency plan``
+that would; and the checkpoint's size per version and per rank, with the ``resiliency capacity``
 command that turns it into a save interval and storage. Runs on a CPU in seconds.
 """
 
@@ -17,18 +17,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from pretrain import cpu_shim
-from pretrain.model import padded_vocab_size
 from pretrain.plan_memory import (
     DEFAULT_HEADROOM,
     GIB,
     StageMemory,
-    checkpoint_bytes,
     gpu_bytes,
     stage_memory,
 )
 from pretrain.plan_model import KINDS, StageParams, build_stages, shape_of, total_params
+from pretrain.plan_time import (
+    checkpoint_bytes,
+    progress_problems,
+    resolve_save_interval,
+    time_plan,
+)
 from pretrain.tokenizer import build_tokenizer
+from pretrain.vocab import padded_vocab_size
 from recipes import ConfigError, RunConfig, load_config
+from recipes.gpus import find_gpu
 
 log = logging.getLogger(__name__)
 
@@ -139,11 +145,11 @@ def make_plan(
     headroom: float = DEFAULT_HEADROOM,
 ) -> Plan:
     """``gpu``: None plans for the recipe's ``launch.gpu``."""
-    cpu_shim.apply()  # megatron-core builds on this host's CPU
-    run = load_config(list(overrides))
+    run = load_config(list(overrides))  # names, the GPU and the vocabulary: before the model
     gpu = gpu or run.launch.gpu
-    size = vocab_size(run, vocab)
     usable = gpu_bytes(gpu) * (1 - headroom)
+    size = vocab_size(run, vocab)
+    cpu_shim.apply()  # megatron-core builds on this host's CPU
     stages, memory = estimate(run, size)
     padded = padded_vocab_size(run.model, size, run.parallel.tp)
     plan = Plan(run, list(overrides), gpu, usable, size, padded, stages, memory)
@@ -204,18 +210,44 @@ def _verdict(plan: Plan) -> str:
 def _checkpoint_lines(plan: Plan) -> list[str]:
     size, world = plan.checkpoint_bytes, plan.run.launch.world_size
     keep = plan.run.checkpoint.keep_last
-    family = plan.gpu.split("-")[0].upper() if plan.gpu[0].isalpha() else None
     command = [
-        "python -m resiliency plan",
+        "python -m resiliency capacity",
         *plan.overrides,
         f"--params {plan.total}",
-        *([f"--gpu {family}"] if family else []),
+        *([f"--gpu {plan.gpu}"] if find_gpu(plan.gpu) else []),
     ]
     return [
-        f"checkpoint: {_size(size)} per version ({_size(size * keep)} with keep_last={keep}), "
-        f"{_size(size / world)} per rank written and, with async saves, staged in host memory",
+        f"checkpoint: {_size(size)} ({size / 1e9:.2f} GB) per version ({_size(size * keep)} "
+        f"with keep_last={keep}), {_size(size / world)} per rank written and, with async "
+        "saves, staged in host memory",
+        *_time_lines(plan),
         "save interval and storage: " + " ".join(command),
     ]
+
+
+def _time_lines(plan: Plan) -> list[str]:
+    """Step and save time, the auto interval and the Slurm progress check, as a launch would
+    judge them (pretrain/plan_time.py)."""
+    run = dataclasses.replace(plan.run, launch=dataclasses.replace(plan.run.launch, gpu=plan.gpu))
+    times = time_plan(run)
+    if times is None:
+        return ["time: no step time to plan with (set train.step_time_s)"]
+    slurm = run.launch.slurm
+    resolved = resolve_save_interval(run, slurm.time_limit_s)
+    interval = resolved.checkpoint.save_interval
+    lines = [
+        f"time: step {times.step_s:.3g} s ({times.step_detail}); save {times.save_s:.0f} s at "
+        f"checkpoint.plan_bandwidth={run.checkpoint.plan_bandwidth:g} GB/s; Young's interval "
+        f"{times.young_steps} steps; checkpoint.save_interval={run.checkpoint.save_interval}"
+        + (f" -> {interval} on Slurm" if run.checkpoint.save_interval == "auto" else ""),
+    ]
+    problems = progress_problems(resolved, slurm.time_limit_s, slurm.signal_grace_s)
+    verdict = "; ".join(problems) if problems else "ok"
+    lines.append(
+        f"progress on Slurm (time limit {slurm.time_limit}, grace {slurm.signal_grace_s} s): "
+        f"{verdict}"
+    )
+    return lines
 
 
 def as_json(plan: Plan) -> str:

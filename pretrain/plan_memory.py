@@ -27,30 +27,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pretrain.plan_model import StageParams
-from recipes import ConfigError, RunConfig
+from recipes import RunConfig
+from recipes.gpus import gpu_bytes  # noqa: F401 - the planners' import of it
 
 GIB = 1 << 30
 MIB = 1 << 20
 RUNTIME_GIB = 2.0  # CUDA context, NCCL and cuBLAS workspaces: an allowance, not a measurement
 DEFAULT_HEADROOM = 0.10  # of the GPU's memory, left for fragmentation and spikes
-# Memory a process can allocate, as nvidia-smi reports it (MiB).
-GPUS: dict[str, int] = {
-    "a100-40gb": 40960,
-    "a100-80gb": 81920,
-    "h100-80gb": 81559,
-    "h200-141gb": 143771,
-}
-
-
-def gpu_bytes(gpu: str) -> int:
-    """Bytes of a named GPU, or of ``<GiB>`` given as a number; ConfigError otherwise."""
-    if gpu in GPUS:
-        return GPUS[gpu] * MIB
-    try:
-        return int(float(gpu) * GIB)
-    except ValueError:
-        known = ", ".join(sorted(GPUS))
-        raise ConfigError(f"--gpu {gpu!r}: give one of {known}, or the memory in GiB") from None
 
 
 @dataclass(frozen=True)
@@ -137,10 +120,3 @@ def stage_memory(run: RunConfig, stage: StageParams, padded_vocab: int) -> Stage
         optimizer=optimizer_bytes(run, stage),
         activations=activation_bytes(run, stage, padded_vocab),
     )
-
-
-def checkpoint_bytes(run: RunConfig, total_params: int) -> int:
-    """One checkpoint version: weights in their dtype plus the optimizer's fp32 main params and
-    two moments (both optimizer formats save all three)."""
-    weight_bytes = 2 if _bf16(run) else 4
-    return total_params * (weight_bytes + 12)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from recipes.checks import one_of, positive, require
+from recipes.gpus import find_gpu, known_gpus
 
 
 @dataclass(kw_only=True)
@@ -58,6 +59,18 @@ class SlurmConfig:
             f"launch.slurm.time_limit={self.time_limit!r} is not a Slurm time "
             "(e.g. 04:00:00 or 2-00:00:00)",
         )
+
+    @property
+    def time_limit_s(self) -> int:
+        """``time_limit`` in seconds, read as sbatch reads --time: M, M:S, H:M:S, D-H,
+        D-H:M or D-H:M:S."""
+        days, _, clock = self.time_limit.rpartition("-")
+        parts = [int(p) for p in clock.split(":")]
+        if days or len(parts) == 3:  # after a day count, or three fields: hours come first
+            hours, minutes, seconds = (parts + [0, 0])[:3]
+        else:  # one or two fields without days: minutes[:seconds]
+            hours, minutes, seconds = 0, parts[0], (parts[1:] or [0])[0]
+        return ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds
 
 
 @dataclass(kw_only=True)
@@ -187,9 +200,6 @@ class K8sConfig:
             require(count >= 1, f"launch.k8s.extended_resources.{name}={count} must be >= 1")
 
 
-GPU_NAMES = ("h100-80gb", "h200-141gb", "a100-80gb", "a100-40gb")  # pretrain/plan_memory.py
-
-
 def _is_gib(value: str) -> bool:
     try:
         return float(value) > 0
@@ -219,8 +229,8 @@ class LaunchConfig:
             f"launch.nproc_per_node={self.nproc_per_node} (one rank per GPU)",
         )
         require(
-            self.gpu in GPU_NAMES or _is_gib(self.gpu),
-            f"launch.gpu={self.gpu!r} must be one of {', '.join(GPU_NAMES)} or a memory in GiB",
+            find_gpu(self.gpu) is not None or _is_gib(self.gpu),
+            f"launch.gpu={self.gpu!r} must be one of {known_gpus()} or a memory in GiB",
         )
         require(
             self.slurm.min_nodes is None or self.slurm.min_nodes <= self.nodes,

@@ -301,6 +301,10 @@ class TrainConfig:
     eval_iters: int = 10  # validation batches per evaluation
     # Dense peak TFLOP/s per device for MFU; None: looked up for A100/H100/H200, n/a elsewhere.
     peak_tflops: Optional[float] = None
+    # Seconds per training step, measured, for the planners (checkpoint.save_interval=auto and
+    # the launchers' progress check); None: estimated from the model's FLOPs over launch.gpu's
+    # peak at 40 % MFU.
+    step_time_s: Optional[float] = None
     # A test-only fault hook ("<kind>@<step>[:rank]"); empty in every shipped recipe.
     fault: str = ""
     guard: GuardConfig = field(default_factory=GuardConfig)  # NaN/inf and loss-spike policy
@@ -316,6 +320,10 @@ class TrainConfig:
             peak_tflops=self.peak_tflops,
         )
         require(
+            self.step_time_s is None or self.step_time_s > 0,
+            f"train.step_time_s must be > 0 (seconds per step), got {self.step_time_s}",
+        )
+        require(
             self.global_batch_size % self.micro_batch_size == 0,
             f"train.global_batch_size={self.global_batch_size} must be a multiple of "
             f"train.micro_batch_size={self.micro_batch_size}",
@@ -327,7 +335,17 @@ class TrainConfig:
 @dataclass(kw_only=True)
 class CheckpointConfig:
     enabled: bool = True  # save and restore at all
-    save_interval: Optional[int] = None  # steps between persistent saves; None: only at the end
+    # Steps between persistent saves; None: only at the end; "auto": Young's interval
+    # sqrt(2 x save time x MTBF) in steps, from the planner's step time (train.step_time_s, or
+    # estimated for launch.gpu) and a save of the checkpoint's bytes at plan_bandwidth
+    # (pretrain/plan_time.py). A launcher pins the number it resolves in the job's config.
+    save_interval: Optional[int | str] = None
+    # What "auto" and the launchers' progress check plan with: the job's aggregate checkpoint
+    # write rate (GB/s) and one GPU's mean time between failures (hours; the job's MTBF is it
+    # over the GPU count). 50,000 h: Llama 3 405B saw 419 unexpected interruptions in 54 days
+    # on 16,384 H100s (Dubey et al. 2024, section 3.3.4).
+    plan_bandwidth: float = 10.0
+    plan_gpu_mtbf_h: float = 50000.0
     # fully_reshardable (any layout) | dp_reshardable (faster, same TP/PP)
     optim_format: str = "fully_reshardable"
     async_save: bool = False  # write in a background process; published at a later step boundary
@@ -364,9 +382,18 @@ class CheckpointConfig:
         one_of(
             "checkpoint", "optim_format", self.optim_format, ("fully_reshardable", "dp_reshardable")
         )
+        require(
+            self.save_interval in (None, "auto")
+            or (isinstance(self.save_interval, int) and self.save_interval >= 1),
+            f"checkpoint.save_interval={self.save_interval!r}: give a number of steps (>= 1), "
+            "auto (Young's interval from the planner) or null (only at the end)",
+        )
+        require(
+            self.plan_bandwidth > 0 and self.plan_gpu_mtbf_h > 0,
+            "checkpoint.plan_bandwidth (GB/s) and checkpoint.plan_gpu_mtbf_h (hours) must be > 0",
+        )
         positive(
             "checkpoint",
-            save_interval=self.save_interval,
             milestone_interval=self.milestone_interval,
             writer_threads=self.writer_threads,
         )

@@ -1,10 +1,12 @@
-"""``plan``: checkpoint size, storage with retention, and a first checkpoint interval, in
-minutes and (given a step time, or a recipe whose step time can be estimated) in steps.
+"""``capacity`` (formerly ``plan``): checkpoint size, storage with retention, and a first
+checkpoint interval, in minutes and (given a step time, or a recipe whose step time can be
+estimated) in steps.
 
 Size per version counts the persistent training state of mixed-precision training (section 9
 of the fault-tolerance notes: bf16 params 2 B + fp32 master 4 B + Adam moments 8 B = 14 B per
-parameter). The interval is Young's approximation sqrt(2 * C * MTBF) (section 16): a starting
-point for fault-injection measurements, not the final answer. ``recipe=<name>`` and Hydra
+parameter; pretrain/plan_time.py owns the figures, and ``--plan`` uses the same). The interval
+is Young's approximation sqrt(2 * C * MTBF) (section 16): a starting point for fault-injection
+measurements, not the final answer. ``recipe=<name>`` and Hydra
 overrides supply the parameter count, dtype, retention and step time (capacity_recipe.py).
 """
 
@@ -15,18 +17,23 @@ import math
 import re
 from dataclasses import dataclass
 
-from recipes import ConfigError
-from resiliency.cli.base import EXIT_OK, EXIT_USAGE, Command
-from resiliency.cli.capacity_recipe import (
+from pretrain.plan_time import (
     DEFAULT_MFU,
-    RecipeFacts,
+    MAIN_PARAM_BYTES,
+    MOMENT_BYTES,
+    WEIGHT_BYTES,
     StepTime,
-    estimate_step_time,
-    recipe_facts,
+    checkpoint_bytes_per_param,
+    job_mtbf_s,
+    resolve_save_interval,
+    save_seconds,
 )
+from recipes import ConfigError
+from recipes.gpus import lookup_gpu
+from resiliency.cli.base import EXIT_OK, EXIT_USAGE, Command
+from resiliency.cli.capacity_recipe import RecipeFacts, estimate_step_time, recipe_facts
 from resiliency.cli.recorded import schema_default
 
-PARAM_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # Optimizer state per parameter, in fp32: Adam keeps two moments, SGD one momentum buffer.
 OPTIMIZER_MOMENTS = {"adam": ("first and second moments", 2), "sgd": ("momentum", 1)}
 HEADROOM = (0.20, 0.30)  # temporary writes, retries, fragmentation (section 9)
@@ -151,14 +158,18 @@ def _compound_duration(value: str, original: str) -> float:
 
 
 def checkpoint_size(params: float, optimizer: str = "adam", dtype: str = "bf16") -> CheckpointSize:
-    param_bytes = PARAM_DTYPE_BYTES[dtype]
-    components = [Component(f"{dtype} model parameters", param_bytes)]
-    if param_bytes < 4:
-        # Low-precision training updates an fp32 master copy; in fp32 the params are the master.
-        components.append(Component("fp32 master weights", 4))
+    """The components of pretrain.plan_time.checkpoint_bytes_per_param, named."""
     moments, count = OPTIMIZER_MOMENTS[optimizer]
-    components.append(Component(f"{optimizer} {moments} (fp32)", 4 * count))
-    return CheckpointSize(params, tuple(components))
+    components = (
+        Component(f"{dtype} model parameters", WEIGHT_BYTES[dtype]),
+        Component(
+            "fp32 main params (the optimizer's; saved for fp32 weights too)", MAIN_PARAM_BYTES
+        ),
+        Component(f"{optimizer} {moments} (fp32)", MOMENT_BYTES * count),
+    )
+    size = CheckpointSize(params, components)
+    assert size.bytes_per_param == checkpoint_bytes_per_param(dtype, count)
+    return size
 
 
 def human_bytes(n: float) -> str:
@@ -192,7 +203,9 @@ class PlanContext:
     keep_from: str = ""
     step: StepTime | None = None
     recipe: str | None = None
-    save_interval: int | None = None  # the recipe's checkpoint.save_interval
+    save_interval: int | str | None = None  # the recipe's checkpoint.save_interval
+    interval_from: str = ""  # where the save time and MTBF came from, when not flags
+    auto_detail: str = ""  # what checkpoint.save_interval=auto resolves to, where
 
 
 def human_step(seconds: float) -> str:
@@ -213,7 +226,8 @@ def render_plan(
     ]
     lines += [f"  {c.bytes_per_param:>2} B/param  {c.name}" for c in size.components]
     lines += [
-        f"  {size.bytes_per_param:>2} B/param  total = {human_bytes(size.bytes)} per version",
+        f"  {size.bytes_per_param:>2} B/param  total = {human_bytes(size.bytes)} "
+        f"({size.bytes / 2**30:.1f} GiB) per version",
         "  Not counted:",
         *(f"    - {item}" for item in NOT_COUNTED),
         "",
@@ -225,6 +239,7 @@ def render_plan(
         "",
         f"Checkpoint interval (Young): sqrt(2 x {human_duration(interval.save_s)} save x "
         f"{human_duration(interval.mtbf_s)} MTBF) = {human_duration(interval.young_s)}",
+        *([f"  ({ctx.interval_from})"] if ctx.interval_from else []),
         *_step_lines(interval, ctx),
         f"  expected work lost per failure ~ interval/2 + save = "
         f"{human_duration(interval.expected_loss_s)}",
@@ -249,12 +264,15 @@ def _step_lines(interval: Interval, ctx: PlanContext) -> list[str]:
         f"step = {n} steps -> checkpoint.save_interval={n}",
     ]
     if ctx.recipe is not None:
-        configured = (
-            f"saves every {ctx.save_interval} steps = "
-            f"{human_step(ctx.save_interval * step.seconds)}"
-            if ctx.save_interval
-            else "saves only at the end of training"
-        )
+        if ctx.save_interval == "auto":
+            configured = f"saves with auto: {ctx.auto_detail}"
+        elif ctx.save_interval:
+            configured = (
+                f"saves every {ctx.save_interval} steps = "
+                f"{human_step(ctx.save_interval * step.seconds)}"
+            )
+        else:
+            configured = "saves only at the end of training"
         lines.append(f"  recipe {ctx.recipe} {configured} (its checkpoint.save_interval)")
     return lines
 
@@ -271,7 +289,7 @@ def _add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_MOMENTS), default="adam")
     parser.add_argument(
         "--dtype",
-        choices=sorted(PARAM_DTYPE_BYTES),
+        choices=sorted(WEIGHT_BYTES),
         default=None,
         help="parameter dtype in training (default bf16, or the recipe's train.precision)",
     )
@@ -281,11 +299,15 @@ def _add_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="versions on storage at once (default: checkpoint.keep_last + 1 being written)",
     )
-    parser.add_argument("--mtbf", default="3h", help="mean time between failures (default 3h)")
+    parser.add_argument(
+        "--mtbf",
+        help="the job's mean time between failures (default: a recipe's "
+        "checkpoint.plan_gpu_mtbf_h over its GPUs, else 3h)",
+    )
     parser.add_argument(
         "--save-seconds",
-        default="30",
-        help="time one checkpoint save blocks training (default 30 s)",
+        help="time one checkpoint save blocks training (default: a recipe's checkpoint bytes "
+        "at checkpoint.plan_bandwidth, else 30 s)",
     )
     _add_step_args(parser)
 
@@ -319,6 +341,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise ValueError(f"--mfu must be in (0, 1], got {args.mfu}")
     if args.peak_tflops is not None and not args.peak_tflops > 0:
         raise ValueError(f"--peak-tflops must be positive, got {args.peak_tflops}")
+    if args.gpu is not None:
+        lookup_gpu(args.gpu)  # the names --plan and launch.gpu take, refused alike
     if args.vocab is not None and args.vocab < 1:
         raise ValueError(f"--vocab must be positive, got {args.vocab}")
 
@@ -356,13 +380,60 @@ def _step_time(args: argparse.Namespace, facts: RecipeFacts | None) -> StepTime 
     return None
 
 
+def _interval(
+    args: argparse.Namespace, facts: RecipeFacts | None, params: float
+) -> tuple[Interval, str]:
+    """Save time and MTBF: the flags, else the recipe's planning keys (as
+    checkpoint.save_interval=auto and the launchers' progress check use them), else 30 s, 3h."""
+    sources = []
+    if args.save_seconds:
+        save_s = parse_duration(args.save_seconds)
+    elif facts is not None:
+        save_s = save_seconds(facts.run, int(params))
+        bandwidth = facts.run.checkpoint.plan_bandwidth
+        sources.append(
+            f"save: {human_bytes(save_s * bandwidth * 1e9)} at "
+            f"checkpoint.plan_bandwidth={bandwidth:g} GB/s"
+        )
+    else:
+        save_s = 30.0
+    if args.mtbf:
+        mtbf_s = parse_duration(args.mtbf)
+    elif facts is not None:
+        mtbf_s = job_mtbf_s(facts.run)
+        ckpt = facts.run.checkpoint
+        sources.append(
+            f"MTBF: checkpoint.plan_gpu_mtbf_h={ckpt.plan_gpu_mtbf_h:g} / "
+            f"{facts.run.launch.world_size} GPUs"
+        )
+    else:
+        mtbf_s = 3 * 3600.0
+    return Interval(save_s, mtbf_s), "; ".join(sources)
+
+
+def _auto_detail(facts: RecipeFacts) -> str:
+    """checkpoint.save_interval=auto as the trainer and the Slurm launcher resolve it."""
+    if facts.save_interval != "auto":
+        return ""
+    try:
+        anywhere = resolve_save_interval(facts.run).checkpoint.save_interval
+        slurm = facts.run.launch.slurm
+        on_slurm = resolve_save_interval(facts.run, slurm.time_limit_s).checkpoint.save_interval
+    except ConfigError as exc:
+        return str(exc)
+    return (
+        f"every {anywhere} steps, {on_slurm} on Slurm (two intervals within "
+        f"launch.slurm.time_limit={slurm.time_limit})"
+    )
+
+
 def _run(args: argparse.Namespace) -> int:
     try:
         _check_numbers(args)
         facts = recipe_facts(args.overrides, args.vocab) if args.overrides else None
         params, params_from = _params(args, facts)
         keep, keep_from = _keep(args, facts)
-        interval = Interval(parse_duration(args.save_seconds), parse_duration(args.mtbf))
+        interval, interval_from = _interval(args, facts, params)
         step = _step_time(args, facts)
     except (ValueError, ConfigError) as exc:
         print(f"error: {exc}")
@@ -375,18 +446,20 @@ def _run(args: argparse.Namespace) -> int:
         step,
         facts.name if facts else None,
         facts.save_interval if facts else None,
+        interval_from,
+        _auto_detail(facts) if facts else "",
     )
     print(render_plan(size, Storage(size.bytes, keep), interval, ctx))
     return EXIT_OK
 
 
-COMMANDS = {
-    "plan": Command(
-        "checkpoint size, storage with retention, Young interval in minutes and steps",
-        _add_args,
-        _run,
-        overrides=True,
-        epilog="e.g. plan --params 70e9 --mtbf 3h --save-seconds 30 --step-time 6s\n"
-        "     plan recipe=llama3_70b --gpu H100 --vocab 128256 --mtbf 3h",
-    )
-}
+CAPACITY = Command(
+    "checkpoint size, storage with retention, Young interval in minutes and steps",
+    _add_args,
+    _run,
+    overrides=True,
+    epilog="e.g. capacity --params 70e9 --mtbf 3h --save-seconds 30 --step-time 6s\n"
+    "     capacity recipe=llama3_70b --gpu H100\n"
+    "(`plan` is the old name of this command and still works)",
+)
+COMMANDS = {"capacity": CAPACITY, "plan": CAPACITY}
