@@ -110,9 +110,14 @@ def write_resolved_config(plan: LaunchPlan, name: str = "launch-config.yaml") ->
     return path
 
 
+def submission_path(run_dir: Path, backend: str) -> Path:
+    """Where a launcher records what it submitted (the job id, the manifest)."""
+    return run_dir / f"submission-{backend}.json"
+
+
 def record_submission(plan: LaunchPlan, backend: str, detail: dict) -> None:
     atomic_write_json(
-        plan.run_dir / f"submission-{backend}.json",
+        submission_path(plan.run_dir, backend),
         {"backend": backend, "time": time.time(), "overrides": plan.overrides, **detail},
     )
 

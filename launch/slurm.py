@@ -4,6 +4,7 @@
 layout (launch.nodes x launch.nproc_per_node), refuses a run directory a live job owns, pins
 the resolved config in ``<run_dir>/launch-config.yaml``, renders
 ``<run_dir>/slurm/<run_id>.sbatch`` and submits it (``sbatch --parsable``), printing the job id.
+``python -m launch slurm status|logs|cancel NAME`` follows a job (launch/slurm_manage.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from launch.common import (
     record_submission,
     write_resolved_config,
 )
+from launch.slurm_manage import ACTIONS, manage
 from launch.slurm_script import ScriptInputs, render_sbatch
 from recipes import ConfigError
 from recipes.inputs import check_inputs
@@ -53,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="submit even if the time limit fits fewer than two save intervals or the signal "
         "grace cannot cover a step and an emergency save",
     )
+    parser.add_argument("--tail", type=int, help="logs: only the last N lines")
     parser.add_argument(
         "--skip-remote-check",
         action="store_true",
@@ -62,6 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    if overrides and overrides[0] in ACTIONS:
+        return manage(overrides[0], overrides[1:], args.tail)
     # A dry run renders for a cluster whose file systems may not be mounted here: missing
     # inputs are reported, not fatal (a submission checks them).
     plan = _absolute_output_dir(plan_launch(overrides, not args.dry_run, time_limit=True))

@@ -98,6 +98,19 @@ def _plan(req: CliRequest) -> int:
     return 0 if plan.fits else 1
 
 
+def _launcher_hint(run: RunConfig, world_size: int) -> str:
+    """A layout of several ranks started as one plain process: name the lines that start it."""
+    ranks = run.parallel.model_parallel_size * (run.parallel.dp or 1)
+    if world_size != 1 or "WORLD_SIZE" in os.environ or ranks == 1:
+        return ""
+    args = " ".join(sys.argv[1:])
+    return (
+        f". `python -m pretrain` is one process and this layout needs {ranks} ranks: start it "
+        f"with `torchrun --standalone --nproc-per-node {ranks} -m pretrain {args}` or "
+        f"`python -m launch local launch.nproc_per_node={ranks} {args}`"
+    )
+
+
 def _load(req: CliRequest) -> RunConfig:
     if req.config_file:
         return load_config_file(req.config_file, req.overrides)
@@ -191,7 +204,10 @@ def _prepare(run: RunConfig) -> tuple[RunConfig, str, int]:
     rank, world_size, _ = launch_env()
     named = resolve_run_id(run, os.environ.get(LAUNCH_ID_ENV), world_size)
     device = resolve_device(run.train.device, torch.cuda.is_available())
-    dp = validate_runtime(named, world_size, device)
+    try:
+        dp = validate_runtime(named, world_size, device)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}{_launcher_hint(run, world_size)}") from None
     if run.run_id is None and rank == 0:
         log.info(
             "run_id not set: new run %r in %s/ (continue it later with run_id=%s)",

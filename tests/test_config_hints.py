@@ -3,6 +3,7 @@ needs '+', a comma value is a sweep (-m), a Megatron-LM / Bridge name maps to ou
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -53,3 +54,17 @@ def test_through_the_cli_one_line_and_exit_2() -> None:
     )  # fmt: skip
     assert proc.returncode == exit_codes.CONFIG_ERROR
     assert "that is parallel.tp here" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_multi_rank_layout_without_a_launcher_names_the_launch_lines(stdlib_corpus: str) -> None:
+    overrides = ["recipe=gpt_tiny", f"data.paths=[{stdlib_corpus}]", "parallel.tp=2", "run_id=x"]
+    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
+    out = subprocess.run(
+        [sys.executable, "-m", "pretrain", *overrides],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == exit_codes.CONFIG_ERROR
+    [line] = [ln for ln in out.stderr.splitlines() if "config error" in ln]
+    assert "world size 1 is not divisible by tp*pp*cp" in line
+    assert f"torchrun --standalone --nproc-per-node 2 -m pretrain {' '.join(overrides)}" in line
+    assert "python -m launch local launch.nproc_per_node=2" in line

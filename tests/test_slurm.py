@@ -552,6 +552,51 @@ def test_job_runs_to_completion(clean_run: tuple[Path, dict]) -> None:
     assert sorted(steps) == list(range(1, 41))
     assert steps[40]["loss"] < steps[1]["loss"] - 0.5, (steps[1], steps[40])
     assert (run_dir / "slurm" / f"{info['JobId']}-restart-0.log").is_file()
+    # Followed as `launch k8s status|logs` follow a PyTorchJob: by job id or by run dir.
+    by_id = _launch_slurm("status", info["JobId"])
+    assert f"JobId={info['JobId']} JobName=clean JobState=COMPLETED" in by_id.stdout, by_id
+    assert re.search(r"^clean\s+40\s+finished", by_id.stdout, re.M), by_id.stdout
+    by_dir = _launch_slurm("status", str(run_dir))
+    assert "JobState=COMPLETED" in by_dir.stdout, by_dir
+    tail = _launch_slurm("logs", str(run_dir), "--tail", "3")
+    out_file = run_dir / "slurm" / f"clean-{info['JobId']}.out"
+    assert tail.stdout.splitlines() == out_file.read_text().splitlines()[-3:]
+
+
+def _launch_slurm(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch", "slurm", *args],
+        cwd=REPO, env=env or {**os.environ, "SLURM_CONF": _slurm_conf()},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _slurm_conf() -> str:
+    root = os.environ.get("MCORE_RECIPES_SLURM_ROOT", "/tmp/mcore-recipes-slurm")
+    return f"{root}/etc/slurm.conf"
+
+
+@pytest.mark.slow
+def test_a_held_job_is_cancelled_by_its_run_id(
+    slurm_env: dict[str, str], tiny_overrides: list[str], tmp_path: Path
+) -> None:
+    run_id = f"held-{os.getpid()}"
+    job_id = _submit(
+        [*_cluster_overrides(tiny_overrides, tmp_path, run_id),
+         "launch.slurm.extra_sbatch=[--hold]"],
+        slurm_env,
+    )  # fmt: skip
+    assert _job(job_id, slurm_env)["JobState"] == "PENDING"
+    listed = _launch_slurm("status", run_id, env=slurm_env)  # squeue --name: the run id
+    assert f"JobId={job_id} JobName={run_id} JobState=PENDING" in listed.stdout, listed.stdout
+    cancelled = _launch_slurm("cancel", run_id, env=slurm_env)
+    assert cancelled.stdout.strip() == f"cancelled job {job_id}"
+    deadline = time.monotonic() + 60
+    while _job(job_id, slurm_env).get("JobState") != "CANCELLED":
+        assert time.monotonic() < deadline, _job(job_id, slurm_env)
+        time.sleep(0.5)
 
 
 @pytest.mark.slow
