@@ -4,6 +4,7 @@ exported directory computes megatron-core's logits, and its validation loss is t
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import re
 import subprocess
@@ -274,9 +275,15 @@ def test_import_round_trips_and_continues_with_transformers_loss(
     step0 = tmp_path / "continued" / "steps" / "step-000000000"
     assert json.loads((step0 / "manifest.json").read_text())["weights_only"] is True
 
-    # import -> export: the same tensors, bit for bit.
-    proc = hf_cli("export", str(step0), "--out", str(tmp_path / "back"))
+    # import -> export: the same tensors, bit for bit; from a copy of the run under another
+    # name (its steps' manifests say which run they are), and refused for another --run-id.
+    copied = tmp_path / "copied"
+    shutil.copytree(tmp_path / "continued", copied)
+    proc = hf_cli("export", str(copied / "steps" / step0.name), "--out", str(tmp_path / "back"))
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "records run 'continued', its run dir is named 'copied'" in proc.stderr
+    wrong = hf_cli("export", str(step0), "--out", str(tmp_path / "no"), "--run-id", "another")
+    assert wrong.returncode != 0 and "does not verify" in wrong.stderr, wrong.stderr[-2000:]
     original = load_file(str(source / "model.safetensors"))
     back = load_file(str(tmp_path / "back" / "model.safetensors"))
     assert original.keys() == back.keys()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -294,6 +295,18 @@ def test_verify_run_dir_all_good_and_newest(layout: RunLayout) -> None:
     lines = newest.stdout.splitlines()
     assert [ln[:18] for ln in lines[1:3]] == ["BAD step-000000400", "OK  step-000000300"]
     assert lines[3:] == ["newest verified: step 300 (a restore picks it), 1 newer step(s) BAD"]
+
+
+def test_a_copied_run_verifies_as_the_run_its_steps_record(layout: RunLayout) -> None:
+    copy = layout.run_dir.parent / "copied"
+    shutil.copytree(layout.run_dir, copy)
+    whole = cli("verify", copy, "--quick")
+    assert whole.returncode == 0, whole.stdout
+    assert f"records run '{RUN}', its run dir is named 'copied'" in whole.stdout
+    step = cli("verify", copy / "steps" / layout.step_dir(400).name, "--quick")
+    assert step.returncode == 0 and step.stdout.splitlines()[-1].startswith("OK "), step.stdout
+    demanded = cli("verify", copy / "steps" / layout.step_dir(400).name, "--run-id", "copied")
+    assert demanded.returncode == 1 and "run" in demanded.stdout, demanded.stdout
 
 
 def test_verify_run_dir_without_a_good_step(layout: RunLayout, tmp_path: Path) -> None:

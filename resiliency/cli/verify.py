@@ -19,7 +19,7 @@ from resiliency.cli.base import EXIT_BAD, EXIT_OK, EXIT_USAGE, Command
 from resiliency.cli.remote import remote_verify
 from resiliency.storage.layout import RunLayout
 from resiliency.storage.signing import SigningKey, key_from_env
-from resiliency.storage.verify import step_of_dir, verify_step_dir
+from resiliency.storage.verify import expected_run_id, step_of_dir, verify_step_dir
 
 RUN_MARKERS = ("steps", "attempts", "run.json")  # what makes a dir a run dir
 
@@ -66,7 +66,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     kind, path = target
     if kind == "run":
         return _verify_run(path, args.run_id, not args.quick, args.newest, key)
-    run_id = args.run_id or path.parent.parent.name
+    run_id, note = expected_run_id(path, args.run_id)
+    if note:
+        print(f"note: {note}")
     verdict = verify_step_dir(path, run_id, full=not args.quick, key=key)
     print(f"{'OK' if verdict.ok else 'BAD'} {path}: {verdict.reason}")
     return EXIT_OK if verdict.ok else EXIT_BAD
@@ -76,8 +78,12 @@ def _verify_run(
     run_dir: Path, run_id: str | None, full: bool, newest: bool, key: SigningKey | None = None
 ) -> int:
     layout = RunLayout.from_run_dir(run_dir)
-    expected = run_id or layout.run_id
     steps = list(reversed(layout.published_steps()))
+    expected = run_id or layout.run_id
+    if steps and run_id is None:  # a copied run: its steps name the run they belong to
+        expected, note = expected_run_id(layout.step_dir(steps[0]))
+        if note:
+            print(f"note: {note}")
     if not steps:
         print(f"BAD {run_dir}: no published step to verify (nothing under steps/)")
         return EXIT_BAD

@@ -33,6 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", type=Path, required=True, help="the directory to write")
     export.add_argument("--force", action="store_true", help="replace a non-empty --out")
     export.add_argument(
+        "--run-id",
+        help="the run the step must belong to (default: the one its manifest records, so a "
+        "copied or renamed run exports as it is)",
+    )
+    export.add_argument(
         "--check",
         action="store_true",
         help="load the export in transformers and compare its loss on the run's validation "
@@ -63,7 +68,7 @@ def run_export(args: argparse.Namespace) -> int:
     from resiliency.hf.export import ExportError, export_step
 
     try:
-        step = export_step(args.step_dir, args.out, args.force)
+        step = export_step(args.step_dir, args.out, args.force, args.run_id)
     except ExportError as exc:
         log.error("export: %s", exc)
         return EXIT_BAD if "does not verify" in str(exc) else EXIT_USAGE

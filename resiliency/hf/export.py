@@ -23,7 +23,7 @@ from recipes.schema import RunConfig
 from resiliency.checkpoint.checkpointer import MODEL_DIR
 from resiliency.storage.manifest import Manifest
 from resiliency.storage.tokenizer_copy import TOKENIZER_DIR
-from resiliency.storage.verify import verify_step_dir
+from resiliency.storage.verify import expected_run_id, verify_step_dir
 
 log = logging.getLogger(__name__)
 WEIGHTS_FILE = "model.safetensors"
@@ -40,11 +40,14 @@ class VerifiedStep:
     run: RunConfig
 
 
-def open_step(step_dir: Path) -> VerifiedStep:
+def open_step(step_dir: Path, run_id: str | None = None) -> VerifiedStep:
     """The step, fully re-hashed against its manifest first: an export of a torn or bit-rotted
-    checkpoint would be a model nobody trained."""
+    checkpoint would be a model nobody trained. ``run_id``: the run it must belong to (default:
+    the one its manifest records, so a copied run exports too)."""
     step_dir = step_dir.resolve()
-    run_id = step_dir.parent.parent.name
+    run_id, note = expected_run_id(step_dir, run_id)
+    if note:
+        log.info("%s", note)
     verdict = verify_step_dir(step_dir, run_id, full=True)
     if not verdict.ok or verdict.manifest is None:
         raise ExportError(f"{step_dir} does not verify: {verdict.reason}")
@@ -69,10 +72,12 @@ def read_model_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def export_step(step_dir: Path, out: Path, force: bool = False) -> VerifiedStep:
+def export_step(
+    step_dir: Path, out: Path, force: bool = False, run_id: str | None = None
+) -> VerifiedStep:
     """Write the transformers directory ``out`` for the published step ``step_dir``."""
     started = time.perf_counter()
-    step = open_step(step_dir)
+    step = open_step(step_dir, run_id)
     model, tokenizer = step.run.model, step.manifest.tokenizer
     vocab = int(tokenizer["vocab_size"])
     tensors = read_model_tensors(step.step_dir / MODEL_DIR)

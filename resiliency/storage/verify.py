@@ -22,6 +22,7 @@ from resiliency.storage.manifest import (
     Manifest,
     ManifestError,
     manifest_checksum,
+    read_manifest,
     read_manifest_bytes,
 )
 from resiliency.storage.pickle_scan import step_pickle_problem
@@ -53,6 +54,28 @@ def step_of_dir(step_dir: Path) -> int | None:
     if step is None and (tmp := parse_tmp(step_dir.name)) is not None:
         step = tmp[0]
     return step
+
+
+def expected_run_id(step_dir: Path, asked: str | None = None) -> tuple[str, str | None]:
+    """The run id a step read on its own is checked against: ``asked`` (``--run-id``), else
+    the one its manifest records (a copied or renamed run keeps its steps' identity), else its
+    run dir's name; with a note when the manifest and the directory disagree."""
+    dir_name = step_dir.absolute().parent.parent.name
+    if asked is not None:
+        return asked, None
+    try:
+        recorded = read_manifest(step_dir).run_id
+    except (ManifestError, ValueError, KeyError, TypeError):
+        return dir_name, None  # verification names what is wrong with the manifest
+    note = (
+        (
+            f"{step_dir} records run {recorded!r}, its run dir is named {dir_name!r} (a copied "
+            f"run?): checked as run {recorded!r}; give --run-id to demand another"
+        )
+        if recorded != dir_name
+        else None
+    )
+    return recorded, note
 
 
 def verify_step_dir(
