@@ -4,9 +4,9 @@ exported directory computes megatron-core's logits, and its validation loss is t
 from __future__ import annotations
 
 import json
-import shutil
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
