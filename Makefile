@@ -14,7 +14,7 @@ CORPUS := data/stdlib_text_document.bin
 BPE_CORPUS := data/stdlib-bpe_text_document.bin
 PYTEST_ARGS ?=
 
-.PHONY: install pretrain test test-all lint corpus clean
+.PHONY: install pretrain test test-all lint corpus clean image
 
 install: $(STAMP)
 
@@ -66,6 +66,20 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+
+# The training image (Dockerfile: this package installed on NVIDIA's PyTorch container). The
+# build records the commit in the image; the image id it prints is what jobs record as
+# MCORE_RECIPES_IMAGE_DIGEST (give launch.slurm.container_image / launch.k8s.image the pushed
+# name@digest). Without a Docker daemon here it prints the command to run where there is one.
+IMAGE ?= mcore-recipes
+image:
+	@commit=$$(git rev-parse HEAD)$$(git diff --quiet HEAD -- || echo -dirty); \
+	tag=$(IMAGE):$$(git rev-parse --short=12 HEAD); \
+	echo "docker build --build-arg CODE_COMMIT=$$commit -t $$tag ."; \
+	if docker info >/dev/null 2>&1; then \
+		docker build --build-arg CODE_COMMIT=$$commit -t $$tag . && \
+		docker image inspect --format '{{.Id}}' $$tag; \
+	else echo "no Docker daemon here: run the command above where one is"; fi
 
 clean:
 	rm -rf $(VENV) data runs .pytest_cache

@@ -28,8 +28,8 @@ from launch.common import (
     write_resolved_config,
 )
 from launch.slurm_manage import ACTIONS, manage
-from launch.slurm_script import ScriptInputs, render_sbatch
-from recipes import ConfigError
+from launch.slurm_script import ScriptInputs, render_sbatch, runs_image_code
+from recipes import ConfigError, RunConfig
 from recipes.inputs import check_inputs
 from resiliency.monitor.fault_tolerance import write_launcher_config
 from resiliency.storage.manifest import code_commit, image_digest
@@ -108,7 +108,24 @@ def _absolute_output_dir(plan: LaunchPlan) -> LaunchPlan:
     # directory (the script may be resubmitted from elsewhere).
     output_dir = Path(plan.run.output_dir).absolute()
     run = dataclasses.replace(plan.run, output_dir=str(output_dir))
+    if runs_image_code(run):  # the job starts in its run dir, not here: pin the inputs too
+        run = _absolute_inputs(run)
     return dataclasses.replace(plan, run=run, run_dir=output_dir / run.run_id)
+
+
+def _absolute_inputs(run: RunConfig) -> RunConfig:
+    def absolute(path: str | None) -> str | None:
+        return str(Path(path).absolute()) if path else path
+
+    data = dataclasses.replace(
+        run.data,
+        paths=[absolute(p) for p in run.data.paths],
+        tokenizer_path=absolute(run.data.tokenizer_path),
+        cache_dir=absolute(run.data.cache_dir),
+    )
+    local = dataclasses.replace(run.checkpoint.local, dir=absolute(run.checkpoint.local.dir))
+    checkpoint = dataclasses.replace(run.checkpoint, local=local)
+    return dataclasses.replace(run, data=data, checkpoint=checkpoint)
 
 
 def _find_sbatch() -> str:

@@ -50,6 +50,17 @@ class ScriptInputs:
     image_digest: str | None
 
 
+def runs_image_code(run: RunConfig) -> bool:
+    """The job runs the container image's installed code (not a mounted checkout)."""
+    return bool(run.launch.slurm.container_image) and not run.launch.slurm.mount_code
+
+
+def _code_commit_line(run: RunConfig, inputs: ScriptInputs) -> str:
+    if runs_image_code(run):  # the image knows its own commit (docker/install.sh)
+        return "unset MCORE_RECIPES_CODE_COMMIT  # the image's code runs: its build's commit"
+    return f"export MCORE_RECIPES_CODE_COMMIT={_q(inputs.code_commit or '')}"
+
+
 def render_sbatch(run: RunConfig, inputs: ScriptInputs) -> str:
     """The complete batch script for ``run``; ConfigError on values that cannot be rendered."""
     slurm, launch = run.launch.slurm, run.launch
@@ -63,7 +74,7 @@ def render_sbatch(run: RunConfig, inputs: ScriptInputs) -> str:
         "config": _q(inputs.config_path),
         "workdir": _q(inputs.workdir),
         "max_requeues": str(slurm.max_requeues),
-        "code_commit": _q(inputs.code_commit or ""),
+        "code_commit_line": _code_commit_line(run, inputs),
         "image_digest": _q(inputs.image_digest or slurm.container_image or ""),
         "launcher_signals": LAUNCHER_SIGNALS,
         "rank_env": "\n".join(
@@ -233,7 +244,7 @@ def container_mounts(run: RunConfig, inputs: ScriptInputs) -> list[str]:
     and tokenizer, the local tier."""
     given = list(run.launch.slurm.container_mounts)
     covered = [m.split(":")[1] if ":" in m else m for m in given]
-    paths = [inputs.run_dir.parent, inputs.workdir]
+    paths = [inputs.run_dir.parent] + ([] if runs_image_code(run) else [inputs.workdir])
     paths += [Path(p).parent for p in run.data.paths if Path(p).is_absolute()]
     for extra in (run.data.tokenizer_path, run.checkpoint.local.dir, run.data.cache_dir):
         if extra and Path(extra).is_absolute():
@@ -251,7 +262,9 @@ def container_args(run: RunConfig, inputs: ScriptInputs) -> list[str]:
     slurm = run.launch.slurm
     if not slurm.container_image:
         return []
-    workdir = slurm.container_workdir or str(inputs.workdir)
+    # The image's code runs from the run dir: a checkout as cwd would shadow the package.
+    default = inputs.run_dir if runs_image_code(run) else inputs.workdir
+    workdir = slurm.container_workdir or str(default)
     return [
         f"--container-image={_q(slurm.container_image)}",
         f"--container-name={_q('mcore-recipes-' + str(run.run_id))}",
@@ -323,7 +336,7 @@ mkdir -p "$RUN_DIR/slurm"
 exec > >(trap '' TERM INT; exec tee -a "$RUN_DIR/slurm/${SLURM_JOB_ID}-restart-${RESTART}.log") 2>&1
 
 # ---------------------------------------------------------------- environment for every rank
-export MCORE_RECIPES_CODE_COMMIT=@@{code_commit}
+@@{code_commit_line}
 export MCORE_RECIPES_IMAGE_DIGEST=@@{image_digest}
 export OMP_NUM_THREADS=1
 export PYTHONUNBUFFERED=1

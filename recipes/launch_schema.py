@@ -33,7 +33,11 @@ class SlurmConfig:
     container_image: Optional[str] = None  # pyxis --container-image
     # host:container[:flags]; the run dir, data and checkpoint dirs are added when missing
     container_mounts: list[str] = field(default_factory=list)
-    container_workdir: Optional[str] = None  # None: the submitting directory (mounted as is)
+    # With container_image the image's installed code runs, from the run dir; true: the
+    # submitting checkout is mounted at its path and the job starts there, so the checkout's
+    # code runs (for development on a cluster; the manifest then records its commit).
+    mount_code: bool = False
+    container_workdir: Optional[str] = None  # None: the run dir (the checkout with mount_code)
     extra_sbatch: list[str] = field(default_factory=list)  # verbatim "#SBATCH" arguments
     env_passthrough: list[str] = field(default_factory=list)  # extra env vars exported to ranks
     env: dict[str, str] = field(default_factory=dict)  # set for every rank (NCCL_*, ...)

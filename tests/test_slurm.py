@@ -305,15 +305,25 @@ def test_render_gpus_container_and_ft_launcher(stdlib_corpus: str, tmp_path: Pat
     assert not any(d.startswith("--cpus-per-task") for d in directives), directives
     assert '--cpus-per-task="$SLURM_CPUS_ON_NODE" --kill-on-bad-exit=1' in script
     data_dir = Path(stdlib_corpus).parent
-    mounts = ",".join(
-        ["/data:/data", "/ckpt:/ckpt", f"{tmp_path}:{tmp_path}", f"{os.getcwd()}:{os.getcwd()}"]
-        + ([f"{data_dir}:{data_dir}"] if not data_dir.is_relative_to(tmp_path) else [])
-    )
+    data_mount = [f"{data_dir}:{data_dir}"] if not data_dir.is_relative_to(tmp_path) else []
+    # The image's installed code runs, from the run dir: the checkout is neither mounted nor
+    # the working directory (where it would shadow the package), and its commit is not claimed.
+    mounts = ",".join(["/data:/data", "/ckpt:/ckpt", f"{tmp_path}:{tmp_path}", *data_mount])
     assert (
         "--container-image=nvcr.io/nvidia/pytorch:25.01-py3 --container-name=mcore-recipes-gpu "
-        f"--container-mounts={mounts} --container-workdir={os.getcwd()} "
+        f"--container-mounts={mounts} --container-workdir={tmp_path / 'gpu'} "
         "--no-container-mount-home"
     ) in script, script
+    assert "\nunset MCORE_RECIPES_CODE_COMMIT" in script
+    # mount_code=true: the checkout is mounted and runs (development on a cluster).
+    dev_overrides = [o for o in overrides if not o.startswith("run_id=")]
+    assert _dry_run([*dev_overrides, "run_id=dev", "launch.slurm.mount_code=true"]) == 0
+    dev = _script(tmp_path, "dev")
+    cwd = os.getcwd()
+    dev_mounts = ",".join(["/data:/data", "/ckpt:/ckpt", f"{tmp_path}:{tmp_path}",
+                           f"{cwd}:{cwd}", *data_mount])  # fmt: skip
+    assert f"--container-mounts={dev_mounts} --container-workdir={cwd} " in dev, dev
+    assert "\nexport MCORE_RECIPES_CODE_COMMIT=" in dev
     # every step runs in the container: health check, training, and the retry policy
     assert "--no-container-mount-home python -m launch.retry_policy" in script
     assert "--no-container-mount-home python -m resiliency.health" in " ".join(

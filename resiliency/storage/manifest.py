@@ -19,6 +19,8 @@ from resiliency.storage.checksum import FileEntry, bytes_checksum
 from resiliency.storage.layout import MANIFEST_NAME
 
 logger = logging.getLogger(__name__)
+BUILD_COMMIT_NAME = "BUILD_COMMIT"  # written by docker/install.sh into resiliency/
+
 
 SCHEMA_VERSION = 1
 MANIFEST_CHECKSUM_ALGORITHM = "crc32c"
@@ -164,12 +166,22 @@ def runtime_versions() -> dict[str, str | None]:
 def code_commit() -> str | None:
     """The commit this code runs from: ``$MCORE_RECIPES_CODE_COMMIT`` (set by the launchers for
     every rank), else git's HEAD of the checkout holding this file, ``-dirty`` when tracked
-    files differ from it, else the commit pip recorded for a VCS install (PEP 610). Once per
+    files differ from it, else the commit an image build recorded beside the installed package
+    (docker/install.sh), else the one pip recorded for a VCS install (PEP 610). Once per
     process: every save records the same answer."""
     env = os.environ.get("MCORE_RECIPES_CODE_COMMIT")
     if env:
         return env
-    return _git_commit(Path(__file__).resolve().parent) or _installed_commit()
+    here = Path(__file__).resolve().parent
+    return _git_commit(here) or _built_commit(here.parent) or _installed_commit()
+
+
+def _built_commit(package: Path) -> str | None:
+    try:
+        commit = (package / BUILD_COMMIT_NAME).read_text().strip()
+    except OSError:
+        return None
+    return commit if commit and commit != "unknown" else None
 
 
 def _git_commit(where: Path) -> str | None:
