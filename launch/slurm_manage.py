@@ -21,7 +21,6 @@ from pathlib import Path
 from launch.common import submission_path
 from pretrain import exit_codes
 from recipes import ConfigError
-from resiliency.cli.run_table import run_rows
 from resiliency.storage.layout import RunLayout
 
 ACTIONS = ("status", "logs", "cancel")
@@ -89,6 +88,9 @@ def status(job: SlurmJob) -> str:
     else:
         lines = [_accounting(job.job_id)]
     if job.run_dir is not None and job.run_dir.is_dir():
+        # resiliency.cli loads every command (0.3 s): only for status, not for `launch --help`
+        from resiliency.cli.run_table import run_rows
+
         layout = RunLayout(job.run_dir.parent, job.run_dir.name)
         lines += [f"run dir {job.run_dir}:", *run_rows([layout])]
     return "\n".join(lines)
