@@ -50,7 +50,7 @@ $(BPE_CORPUS): | $(STAMP)
 		--train-tokenizer 8192 --tokenizer-path tokenizers/stdlib-bpe
 
 pretrain: $(STAMP) $(CORPUS) $(BPE_CORPUS)
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(NPROC) -m pretrain \
+	OMP_NUM_THREADS=1 $(BIN)/python -m pretrain.run --standalone --nproc-per-node $(NPROC) -m pretrain \
 		recipe=gpt_tiny_bpe run_id=$(RUN_ID) $(ARGS)
 	$(BIN)/python -m resiliency ls runs/$(RUN_ID)
 

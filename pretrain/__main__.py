@@ -61,7 +61,8 @@ def main(argv: list[str]) -> int:
             return _sweep(req)
         run, device, dp = _prepare(_load(req))
     except ConfigError as exc:
-        log.error("config error: %s", exc)
+        # Every rank composed the same config and found the same error: said once, by rank 0.
+        log.log(logging.ERROR if _first_rank() else logging.DEBUG, "config error: %s", exc)
         return exit_codes.DATA if isinstance(exc, DataInputError) else exit_codes.CONFIG_ERROR
     # torch and megatron-core: not for --help/--cfg
     from pretrain.session import train
@@ -96,6 +97,10 @@ def _plan(req: CliRequest) -> int:
     plan = make_plan(req.overrides, req.gpu, req.vocab)
     print(as_json(plan) if req.json else report(plan))
     return 0 if plan.fits else 1
+
+
+def _first_rank() -> bool:
+    return os.environ.get("RANK", "0") == "0"
 
 
 def _launcher_hint(run: RunConfig, world_size: int) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from pretrain import exit_codes
@@ -80,7 +81,11 @@ def _write_config(run_dir: Path, run: RunConfig) -> None:
 
 def _log_failure(failure: Failure) -> None:
     summary = "retryable" if failure.retryable else "do not retry"
-    if failure.kind in ONE_LINE_KINDS:
+    if failure.kind == "config" and os.environ.get("RANK", "0") != "0":
+        # A config refusal (the resume policy's, say) is decided alike on every rank: the
+        # failing rank's exit code still goes to the launcher, the message once, from rank 0.
+        log.debug("training failed (config), as on rank 0: %s", failure.message)
+    elif failure.kind in ONE_LINE_KINDS:
         log.error(
             "training failed (%s, exit %d, %s): %s",
             failure.kind,

@@ -71,6 +71,8 @@ def test_changed_schedule_is_refused_then_applied_only_when_asked(
     assert "scheduler.decay_steps: 6 -> 8" in refused.stderr  # unset: follows train_steps
     assert "checkpoint.schedule_on_resume=" in refused.stderr
     assert "Traceback" not in refused.stderr
+    # Said once (every rank refuses alike; rank 0 tells), with the failing rank's exit code.
+    assert refused.stderr.count("optimizer.lr: 0.003 -> 0.001") == 1, refused.stderr[-3000:]
     assert (run_dir / "config.yaml").read_text() == config_before, "nothing is lost"
     assert layout.published_steps() == [3, 6]
 
