@@ -84,13 +84,13 @@ image:
 clean:
 	rm -rf $(VENV) data runs .pytest_cache
 
-# P1-P5 as ratios to this machine's limits (README "Benchmarks"); BENCH_ARGS=--full adds the
+# P1-P5 as ratios to this machine's limits (docs/benchmarks.md); BENCH_ARGS=--full adds the
 # 1.5 GiB-state model and hang detection (~15 min).
 .PHONY: bench
 bench: $(STAMP)
 	$(BIN)/python -m bench $(BENCH_ARGS)
 
-# The prepared GPU check (README "GPU check"): one CUDA GPU, the PyPI (CUDA) torch of the 3.12
+# The prepared GPU check (docs/running.md, "GPU check"): one CUDA GPU, the PyPI (CUDA) torch of the 3.12
 # stack plus Transformer Engine; bf16 (+ fp8 where supported) on gpt_125m, 50 steps with
 # validation, a checkpoint, a SIGKILL and an exact resume; prints tokens/s, TFLOP/s and MFU.
 .PHONY: gpu-smoke

@@ -12,7 +12,7 @@ ChildFailedError, maps it, and keeps a per-node retry budget on the shared volum
 
   worker exit code                         container exit          operator    budget
   0                                        0                       succeeded   -
-  DO_NOT_RETRY (2-10)                      same code               job fails   -
+  DO_NOT_RETRY (2-11)                      same code               job fails   -
   REQUEUE (75), agent stopped by SIGTERM   128+75, 128+signal      pod retried not counted
   INFRASTRUCTURE (1), killed by a signal   128+1, 128+signal       pod retried counted
   retry budget used up                     7 (RETRY_BUDGET_EXHAUSTED)  job fails

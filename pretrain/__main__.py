@@ -39,7 +39,7 @@ options:
                        --vocab N (without the tokenizer's files), --json; exit 1: does not fit
   --config FILE        a resolved config written by a launcher (pins the run)
   hydra.run.dir=DIR    the output dir (as output_dir=DIR); other hydra.* keys are refused
-exit codes: 0 ok, 2 config error, 9 missing data or tokenizer files (see README "Exit codes")
+exit codes: 0 ok, 2 config error, 9 missing data or tokenizer files (docs/reference/exit-codes.md)
 """
 
 

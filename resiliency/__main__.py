@@ -1,4 +1,4 @@
-"""``python -m resiliency <command>``: ls, verify, gc, validate, plan (``--help`` lists them),
+"""``python -m resiliency <command>``: ls, verify, gc, validate, capacity (``--help`` lists them),
 and soak, which is ``python -m drill.soak``."""
 
 from __future__ import annotations

@@ -136,7 +136,10 @@ def _add_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run dir: stop at the newest step that verifies (the one a restore picks)",
     )
-    p.add_argument("--run-id", help="expected run_id (default: name of the run dir)")
+    p.add_argument(
+        "--run-id",
+        help="the run the steps must belong to (default: the one their manifests record)",
+    )
     p.add_argument("--endpoint-url", help="s3:// runs: the S3-compatible server (AWS_ENDPOINT_URL)")
     add_signing_arg(p)
 
