@@ -34,7 +34,9 @@ from resiliency.storage.layout import RunLayout
 from resiliency.storage.manifest import read_manifest
 from tests.helpers import REPO, read_steps, recommit_file, run_pretrain
 
-pytestmark = pytest.mark.current_stack
+# On both stacks: what each megatron-core pickles, and the scan; the relaunches below are
+# the same code on either (this leg only).
+CURRENT_STACK = pytest.mark.current_stack
 REFUSED = "which the checkpoint loader does not admit"
 
 
@@ -119,6 +121,7 @@ _LOADS = (
 @pytest.mark.parametrize(
     "name", ["reduce", "stack_global", "memoized_stack_global", "inst", "ext", "computed_names"]
 )
+@CURRENT_STACK
 def test_the_scan_refuses_live_payloads_without_running_them(name: str, tmp_path: Path) -> None:
     marker = tmp_path / "ran"
     data, says = _payloads(marker)[name]
@@ -132,6 +135,7 @@ def test_the_scan_refuses_live_payloads_without_running_them(name: str, tmp_path
         assert marker.exists(), f"payload {name} is not live: the test proves nothing"
 
 
+@CURRENT_STACK
 def test_the_scan_reads_torch_archives_and_dcp_items(tmp_path: Path) -> None:
     """A torch.save archive's data.pkl, and a DCP item at the offset .metadata gives it."""
     marker = tmp_path / "ran"
@@ -211,6 +215,7 @@ def _proof_dirs(root: Path) -> None:
     torch.save(_RunsCode(root / "ran-O", {"iteration": 1}), root / "o" / "common.pt")
 
 
+@CURRENT_STACK
 def test_each_load_restriction_is_needed(tmp_path: Path) -> None:
     """Without M, N or O the payload runs (O: with torch's TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD,
     which megatron's unset weights_only then obeys); with them each load is refused."""
@@ -239,6 +244,7 @@ def test_each_load_restriction_is_needed(tmp_path: Path) -> None:
         assert f"needs global 'builtins.eval', {REFUSED}" in restricted[name], restricted[name]
 
 
+@CURRENT_STACK
 def test_load_restrictions_are_version_gated() -> None:
     assert [entry.name for entry in compat.SAFE_LOADS] == ["M", "N", "O"]
     assert all(entry.affected == compat.BOTH for entry in compat.SAFE_LOADS)
@@ -247,6 +253,7 @@ def test_load_restrictions_are_version_gated() -> None:
     assert admitted_globals("0.17.0") == admitted_globals("0.19.2")  # unmeasured: the newest
 
 
+@CURRENT_STACK
 def test_every_admitted_global_exists_on_this_stack() -> None:
     """The list names real objects (a typo would admit nothing and refuse good files)."""
     import importlib
@@ -259,6 +266,7 @@ def test_every_admitted_global_exists_on_this_stack() -> None:
             obj = getattr(obj, part)
 
 
+@CURRENT_STACK
 def test_a_safe_load_round_trips_what_checkpoints_hold(tmp_path: Path) -> None:
     state = {
         "cpu_rng": torch.get_rng_state(),
@@ -345,6 +353,7 @@ def _attempt(root: Path, attempt: int) -> dict:
     )
 
 
+@CURRENT_STACK
 @pytest.mark.slow
 def test_real_checkpoints_need_only_admitted_globals(trained: Path) -> None:
     """The allow-list, re-measured: every global of the run's pickles (both tiers) is listed,
@@ -372,6 +381,7 @@ def test_real_checkpoints_need_only_admitted_globals(trained: Path) -> None:
     assert DCP_METADATA <= found, sorted(DCP_METADATA - found)
 
 
+@CURRENT_STACK
 @pytest.mark.slow
 def test_verify_refuses_a_forged_metadata_without_running_it(trained: Path, tmp_path: Path) -> None:
     root, marker = _copy(trained, tmp_path), tmp_path / "ran"
