@@ -345,7 +345,7 @@ class CheckpointConfig:
     # over the GPU count). 50,000 h: Llama 3 405B saw 419 unexpected interruptions in 54 days
     # on 16,384 H100s (Dubey et al. 2024, section 3.3.4).
     plan_bandwidth: float = 10.0
-    plan_gpu_mtbf_h: float = 50000.0
+    plan_gpu_mtbf_h: float = 50000.0  # one GPU's MTBF in hours (the job's: this / its GPUs)
     # fully_reshardable (any layout) | dp_reshardable (faster, same TP/PP)
     optim_format: str = "fully_reshardable"
     async_save: bool = False  # write in a background process; published at a later step boundary
