@@ -59,9 +59,13 @@ def test_help_lists_subcommands() -> None:
     out = cli("--help")
     assert out.returncode == 0 and out.stderr == "", out.stderr  # no torch warnings either
     lines = out.stdout.splitlines()
-    for name in ("ls", "verify", "gc", "validate", "plan"):
+    for name in ("ls", "verify", "gc", "validate", "capacity"):
         assert any(re.fullmatch(rf"  {name} +\S.{{20,}}", ln) for ln in lines), (name, lines)
-    assert "Hydra overrides (recipe=<name> key=value ...) are accepted by: validate, plan." in lines
+    assert (
+        "Hydra overrides (recipe=<name> key=value ...) are accepted by: validate, capacity."
+        in lines
+    )
+    assert any(re.fullmatch(r"  plan +the old name of capacity", ln) for ln in lines), lines
     assert any(
         ln.startswith("exit codes: 0 ok; 1 a checkpoint failed verification; 2 usage")
         for ln in lines

@@ -29,9 +29,14 @@ def commands_epilog(commands: dict[str, Command]) -> str:
     """One unwrapped line per subcommand (argparse's own list wraps and hides the overrides)."""
     width = max(map(len, commands)) + 2
     lines = ["commands:"]
-    lines += [f"  {name:<{width}}{command.help}" for name, command in commands.items()]
+    first: dict[int, str] = {}  # a command registered under a second name is an old alias
+    for name, command in commands.items():
+        alias_of = first.setdefault(id(command), name)
+        help_text = command.help if alias_of == name else f"the old name of {alias_of}"
+        lines.append(f"  {name:<{width}}{help_text}")
     lines.append(f"  {'soak':<{width}}chaos soak under random faults (python -m drill.soak)")
     takes = [name for name, command in commands.items() if command.overrides]
+    takes = [name for name in takes if first[id(commands[name])] == name]
     lines += [
         "",
         f"Hydra overrides (recipe=<name> key=value ...) are accepted by: {', '.join(takes)}.",
