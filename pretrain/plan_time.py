@@ -223,14 +223,14 @@ def progress_problems(
         room = _fitting_interval(run, plan, time_limit_s)
         fix = (
             f"set checkpoint.save_interval<={room} (or auto), or a time limit of at least "
-            f"{_duration(needed)}"
+            f"{human_duration(needed)}"
             if room >= 1
-            else f"no save interval fits: give a time limit of at least {_duration(needed)}"
+            else f"no save interval fits: give a time limit of at least {human_duration(needed)}"
         )
         problems.append(
-            f"launch.slurm.time_limit ({_duration(time_limit_s)}) is shorter than a start plus "
-            f"two save intervals ({_duration(needed)}: checkpoint.save_interval={interval} x "
-            f"{plan.step_s:.3g} s per step, {plan.step_detail}), so a requeued job may end "
+            f"launch.slurm.time_limit ({human_duration(time_limit_s)}) is shorter than a start "
+            f"plus two save intervals ({human_duration(needed)}: "
+            f"checkpoint.save_interval={interval} x {plan.step_s:.3g} s per step, {plan.step_detail}), so a requeued job may end "
             f"before its first save and start again from the same step: {fix}"
         )
     needed_grace = plan.step_s + plan.save_s
@@ -244,9 +244,10 @@ def progress_problems(
     return problems
 
 
-def _duration(seconds: float) -> str:
+def human_duration(seconds: float) -> str:
+    """Seconds, minutes or hours, as the planners print durations."""
     if seconds < 120:
         return f"{seconds:.0f} s"
     if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.2f} h"

@@ -24,6 +24,7 @@ from pretrain.plan_time import (
     WEIGHT_BYTES,
     StepTime,
     checkpoint_bytes_per_param,
+    human_duration,
     job_mtbf_s,
     resolve_save_interval,
     save_seconds,
@@ -178,14 +179,6 @@ def human_bytes(n: float) -> str:
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n:.0f} B"
-
-
-def human_duration(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds / 3600:.2f} h"
 
 
 def human_count(n: float) -> str:
