@@ -231,7 +231,8 @@ def progress_problems(
             f"launch.slurm.time_limit ({human_duration(time_limit_s)}) is shorter than a start "
             f"plus two save intervals ({human_duration(needed)}: "
             f"checkpoint.save_interval={interval} x {plan.step_s:.3g} s per step, "
-            f"{plan.step_detail}), so a requeued job may end before its first save and start again from the same step: {fix}"
+            f"{plan.step_detail}), so a requeued job may end before its first save and start "
+            f"again from the same step: {fix}"
         )
     needed_grace = plan.step_s + plan.save_s
     if run.resiliency.preemption and grace_s < needed_grace:
