@@ -99,3 +99,16 @@ gpu-smoke:
 	.venv312/bin/python -c "import transformer_engine" 2>/dev/null || \
 	  .venv312/bin/pip install -q --no-build-isolation 'transformer-engine[pytorch]'
 	.venv312/bin/python -m bench.gpu_smoke $(ARGS)
+
+# The air-gapped GPU node (docs/running.md, "GPU check"): `make gpu-wheels` here, where PyPI is,
+# fetches the cp312 wheels of every runtime dependency the node lacks into .whl (git-ignored)
+# and checks they and the tree fit in 60 MiB; on the node, with its own python3 and torch:
+#   python3 -m bench.gpu_check --wheels .whl        (JSON and logs into $$OUT or --out)
+# `make gpu-check-dry` runs every section of that check at toy size on this CPU (~1 min).
+.PHONY: gpu-wheels gpu-check-dry
+gpu-wheels: $(STAMP)
+	$(BIN)/python -m bench.gpu_wheels
+
+gpu-check-dry:
+	$(MAKE) install PY=3.12
+	.venv312/bin/python -m bench.gpu_check --dry-run

@@ -107,19 +107,37 @@ def _patch_rng() -> None:
     # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
     import megatron.core.tensor_parallel.random as mcore_random
 
-    def get_state(device: Any = "cpu") -> torch.Tensor:
+    # New function objects per module: torch.compile's rule map (built on a host where CUDA
+    # is present, e.g. --plan on a GPU node) refuses one object under two names with
+    # different rules, which `torch.cuda.manual_seed = torch.manual_seed` was (torch 2.11).
+    for module in (torch.cuda, cuda_random):
+        module.get_rng_state = _cpu_get_rng_state()  # type: ignore[assignment]
+        module.set_rng_state = _cpu_set_rng_state()  # type: ignore[assignment]
+        # Seeds the CPU generator: the tracker saves/restores around it, so streams stay apart.
+        module.manual_seed = _cpu_manual_seed()  # type: ignore[assignment]
+    mcore_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mcore_random._set_cuda_rng_state = _cpu_set_rng_state()
+
+
+def _cpu_get_rng_state() -> Any:
+    def get_rng_state(device: Any = "cpu") -> torch.Tensor:
         return torch.get_rng_state()
 
-    def set_state(state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    return get_rng_state
+
+
+def _cpu_set_rng_state() -> Any:
+    def set_rng_state(state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         torch.set_rng_state(state)
 
-    for module in (torch.cuda, cuda_random):
-        module.get_rng_state = get_state  # type: ignore[assignment]
-        module.set_rng_state = set_state  # type: ignore[assignment]
-        # Seeds the CPU generator: the tracker saves/restores around it, so streams stay apart.
-        module.manual_seed = torch.manual_seed  # type: ignore[assignment]
-    mcore_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
-    mcore_random._set_cuda_rng_state = set_state
+    return set_rng_state
+
+
+def _cpu_manual_seed() -> Any:
+    def manual_seed(seed: int) -> Any:
+        return torch.manual_seed(seed)
+
+    return manual_seed
 
 
 def _patch_sync_and_streams() -> None:

@@ -92,7 +92,9 @@ def build_components(run: RunConfig, env: DistEnv, dp: int, run_dir: Path) -> Co
             "fix data.vocab_size (the recipe's planning figure) or the tokenizer"
         )
     padded = model_lib.padded_vocab_size(run.model, tokenizer.vocab_size, run.parallel.tp)
-    tcfg = model_lib.transformer_config(run.model, run.parallel, env.device, bf16, run.perf)
+    tcfg = model_lib.transformer_config(
+        run.model, run.parallel, env.device, bf16, run.perf, run.train.deterministic
+    )
     chunks = model_lib.build_chunks(
         run.model, run.parallel, tcfg, padded, use_te=env.device == "cuda" and _have_te()
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 import zlib
@@ -34,8 +35,18 @@ def perf_settings(perf: PerfConfig) -> dict[str, Any]:
     return settings
 
 
+def cuda_extension(name: str) -> bool:
+    """Whether a compiled extension module (apex, megatron's fused softmax) is installed."""
+    return importlib.util.find_spec(name) is not None
+
+
 def transformer_config(
-    model: ModelConfig, par: ParallelConfig, device: str, bf16: bool, perf: PerfConfig
+    model: ModelConfig,
+    par: ParallelConfig,
+    device: str,
+    bf16: bool,
+    perf: PerfConfig,
+    deterministic: bool = False,
 ) -> Any:
     # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -78,12 +89,16 @@ def transformer_config(
         bf16=bf16,
         use_cpu_initialization=not on_gpu,
         perform_initialization=model.perform_initialization,
-        # The fused kernels below exist only as CUDA extensions.
+        # Fused kernels: the first two are torch.jit code (any CUDA torch); the masked softmax
+        # is a compiled extension (Megatron-LM's or apex's build) and persist_layer_norm is
+        # apex's, so without them (a bare torch node) megatron's own unfused paths run
+        # (its local norm asserts persist_layer_norm off, and the softmax would ImportError).
         bias_dropout_fusion=on_gpu,
         bias_activation_fusion=on_gpu and not swiglu,
-        masked_softmax_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu and cuda_extension("scaled_masked_softmax_cuda"),
         apply_rope_fusion=False,
-        persist_layer_norm=on_gpu,
+        persist_layer_norm=on_gpu and cuda_extension("apex"),
+        deterministic_mode=deterministic,
         gradient_accumulation_fusion=False,
         # Batched p2p posts send_prev before send_next; with 2 stages both go to the same peer
         # and gloo matches them by order, swapping activations and gradients under VPP.

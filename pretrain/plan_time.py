@@ -177,9 +177,14 @@ def time_plan(run: RunConfig) -> TimePlan | None:
 def resolve_save_interval(run: RunConfig, time_limit_s: float | None = None) -> RunConfig:
     """``checkpoint.save_interval=auto`` replaced by Young's interval in steps, lowered where a
     job of ``time_limit_s`` (a Slurm job's --time) would not fit two of them; any other value
-    as is. ConfigError naming what to give when the step time cannot be known."""
+    as is; None when checkpointing is off (nothing to space out). ConfigError naming what to
+    give when the step time cannot be known."""
     if run.checkpoint.save_interval != "auto":
         return run
+    if not run.checkpoint.enabled:
+        return dataclasses.replace(
+            run, checkpoint=dataclasses.replace(run.checkpoint, save_interval=None)
+        )
     plan = time_plan(run)
     if plan is None:
         why = step_time(run, recipe_padded_vocab(run)).detail

@@ -20,9 +20,12 @@ GIB = float(1 << 30)
 
 
 def memory_gib(device: str) -> dict[str, float]:
-    """CUDA max allocated/reserved since the last call on GPU; the process RSS on CPU."""
+    """CUDA max allocated/reserved since the last call on GPU, and what stays allocated
+    between steps (weights, gradient buffers, optimizer state: the planner's static part);
+    the process RSS on CPU."""
     if device == "cuda":
         stats = {
+            "allocated_gib": torch.cuda.memory_allocated() / GIB,
             "max_allocated_gib": torch.cuda.max_memory_allocated() / GIB,
             "max_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
         }

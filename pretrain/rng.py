@@ -7,7 +7,9 @@ numbers, and held still around evaluation so validation never moves a training s
 from __future__ import annotations
 
 import contextlib
+import os
 import random
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -73,3 +75,24 @@ def preserved_rng(device: str) -> Iterator[None]:
         yield
     finally:
         restore_rng(state, device)
+
+
+# What train.deterministic sets, unless the environment already says otherwise: cuBLAS's
+# reproducible workspace (it must be set before the first GEMM) and one NCCL algorithm (set
+# before the first collective), as Megatron-LM's --deterministic-mode asks.
+DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring"}
+
+
+def make_deterministic() -> dict[str, str]:
+    """Bitwise-reproducible kernels from here on (before CUDA and the process group start).
+
+    warn_only: an op with no deterministic kernel warns with its name instead of failing the
+    run, so a report can say which kernel broke reproducibility. Returns the env it set."""
+    set_here = {k: v for k, v in DETERMINISTIC_ENV.items() if k not in os.environ}
+    os.environ.update(set_here)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    # logs.setup_logging hides UserWarnings at INFO; this one names the offending kernel.
+    warnings.filterwarnings("default", message=".*deterministic implementation.*")
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    return set_here

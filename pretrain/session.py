@@ -13,6 +13,7 @@ from pretrain.hooks import TrainHook, build_hooks
 from pretrain.logs import setup_logging
 from pretrain.loop import Trainer
 from pretrain.reporting import reporting_hooks
+from pretrain.rng import make_deterministic
 from recipes import ConfigError, RunConfig, to_yaml
 
 log = logging.getLogger(__name__)
@@ -22,6 +23,10 @@ ONE_LINE_KINDS = ("config", "lease", "topology", "checkpoint", "data")
 
 def train(run: RunConfig, device: str, dp: int) -> int:
     setup_logging(run.logging.level)
+    if run.train.deterministic:
+        log.info(
+            "deterministic kernels on (train.deterministic); env set: %s", make_deterministic()
+        )
     env = init_distributed(device)
     run_dir = Path(run.output_dir) / run.run_id
     problem = broadcast_object(_make_run_dir(run_dir) if env.rank == 0 else None)

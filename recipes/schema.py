@@ -294,6 +294,12 @@ class TrainConfig:
     seed: int = 1234  # model init and dropout seed
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16
+    # Bitwise-reproducible steps on CUDA (Megatron-LM's --deterministic-mode): megatron-core's
+    # deterministic_mode, torch.use_deterministic_algorithms (warn_only: an op without a
+    # deterministic kernel is named in the log, not fatal), cuDNN deterministic, and
+    # CUBLAS_WORKSPACE_CONFIG=:4096:8 and NCCL_ALGO=Ring unless set. Slower; CPU runs are
+    # deterministic without it.
+    deterministic: bool = False
     # Validation on the held-out split every eval_interval steps (None: never) and once at the
     # end, eval_iters global batches each time; the test split too at the end if data.split
     # gives it any weight.

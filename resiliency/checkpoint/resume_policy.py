@@ -64,6 +64,8 @@ RULES: tuple[tuple[str, KeyClass], ...] = (
     ("train.eval_iters", "free"),
     ("train.peak_tflops", "free"),
     ("train.step_time_s", "free"),  # what the planners assume, not what trains
+    # Which kernels compute the same math (bitwise reproducibility), not what is trained.
+    ("train.deterministic", "free"),
     # FP8 changes the numerics like train.precision does; the other knobs trade memory or
     # overlap for time and train the same losses (tests/test_perf_knobs.py).
     ("perf.fp8", "must_match"),
