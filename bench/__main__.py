@@ -29,6 +29,7 @@ import psutil
 
 from bench import hang_detection, remote_upload
 from bench.table import table
+from pretrain.run_dir import RunDir, iter_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
@@ -196,14 +197,12 @@ def _cold_read(paths: list[Path]) -> float:
 
 
 def _first_step_after(run_dir: Path, since: float, proc: subprocess.Popen, limit: float) -> float:
-    metrics = run_dir / "metrics" / "steps.jsonl"
+    metrics = RunDir(run_dir).steps_metrics
     deadline = time.time() + limit
     while time.time() < deadline:
-        if metrics.exists():
-            for line in metrics.read_text().splitlines():
-                record = json.loads(line)
-                if record["time"] > since:
-                    return record["time"]
+        for record in iter_jsonl(metrics):
+            if record["time"] > since:
+                return record["time"]
         if proc.poll() is not None:
             raise RuntimeError(
                 f"restore run exited {proc.returncode}: "
@@ -230,7 +229,7 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 def _startup_phases(run_dir: Path, launched: float) -> dict[str, float]:
     """Where the restore run's time went, from its attempt record's startup clock."""
-    records = sorted((run_dir / "attempts").glob("attempt-*.json"))
+    records = sorted(RunDir(run_dir).attempts_dir.glob("attempt-*.json"))
     times = json.loads(records[-1].read_text()).get("startup", {}) if records else {}
     marks = [
         ("launch", launched),
@@ -295,7 +294,7 @@ def bench_restore(config: str, work: Path, data: str, reps: int) -> dict[str, An
     """P3: (launch -> training resumes) - (launch -> training starts, same job, fresh) over
     the checkpoint's cold read time: what restoring adds to a start, per byte-read time."""
     run_dir = work / "runs" / config
-    step_dir = max((run_dir / "steps").glob("step-?????????"))
+    step_dir = max(RunDir(run_dir).steps_dir.glob("step-?????????"))
     files = [p for p in step_dir.rglob("*") if p.is_file()]
     nbytes = sum(p.stat().st_size for p in files)
     samples = []

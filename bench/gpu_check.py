@@ -43,6 +43,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pretrain.run_dir import RunDir, iter_jsonl, last_by_step, read_jsonl
+
 REPO = Path(__file__).resolve().parents[1]
 SECTIONS = ("peaks", "resume", "throughput", "plan", "recipe")
 WARMUP = 5  # steps left out of every median (allocator, autotuning, the first save's setup)
@@ -351,8 +353,8 @@ class Check:
         # One state saved by two processes (the reference and the run killed later): its
         # payload files must be byte-identical, or the save itself is not deterministic.
         same_save = compare_step_files(
-            reference / "steps" / step_dir_name(step),
-            self.runs / "resume-kill" / "steps" / step_dir_name(step),
+            RunDir(reference).steps_dir / step_dir_name(step),
+            RunDir(self.runs / "resume-kill").steps_dir / step_dir_name(step),
         )
         variants = {}
         if self.args.diagnose:  # the same relaunch without the DDP overlaps, on a copy
@@ -395,9 +397,9 @@ class Check:
         loop is past it: the moment comes from the file system, not from the trainer."""
         proc = self.pretrain(model, run_id)
         run_dir = self.runs / run_id
-        committed = run_dir / "steps" / step_dir_name(self.shape.save_every) / "COMMITTED"
+        committed = committed_marker(run_dir, self.shape.save_every)
         while proc.poll() is None:
-            steps = read_steps(run_dir) if (run_dir / "metrics" / "steps.jsonl").exists() else {}
+            steps = read_steps(run_dir)
             if committed.exists() and max(steps, default=0) >= self.shape.kill_after:
                 os.killpg(proc.pid, signal.SIGKILL)
                 break
@@ -414,7 +416,7 @@ class Check:
     def save_costs(self, run_dir: Path, asynchronous: bool, since: float = 0.0) -> dict[str, Any]:
         """The saves of the attempt that began after ``since`` (metrics/checkpoints.jsonl)."""
         peaks = self.report.get("peaks", {})
-        records = read_jsonl(run_dir / "metrics" / "checkpoints.jsonl")
+        records = read_jsonl(RunDir(run_dir).checkpoint_metrics)
         records = [r for r in records if r["time"] >= since]
         saves = [r for r in records if r["tier"] == "persistent"]
         steps = read_steps(run_dir)
@@ -422,7 +424,7 @@ class Check:
         # first save (resiliency/checkpoint/hook.py): part of what a first save costs.
         staging = sum(r["blocked_s"] for r in records if r["tier"] == "staging")
         out: dict[str, Any] = {"staging_blocked_s": staging, "saves": []}
-        kept = sorted((run_dir / "steps").glob("step-*"))
+        kept = sorted(RunDir(run_dir).steps_dir.glob("step-*"))
         # Every step of a run has the same bytes; older ones were collected (keep_last).
         size = tree_bytes(kept[-1]) if kept else None
         for index, save in enumerate(saves):
@@ -533,22 +535,16 @@ def sync(device: str) -> None:
 
 
 # -- reading what the runs wrote ---------------------------------------------------------------
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def read_steps(run_dir: Path) -> dict[int, dict[str, Any]]:
     """Step -> record; a relaunch's record replaces the killed attempt's for the same step."""
-    return {r["step"]: r for r in read_jsonl(run_dir / "metrics" / "steps.jsonl")}
+    return last_by_step(RunDir(run_dir).steps_metrics)
 
 
 def read_attempts(run_dir: Path) -> list[dict[int, dict[str, Any]]]:
     """steps.jsonl cut where the step number goes back: one step -> record map per attempt."""
     attempts: list[dict[int, dict[str, Any]]] = []
     last = None
-    for record in read_jsonl(run_dir / "metrics" / "steps.jsonl"):
+    for record in iter_jsonl(RunDir(run_dir).steps_metrics):
         if last is None or record["step"] <= last:
             attempts.append({})
         attempts[-1][record["step"]] = record
@@ -560,6 +556,13 @@ def step_dir_name(step: int) -> str:
     from resiliency.storage.layout import step_name
 
     return step_name(step)
+
+
+def committed_marker(run_dir: Path, step: int) -> Path:
+    """The file whose appearance publishes ``step`` (resiliency/storage/layout.py)."""
+    from resiliency.storage.layout import COMMITTED_NAME, RunLayout
+
+    return RunLayout.from_run_dir(run_dir).step_dir(step) / COMMITTED_NAME
 
 
 def compare_step_files(a: Path, b: Path) -> dict[str, Any]:
@@ -661,7 +664,7 @@ def writer_slowdown(
     file's mtime, the file system's clock) over the median of the other timed steps."""
     windows = []
     for save in saves:
-        committed = run_dir / "steps" / step_dir_name(save["step"]) / "COMMITTED"
+        committed = committed_marker(run_dir, save["step"])
         if committed.exists():
             windows.append((save["time"], committed.stat().st_mtime))
     during, other = [], []

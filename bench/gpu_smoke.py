@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from pretrain.prepare import dataset_prefix, prepare_corpus, stdlib_documents
+from pretrain.run_dir import RunDir, last_by_step
 from pretrain.tokenizer import build_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,11 +70,7 @@ def train(overrides: list[str], check: bool = True) -> subprocess.CompletedProce
 
 
 def steps_of(run_dir: Path) -> dict[int, dict[str, Any]]:
-    records = {}
-    for line in (run_dir / "metrics" / "steps.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        records[record["step"]] = record
-    return records
+    return last_by_step(RunDir(run_dir).steps_metrics)
 
 
 def throughput(run_dir: Path) -> dict[str, Any]:

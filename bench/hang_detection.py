@@ -39,6 +39,7 @@ import psutil
 
 from pretrain.prepare import dataset_prefix, stdlib_documents
 from pretrain.prepare import prepare_corpus as prepare
+from pretrain.run_dir import RunDir
 from pretrain.tokenizer import build_tokenizer
 from resiliency.monitor.timeouts import p99
 
@@ -89,7 +90,7 @@ def job_env() -> dict[str, str]:
 
 def judge(record: dict[str, Any], section: str, rank: int, run_dir: Path) -> dict[str, Any]:
     """One hung attempt: timeout, detection, goal, and whether the right rank was named."""
-    saved = json.loads((run_dir / "ft_timeouts.json").read_text())["samples"][section]
+    saved = json.loads(RunDir(run_dir).timeouts_path.read_text())["samples"][section]
     goal = max(3 * p99(saved), FLOOR_S) + 5
     monitor = [m for m in record.get("monitor_timeouts", []) if m["section"] == section]
     detection = (record.get("rto") or {}).get("detection_s")
@@ -121,7 +122,7 @@ def run_scenario(name: str, workdir: Path, data: str, rng: random.Random) -> dic
 
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:
-    paths = sorted((run_dir / "attempts").glob("attempt-[0-9][0-9].json"))
+    paths = sorted(RunDir(run_dir).attempts_dir.glob("attempt-[0-9][0-9].json"))
     return [json.loads(p.read_text()) for p in paths]
 
 
@@ -175,7 +176,7 @@ def run_random(workdir: Path, data: str, stops: int, rng: random.Random) -> dict
         )
         try:
             stopped = [
-                stop_a_random_rank(workdir, r, run_dir / "metrics" / "steps.jsonl", rng)
+                stop_a_random_rank(workdir, r, RunDir(run_dir).steps_metrics, rng)
                 for r in range(stops)
             ]
             proc.wait(timeout=60 * stops + 300)

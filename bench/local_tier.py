@@ -23,6 +23,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from pretrain.run_dir import RunDir, read_jsonl
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -64,7 +66,7 @@ def run_job(args: argparse.Namespace, workdir: Path, data: str) -> None:
 
 def step_bytes(workdir: Path) -> dict[str, int]:
     run = workdir / "runs" / "bench"
-    steps = sorted((run / "steps").glob("step-*"))
+    steps = sorted(RunDir(run).steps_dir.glob("step-*"))
     manifest = json.loads((steps[-1] / "manifest.json").read_text())
     local = sorted((workdir / "local").glob("node-*/bench/*/iter_*_local.pt"))
     newest = max(int(p.name.split("_")[1]) for p in local)
@@ -75,12 +77,7 @@ def step_bytes(workdir: Path) -> dict[str, int]:
 
 
 def summarize(workdir: Path) -> dict[str, Any]:
-    records = [
-        json.loads(line)
-        for line in (workdir / "runs" / "bench" / "metrics" / "checkpoints.jsonl")
-        .read_text()
-        .splitlines()
-    ]
+    records = read_jsonl(RunDir(workdir / "runs" / "bench").checkpoint_metrics)
     sizes = step_bytes(workdir)
     tiers: dict[str, Any] = {}
     for tier in ("local", "persistent"):

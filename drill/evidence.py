@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from drill.runs import Scenario
+from pretrain.run_dir import RunDir, iter_jsonl
 from resiliency.storage.attempts import recorded_attempts
 from resiliency.storage.layout import RunLayout
 
@@ -96,12 +97,8 @@ class RunEvidence:
 
 
 def read_records(run_dir: Path) -> list[StepRecord]:
-    path = run_dir / "metrics" / "steps.jsonl"
-    if not path.is_file():
-        return []
     records = []
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
+    for r in iter_jsonl(RunDir(run_dir).steps_metrics):
         records.append(
             StepRecord(r["step"], r["loss"], r["grad_norm"], r["lr"], r["step_time_s"], r["time"])
         )

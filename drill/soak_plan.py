@@ -33,8 +33,8 @@ from pathlib import Path
 
 from drill.experiment import prepare_out
 from drill.jobs import DrillError, _job_env
+from pretrain.run_dir import RunDir, read_jsonl
 from recipes import ConfigError, RunConfig, load_config
-from resiliency.monitor.goodput import read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ class SoakLauncher:
 
 def _mean_step_s(run_dir: Path) -> float:
     """The steady step time: the median of steps after the first (its warm-up excluded)."""
-    records = read_jsonl(run_dir / "metrics" / "steps.jsonl")
+    records = read_jsonl(RunDir(run_dir).steps_metrics)
     times = sorted(r["step_time_s"] for r in records if r["step"] > 1 and "step_time_s" in r)
     if not times:
         raise DrillError(f"{run_dir} logged no step times")
@@ -207,10 +207,10 @@ def _mean_step_s(run_dir: Path) -> float:
 def clean_costs(run_dir: Path) -> tuple[float, float]:
     """(mean blocking save, start: process start -> first step done) of a finished run: what
     a save and, roughly, a restart cost it."""
-    records = read_jsonl(run_dir / "metrics" / "checkpoints.jsonl")
+    records = read_jsonl(RunDir(run_dir).checkpoint_metrics)
     # "staging": once per attempt (sizing the buffers), a start cost rather than a save's
     saves = [s["blocked_s"] for s in records if s.get("tier") != "staging"]
-    record = json.loads(sorted((run_dir / "attempts").glob("attempt-*.json"))[0].read_text())
+    record = json.loads(sorted(RunDir(run_dir).attempts_dir.glob("attempt-*.json"))[0].read_text())
     startup = record.get("startup") or {}
     start = startup.get("first_step_done_at", 0.0) - startup.get("process_start", 0.0)
     return (sum(saves) / len(saves) if saves else 0.0), max(start, 0.0)

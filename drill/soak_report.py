@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from drill.soak_plan import IN_PLACE, PlannedFault, SoakRuns, clean_costs
+from pretrain.run_dir import RunDir, read_jsonl
 from resiliency.cli.capacity import predicted_goodput
-from resiliency.monitor.goodput import Ledger, build_ledger, format_ledger, read_jsonl
+from resiliency.monitor.goodput import Ledger, build_ledger, format_ledger
 
 REPORT_NAME, PLOT_NAME = "soak.md", "soak.png"
 
@@ -40,11 +41,11 @@ class Verdict:
 
 def final_losses(run_dir: Path) -> dict[int, float]:
     """step -> loss of the last record of each step (re-trained steps overwrite)."""
-    return {r["step"]: r["loss"] for r in read_jsonl(run_dir / "metrics" / "steps.jsonl")}
+    return {r["step"]: r["loss"] for r in read_jsonl(RunDir(run_dir).steps_metrics)}
 
 
 def attempt_records(run_dir: Path) -> list[dict[str, Any]]:
-    paths = sorted((run_dir / "attempts").glob("attempt-*.json"))
+    paths = sorted(RunDir(run_dir).attempts_dir.glob("attempt-*.json"))
     return [json.loads(p.read_text()) for p in paths]
 
 
@@ -287,7 +288,7 @@ def write_plot(
     top.set_xlabel("step")
     top.set_ylabel("loss")
     top.legend()
-    records = read_jsonl(runs.run_dir("soak") / "metrics" / "steps.jsonl")
+    records = read_jsonl(RunDir(runs.run_dir("soak")).steps_metrics)
     if records:
         t0 = min(r["time"] for r in records)
         bottom.plot([r["time"] - t0 for r in records], [r["step"] for r in records], ".", ms=3)

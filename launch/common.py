@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pretrain.plan_time import progress_problems, resolve_save_interval
+from pretrain.run_dir import RunDir
 from recipes import ConfigError, RunConfig, load_config, to_yaml
 from recipes.inputs import check_inputs
 from recipes.validate import new_launch_id, resolve_run_id, validate_runtime
@@ -100,10 +101,10 @@ def check_run_dir_free(plan: LaunchPlan) -> None:
         )
 
 
-def write_resolved_config(plan: LaunchPlan, name: str = "launch-config.yaml") -> Path:
+def write_resolved_config(plan: LaunchPlan) -> Path:
     """Pin the resolved config in the run dir; every rank and requeue loads this file."""
     plan.run_dir.mkdir(parents=True, exist_ok=True)
-    path = plan.run_dir / name
+    path = RunDir(plan.run_dir).launch_config_path
     tmp = path.with_suffix(".tmp")
     tmp.write_text(to_yaml(plan.run))
     tmp.replace(path)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import logging
 import posixpath
+from pathlib import Path
 from typing import Any
 
+from pretrain.run_dir import RunDir
 from recipes import ConfigError, RunConfig
 from recipes.schema import K8sConfig
 
@@ -18,7 +20,8 @@ log = logging.getLogger(__name__)
 
 CONTAINER = "pytorch"  # the operator reads exit codes (and injects PET_* env) for this name only
 CONFIG_DIR = "/etc/mcore-recipes"
-CONFIG_FILE = "launch-config.yaml"
+# The pinned config, mounted from a ConfigMap under the run dir's own name for it.
+CONFIG_FILE = RunDir(Path(CONFIG_DIR)).launch_config_path.name
 # Default root of the node-local tier's hostPath: one directory per namespace and job, so jobs
 # sharing a node never share shards. The kubelet creates it (root, 0755) on first use; nothing
 # removes it when the job ends, so clusters that run many jobs clean it up with their node tools.

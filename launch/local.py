@@ -53,7 +53,6 @@ from resiliency.storage.attempts import recorded_attempts
 from resiliency.storage.layout import RunLayout
 
 log = logging.getLogger(__name__)
-CONFIG_NAME = "launch-config.yaml"
 LOG_NAME = "launch-local.log"
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
 
@@ -79,7 +78,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     plan = plan_launch(overrides)
     check_run_dir_free(plan)
     check_remote_tier(plan)
-    config = write_resolved_config(plan, CONFIG_NAME)
+    config = write_resolved_config(plan)
     budget = plan.run.resiliency.max_restarts if args.max_restarts is None else args.max_restarts
     return LocalSupervisor(plan, config, budget).run()
 

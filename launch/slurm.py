@@ -29,13 +29,13 @@ from launch.common import (
 )
 from launch.slurm_manage import ACTIONS, manage
 from launch.slurm_script import ScriptInputs, render_sbatch, runs_image_code
+from pretrain.run_dir import RunDir
 from recipes import ConfigError, RunConfig
 from recipes.inputs import check_inputs
 from resiliency.monitor.fault_tolerance import write_launcher_config
 from resiliency.storage.manifest import code_commit, image_digest
 
 log = logging.getLogger(__name__)
-CONFIG_NAME = "launch-config.yaml"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if not args.dry_run and not args.skip_fit_check:
         check_fit(plan)
     sbatch = None if args.dry_run else _find_sbatch()
-    write_resolved_config(plan, CONFIG_NAME)
+    write_resolved_config(plan)
     if plan.run.launch.backend == "ft_launcher":
         write_launcher_config(plan.run, plan.run_dir)
     script = write_script(plan, text)
@@ -161,7 +161,7 @@ def _warn_on_short_grace(plan: LaunchPlan) -> None:
 
 def render(plan: LaunchPlan) -> str:
     inputs = ScriptInputs(
-        config_path=plan.run_dir / CONFIG_NAME,
+        config_path=RunDir(plan.run_dir).launch_config_path,
         run_dir=plan.run_dir,
         workdir=Path.cwd(),
         bin_dir=Path(sys.executable).parent,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import logging
 import math
 import os
@@ -28,6 +27,7 @@ from pretrain.faults import FaultInjector
 from pretrain.guard import NumericGuard, answer_anomaly, nonfinite_grads
 from pretrain.hooks import EvalResult, StepResult, TrainHook
 from pretrain.progress import Progress
+from pretrain.run_dir import RunDir, append_jsonl
 from pretrain.schedule import run_schedule
 from pretrain.tokenizer import build_tokenizer
 from recipes import ConfigError
@@ -121,7 +121,7 @@ def build_components(run: RunConfig, env: DistEnv, dp: int, run_dir: Path) -> Co
     plan = data.BatchPlan(
         run.train.micro_batch_size, num_microbatches(run, dp), dp, ps.get_data_parallel_rank()
     )
-    cache = Path(run.data.cache_dir) if run.data.cache_dir else run_dir / "data-cache"
+    cache = Path(run.data.cache_dir) if run.data.cache_dir else RunDir(run_dir).data_cache_dir
     train, valid, test = data.build_datasets(
         run.data, tokenizer, run.model.seq_length, split_sizes(run, plan), cache
     )
@@ -175,7 +175,8 @@ class Trainer:
         self.stop_requested = False
         self.exit_code = 0  # non-zero for planned exits (request_stop: preemption, straggler)
         self._checkpointing: str | None = None
-        self.metrics_path = run_dir / "metrics" / "steps.jsonl"
+        self.run_paths = RunDir(run_dir)
+        self.metrics_path = self.run_paths.steps_metrics
         self.progress = self._progress()
         self.saves: dict[str, int] = {}  # checkpoint work done this attempt, by kind
         self.last_result: StepResult | None = None
@@ -299,7 +300,7 @@ class Trainer:
                 self.run.train.eval_iters,
                 result.seconds,
             )
-            self._append_metrics("eval.jsonl", {**asdict(result), "time": time.time()})
+            append_jsonl(self.run_paths.eval_metrics, {**asdict(result), "time": time.time()})
         for hook in self.hooks:
             hook.on_eval_end(self, result)
         return result
@@ -422,16 +423,9 @@ class Trainer:
             result.memory_gib = self.progress.last_memory
             log.info("%s", line)
         record = {**asdict(result), "consumed_tokens": extra["consumed_tokens"]}
-        self._append_metrics(self.metrics_path.name, {**record, "time": time.time()})
+        append_jsonl(self.metrics_path, {**record, "time": time.time()})
 
     def report(self, scalars: dict[str, float], step: int) -> None:
         """Hand run-level scalars to every hook's ``on_report`` (the reporting hooks write them)."""
         for hook in self.hooks:
             hook.on_report(self, scalars, step)
-
-    def _append_metrics(self, name: str, record: dict[str, Any]) -> None:
-        """One JSON line in <run_dir>/metrics/<name> (rank 0: steps.jsonl, eval.jsonl)."""
-        path = self.metrics_path.with_name(name)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as stream:
-            stream.write(json.dumps(record) + "\n")

@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pretrain.hooks import EvalResult, StepResult, TrainHook
+from pretrain.run_dir import RunDir
 
 if TYPE_CHECKING:
     from pretrain.loop import Trainer
     from recipes.schema import LoggingConfig, RunConfig
 
 log = logging.getLogger(__name__)
-TENSORBOARD_DIR = "tensorboard"
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
 BATCH_EVENTS, BATCH_S = 20, 5.0  # TensorBoard steps written (and flushed) at once
 
@@ -152,7 +152,7 @@ class EventFile:
 class TensorBoardHook(ScalarHook):
     def __init__(self, run_dir: Path) -> None:
         super().__init__()
-        self.dir = run_dir / TENSORBOARD_DIR
+        self.dir = RunDir(run_dir).tensorboard_dir
         self.events: EventFile | None = None
         self.batch: list[tuple[dict[str, float], int, float]] = []
         self.handed = time.monotonic()

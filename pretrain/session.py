@@ -14,6 +14,7 @@ from pretrain.logs import setup_logging
 from pretrain.loop import Trainer
 from pretrain.reporting import reporting_hooks
 from pretrain.rng import make_deterministic
+from pretrain.run_dir import RunDir
 from recipes import ConfigError, RunConfig, to_yaml
 
 log = logging.getLogger(__name__)
@@ -79,9 +80,10 @@ def _make_run_dir(run_dir: Path) -> str | None:
 
 
 def _write_config(run_dir: Path, run: RunConfig) -> None:
-    tmp = run_dir / "config.yaml.tmp"
+    path = RunDir(run_dir).config_path  # one path for every rank and attempt
+    tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(to_yaml(run))
-    tmp.replace(run_dir / "config.yaml")  # one path for every rank and attempt
+    tmp.replace(path)
 
 
 def _log_failure(failure: Failure) -> None:

@@ -13,8 +13,9 @@ from launch.common import plan_launch
 from launch.local import launcher_command
 from pretrain.failures import classify
 from pretrain.hooks import StepResult
+from pretrain.run_dir import RunDir
 from recipes.schema import WatchConfig
-from resiliency.monitor.fault_tolerance import TIMEOUTS_FILE, launcher_config
+from resiliency.monitor.fault_tolerance import launcher_config
 from resiliency.monitor.stacks import StackWatchdog, read_stack_dump
 from resiliency.monitor.watch import RestoreDivergedError, jumps
 from tests.ft_helpers import (
@@ -124,5 +125,5 @@ def test_hang_is_detected_restarted_and_resumes_exactly(
     assert second["post_restore_watch"]["ok"]
     assert losses(run_dir) == losses(clean)
 
-    learned = json.loads((run_dir / TIMEOUTS_FILE).read_text())
+    learned = json.loads(RunDir(run_dir).timeouts_path.read_text())
     assert learned["timeouts"]["step"] >= FLOOR_S and len(learned["samples"]["step"]) >= 3

@@ -22,9 +22,10 @@ import psutil
 import pytest
 
 from bench.hang_detection import stop_a_random_rank
+from pretrain.run_dir import RunDir
 from recipes.schema import FtConfig
 from resiliency.monitor.attribution import UNDETERMINED, attribute_hang
-from resiliency.monitor.fault_tolerance import TIMEOUTS_FILE, load_timeouts
+from resiliency.monitor.fault_tolerance import load_timeouts
 from resiliency.monitor.stacks import BEAT_S, StackWatchdog, read_stack_dump
 from resiliency.monitor.timeouts import OUT_OF_SECTION, SectionTimeouts, p99
 from tests.ft_helpers import (
@@ -82,11 +83,11 @@ def test_observations_persist_for_the_next_attempt(tmp_path: Path) -> None:
     timeouts = SectionTimeouts(CFG)
     for value in (0.2, 0.3, 0.25):
         timeouts.observe("step", value)
-    (tmp_path / TIMEOUTS_FILE).write_text(json.dumps(timeouts.state()))
+    RunDir(tmp_path).timeouts_path.write_text(json.dumps(timeouts.state()))
     again = SectionTimeouts(CFG, load_timeouts(tmp_path))
     assert again.samples["step"] == [0.2, 0.3, 0.25] and again.timeout("step") == 30.0
     assert load_timeouts(tmp_path / "missing") is None
-    (tmp_path / TIMEOUTS_FILE).write_text(json.dumps({"client_state": {}}))  # older format
+    RunDir(tmp_path).timeouts_path.write_text(json.dumps({"client_state": {}}))  # older format
     assert load_timeouts(tmp_path) is None
 
 
@@ -221,7 +222,7 @@ def _assert_caught_within_goal(
     record: dict[str, Any], section: str, run_dir: Path, floor_s: float = FLOOR_S
 ) -> None:
     """Torn down within max(3 x p99, floor) + 5 s of the hung rank's last progress."""
-    samples = json.loads((run_dir / TIMEOUTS_FILE).read_text())["samples"][section]
+    samples = json.loads(RunDir(run_dir).timeouts_path.read_text())["samples"][section]
     goal = max(3 * p99(samples), floor_s) + 5
     monitor = record["monitor_timeouts"]
     assert monitor and {t["section"] for t in monitor} == {section}, monitor

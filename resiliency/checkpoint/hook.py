@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -18,6 +17,7 @@ from pretrain.compat import vpp_tied_embedding_save_problem
 from pretrain.distributed import broadcast_object, probe_ranks
 from pretrain.failures import classify
 from pretrain.hooks import StepResult, TrainHook
+from pretrain.run_dir import append_jsonl
 from pretrain.tokenizer import build_tokenizer
 from recipes import ConfigError
 from resiliency.checkpoint.async_writer import SpawnedWriterQueue
@@ -314,12 +314,16 @@ class CheckpointHook(TrainHook):
         if tier is None:
             self._reserve_staging(trainer, result.step)
             return
-        with trainer.checkpointing(f"{tier} save"), _blocked_time(trainer, tier, result.step):
+        record_to = self._blocked_record(trainer)
+        with trainer.checkpointing(f"{tier} save"), _blocked_time(record_to, tier, result.step):
             if tier == "persistent":
                 self.checkpointer.save()
             else:
                 assert self.local is not None
                 self.local.save()
+
+    def _blocked_record(self, trainer: "Trainer") -> Path | None:
+        return self.layout.dir.checkpoint_metrics if trainer.env.rank == 0 else None
 
     def _fenced(self, trainer: "Trainer") -> bool:
         """A stop was voted: if it is because the lease was taken over, this attempt writes
@@ -337,7 +341,8 @@ class CheckpointHook(TrainHook):
         assert self.checkpointer is not None
         if not self.checkpointer.staging_to_reserve:
             return
-        with trainer.checkpointing("staging"), _blocked_time(trainer, "staging", step):
+        record_to = self._blocked_record(trainer)
+        with trainer.checkpointing("staging"), _blocked_time(record_to, "staging", step):
             self.checkpointer.reserve_staging()
 
     def roll_back(self, trainer: "Trainer", bad_step: int) -> int | None:
@@ -425,17 +430,13 @@ def _due(interval: int | None, step: int) -> bool:
 
 
 @contextlib.contextmanager
-def _blocked_time(trainer: "Trainer", tier: str, step: int) -> Iterator[None]:
-    """Record how long a save kept the training loop waiting (metrics/checkpoints.jsonl)."""
+def _blocked_time(record_to: Path | None, tier: str, step: int) -> Iterator[None]:
+    """Record how long a save kept the training loop waiting (metrics/checkpoints.jsonl, on
+    the rank given a path)."""
     started = time.perf_counter()
     yield
-    if trainer.env.rank == 0:
-        path = trainer.metrics_path.with_name("checkpoints.jsonl")
-        record = {
-            "tier": tier,
-            "step": step,
-            "blocked_s": time.perf_counter() - started,
-            "time": time.time(),
-        }
-        with open(path, "a") as stream:
-            stream.write(json.dumps(record) + "\n")
+    if record_to is not None:
+        blocked = time.perf_counter() - started
+        append_jsonl(
+            record_to, {"tier": tier, "step": step, "blocked_s": blocked, "time": time.time()}
+        )

@@ -18,6 +18,7 @@ from pretrain import exit_codes
 from pretrain.distributed import broadcast_object
 from pretrain.failures import ClassifiedError
 from pretrain.faults import FaultInjector
+from pretrain.run_dir import RunDir
 from recipes import ConfigError
 from recipes.schema import RemoteCheckpointConfig, RunConfig
 from resiliency.checkpoint.topology import Target, TopologyRefusedError, TopologyReport, validate
@@ -34,7 +35,6 @@ from resiliency.storage.tokenizer_copy import TOKENIZER_DIR, tokenizer_differenc
 from resiliency.storage.verify import balanced_share, checksum_problem, io_problem
 
 log = logging.getLogger(__name__)
-DATA_CACHE_NAME = "data-cache"  # the index cache when data.cache_dir is unset (pretrain/loop.py)
 
 
 @dataclass(frozen=True)
@@ -286,7 +286,7 @@ def _drop_stale_cache(run: RunConfig, run_dir: Path) -> None:
             run.data.cache_dir,
         )
         return
-    cache = run_dir / DATA_CACHE_NAME
+    cache = RunDir(run_dir).data_cache_dir  # the index cache when data.cache_dir is unset
     if cache.is_dir():
         shutil.rmtree(cache)
         log.warning("restore: removed %s, built from the old corpus (rebuilt now)", cache)

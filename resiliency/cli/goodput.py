@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from pretrain.run_dir import RunDir
 from resiliency.cli.base import EXIT_OK, EXIT_USAGE, Command
 from resiliency.monitor.goodput import build_ledger, format_ledger
 
@@ -16,7 +17,7 @@ def _add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_goodput(args: argparse.Namespace) -> int:
-    if not (args.run_dir / "attempts").is_dir():
+    if not RunDir(args.run_dir).attempts_dir.is_dir():
         print(f"error: {args.run_dir} is not a run dir (no attempts/ in it)")
         return EXIT_USAGE
     ledger = build_ledger(args.run_dir)

@@ -20,8 +20,6 @@ from recipes.schema import CheckpointConfig
 from resiliency.storage.layout import RunLayout
 from resiliency.storage.manifest import ManifestError, read_manifest
 
-CONFIG_FILES = ("config.yaml", "launch-config.yaml")  # trainer's record first, then the pin
-
 
 @dataclass(frozen=True)
 class Setting:
@@ -64,8 +62,7 @@ def _has_key(config: Any, key: str) -> bool:
 def _recorded_configs(layout: RunLayout, skipped: list[str]) -> list[tuple[str, Any]]:
     """(source, config) in order of preference; unreadable records are noted in ``skipped``."""
     found: list[tuple[str, Any]] = []
-    for name in CONFIG_FILES:
-        path = layout.run_dir / name
+    for path in layout.dir.config_files:  # the trainer's record first, then the launch pin
         if not path.is_file():
             continue
         try:

@@ -14,14 +14,13 @@ import argparse
 import sys
 from pathlib import Path
 
+from pretrain.run_dir import RunDir
 from recipes.checks import ConfigError
 from resiliency.cli.base import EXIT_BAD, EXIT_OK, EXIT_USAGE, Command
 from resiliency.cli.remote import remote_verify
 from resiliency.storage.layout import RunLayout
 from resiliency.storage.signing import SigningKey, key_from_env
 from resiliency.storage.verify import expected_run_id, step_of_dir, verify_step_dir
-
-RUN_MARKERS = ("steps", "attempts", "run.json")  # what makes a dir a run dir
 
 
 def _classify(path: Path) -> tuple[str, Path] | str:
@@ -34,9 +33,9 @@ def _classify(path: Path) -> tuple[str, Path] | str:
         return "step", path
     if path.name == "steps":  # <run>/steps: its run
         return "run", path.parent
-    if any((path / m).exists() for m in RUN_MARKERS):
+    if any(marker.exists() for marker in RunDir(path).markers):
         return "run", path
-    runs = sorted(p.name for p in path.iterdir() if (p / "steps").is_dir())
+    runs = sorted(p.name for p in path.iterdir() if RunDir(p).steps_dir.is_dir())
     hint = f"; it holds run dir(s): {', '.join(runs[:5])}{' ...' * (len(runs) > 5)}" if runs else ""
     return (
         f"{path} is neither a step dir (step-NNNNNNNNN) nor a run dir "

@@ -4,7 +4,6 @@ run logged at that step."""
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +13,7 @@ import torch.nn.functional as F
 
 from pretrain import data
 from pretrain.loop import split_sizes
+from pretrain.run_dir import RunDir, iter_jsonl
 from resiliency.hf.export import VerifiedStep, step_tokenizer
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ def validation_batches(step: VerifiedStep) -> list[list[dict[str, torch.Tensor]]
     run = step.run
     mbs, gbs = run.train.micro_batch_size, run.train.global_batch_size
     plan = data.BatchPlan(mbs, gbs // mbs, 1, 0)
-    cache = step.step_dir.parent.parent / "data-cache"
+    cache = RunDir(step.step_dir.parent.parent).data_cache_dir
     _, valid, _ = data.build_datasets(
         run.data, step_tokenizer(step), run.model.seq_length, split_sizes(run, plan), cache
     )
@@ -79,12 +79,8 @@ def _masked_loss(model: torch.nn.Module, micro: dict[str, torch.Tensor]) -> floa
 
 def logged_validation_loss(step: VerifiedStep) -> float | None:
     """The run's own validation loss at the step (metrics/eval.jsonl), if it validated there."""
-    path = step.step_dir.parent.parent / "metrics" / "eval.jsonl"
-    if not path.exists():
-        return None
     found = None
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
+    for record in iter_jsonl(RunDir(step.step_dir.parent.parent).eval_metrics):
         if record.get("split") == "valid" and record.get("step") == step.manifest.step:
             found = float(record["loss"])  # the last one: a resumed run may validate again
     return found

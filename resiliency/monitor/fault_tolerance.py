@@ -26,6 +26,7 @@ import yaml
 from pretrain import exit_codes
 from pretrain.failures import classify
 from pretrain.hooks import StepResult, TrainHook
+from pretrain.run_dir import RunDir
 from resiliency.monitor.stacks import STACKS_DIR, StackWatchdog, stack_path
 from resiliency.monitor.timeouts import (
     BYTES_PER_PARAM,
@@ -46,7 +47,6 @@ if TYPE_CHECKING:
     from resiliency.checkpoint.hook import CheckpointHook
 
 log = logging.getLogger(__name__)
-TIMEOUTS_FILE = "ft_timeouts.json"
 LAUNCHER_CONFIG_FILE = "ft_launcher.yaml"
 MONITOR_SOCKET_ENV = "FT_RANK_MONITOR_IPC_SOCKET"  # set by ft_launcher for its ranks
 
@@ -92,7 +92,7 @@ def write_launcher_config(run: "RunConfig", run_dir: Path) -> Path:
 def load_timeouts(run_dir: Path) -> dict[str, Any] | None:
     """Observations persisted by an earlier attempt (None: nothing saved, or an old format)."""
     try:
-        saved = json.loads((run_dir / TIMEOUTS_FILE).read_text())
+        saved = json.loads(RunDir(run_dir).timeouts_path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
     return saved if isinstance(saved, dict) and "samples" in saved else None
@@ -332,7 +332,7 @@ class FaultToleranceHook(TrainHook):
         )
         if persist:
             state = {**self.timeouts.state(), "step": self.step, "time": time.time()}
-            atomic_write_json(self.run_dir / TIMEOUTS_FILE, state)
+            atomic_write_json(RunDir(self.run_dir).timeouts_path, state)
 
     def _request_shutdown(self, reason: str) -> None:
         # nvrx: loaded only where the feature runs

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pretrain.run_dir import RunDir, read_jsonl
 from resiliency.storage.attempts import recorded_attempts
 from resiliency.storage.layout import RunLayout
 
@@ -61,19 +62,6 @@ class Ledger:
         }
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The records of a metrics ``*.jsonl`` file (none if it is missing), skipping a torn line."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a torn last line of a killed writer
-            continue
-    return out
-
-
 def _records(run_dir: Path) -> list[dict[str, Any]]:
     layout = RunLayout.from_run_dir(run_dir)
     records = []
@@ -97,9 +85,9 @@ def build_ledger(run_dir: Path) -> Ledger:
     ledger = Ledger(attempts=len(records))
     if not records:
         return ledger
-    metrics = run_dir / "metrics"
-    steps, saves = read_jsonl(metrics / "steps.jsonl"), read_jsonl(metrics / "checkpoints.jsonl")
-    evals = read_jsonl(metrics / "eval.jsonl")
+    paths = RunDir(run_dir)
+    steps, saves = read_jsonl(paths.steps_metrics), read_jsonl(paths.checkpoint_metrics)
+    evals = read_jsonl(paths.eval_metrics)
     begins = [_begin(r) for r in records]
     ends = [
         _end(r, begins[i + 1] if i + 1 < len(records) else None, steps)

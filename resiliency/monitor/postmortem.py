@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from pretrain import exit_codes
+from pretrain.run_dir import RunDir, iter_jsonl
 from resiliency.monitor.attribution import UNDETERMINED, attribute_hang, last_progress
 from resiliency.monitor.stacks import STACKS_DIR, read_stack_dump
 from resiliency.storage.layout import RunLayout, atomic_write_json
@@ -126,15 +127,7 @@ class LauncherEvents:
 def last_step_between(run_dir: Path, start: float, end: float) -> int | None:
     """The last step rank 0 logged in [start, end) (steps.jsonl), None if none."""
     last = None
-    try:
-        lines = (run_dir / "metrics" / "steps.jsonl").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a kill
+    for record in iter_jsonl(RunDir(run_dir).steps_metrics):
         if start <= record.get("time", 0.0) < end:
             last = record["step"]
     return last

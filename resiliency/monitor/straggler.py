@@ -30,6 +30,7 @@ from pretrain import exit_codes
 from pretrain.compat import nvrx_straggler
 from pretrain.cpu_shim import nvrx_straggler_on_cpu
 from pretrain.hooks import StepResult, TrainHook
+from pretrain.run_dir import RunDir
 
 if TYPE_CHECKING:
     from pretrain.distributed import DistEnv
@@ -77,7 +78,7 @@ def summarize(report: Any, step: int, cfg: "StragglerConfig") -> StragglerReport
 class StragglerHook(TrainHook):
     def __init__(self, cfg: "StragglerConfig", env: "DistEnv", run_dir: Path) -> None:
         self.cfg, self.env = cfg, env
-        self.path = run_dir / "metrics" / REPORTS_FILE
+        self.path = RunDir(run_dir).metrics_dir / REPORTS_FILE
         self.section: AbstractContextManager | None = None
         self.timed_steps = 0
         self.last: StragglerReport | None = None  # rank 0: read by the metrics hook

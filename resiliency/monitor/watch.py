@@ -11,13 +11,13 @@ reaches the same verdict without communicating.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pretrain.failures import NonFiniteError
 from pretrain.hooks import StepResult, TrainHook
+from pretrain.run_dir import RunDir, last_by_step
 
 if TYPE_CHECKING:
     from pretrain.loop import Trainer
@@ -33,18 +33,7 @@ class RestoreDivergedError(NonFiniteError):
 
 def read_history(run_dir: Path) -> dict[int, dict[str, Any]]:
     """step -> the last record logged for it (a step redone after a restart keeps the last)."""
-    history: dict[int, dict[str, Any]] = {}
-    try:
-        lines = (run_dir / "metrics" / "steps.jsonl").read_text().splitlines()
-    except OSError:
-        return history
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        history[int(record["step"])] = record
-    return history
+    return last_by_step(RunDir(run_dir).steps_metrics)
 
 
 def jumps(result: StepResult, reference: dict[str, Any], cfg: "WatchConfig") -> list[str]:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pretrain.run_dir import RunDir
+
 STEP_DIGITS = 9
 _STEP_RE = re.compile(r"^step-(\d{9})$")
 _TMP_RE = re.compile(r"^step-(\d{9})\.tmp-attempt-(\d{2,})$")
@@ -66,34 +68,37 @@ class RunLayout:
         return self.root / self.run_id
 
     @property
+    def dir(self) -> RunDir:
+        """Every other entry of the run dir (pretrain/run_dir.py owns their names)."""
+        return RunDir(self.run_dir)
+
+    @property
     def steps_dir(self) -> Path:
-        return self.run_dir / "steps"
+        return self.dir.steps_dir
 
     @property
     def latest_path(self) -> Path:
-        return self.run_dir / "latest.json"
+        return self.dir.latest_path
 
     @property
     def attempts_dir(self) -> Path:
-        return self.run_dir / "attempts"
+        return self.dir.attempts_dir
 
     @property
     def lease_path(self) -> Path:
-        return self.run_dir / "LEASE"
+        return self.dir.lease_path
 
     @property
     def lease_generation_path(self) -> Path:
-        """The last lease generation handed out: survives a released (deleted) LEASE."""
-        return self.run_dir / "LEASE.generation"
+        return self.dir.lease_generation_path
 
     @property
     def metrics_dir(self) -> Path:
-        """Prometheus textfiles (node-exporter's textfile collector reads every ``*.prom``)."""
-        return self.run_dir / "metrics"
+        return self.dir.metrics_dir
 
     @property
     def run_json_path(self) -> Path:
-        return self.run_dir / "run.json"
+        return self.dir.run_json_path
 
     def step_dir(self, step: int) -> Path:
         return self.steps_dir / step_name(step)

@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pretrain.run_dir import RunDir
 from resiliency.storage.checksum import FileEntry, file_checksum
 from resiliency.storage.layout import (
     COMMITTED_NAME,
@@ -51,7 +52,7 @@ from resiliency.storage.signing import SigningKey, parse_marker, signature_probl
 from resiliency.storage.verify import verify_step_dir
 
 log = logging.getLogger(__name__)
-LATEST = "latest.json"
+LATEST = RunDir(Path(".")).latest_path.name  # the object key mirrors the run dir
 
 
 class UploadError(Exception):

@@ -14,13 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from pretrain.run_dir import RunDir
 from resiliency.storage.layout import RunLayout, step_name
 from resiliency.storage.signing import SigningKey
 from resiliency.storage.verify import Verdict, verify_step_dir
 
 logger = logging.getLogger(__name__)
 
-LATEST_NAME = "latest.json"
+LATEST_NAME = RunDir(Path(".")).latest_path.name
 
 
 @dataclass
