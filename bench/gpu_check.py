@@ -145,6 +145,7 @@ class Shape:
             f"checkpoint.save_interval={self.save_every}",
             "checkpoint.async_save=true",
             "checkpoint.keep_last=10",  # the committed step of both runs stays, to compare
+            "checkpoint.fingerprint=true",  # a restore proves it continues from the saved state
             "logging.log_interval=5",
             *self.device(),
         ]
@@ -383,6 +384,9 @@ class Check:
             "before_kill": compare_trajectories(ref_steps, before),
             "after_resume": compare_trajectories(ref_steps, after),
             "same_state_saved_twice": same_save,
+            # checkpoint.fingerprint: the relaunch's live state after the load is the saved one
+            "restored_state_matches_save": "state fingerprint matches the save"
+            in self.log_path.read_text(),
             "relaunch_variants": variants,
         }
         result["bit_exact"] = (

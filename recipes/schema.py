@@ -381,6 +381,10 @@ class CheckpointConfig:
     # HMAC-SHA256 of its manifest, and a restore from any tier rejects a step whose signature
     # is missing or wrong. Set the variable on every rank. None: no signatures.
     signing_key_env: Optional[str] = None
+    # Record a fingerprint of each rank's live model and optimizer tensors with every save and
+    # check it after a restore on the same layout (refused, exit 10, if any tensor differs):
+    # the run continues from exactly the saved state. One extra read of the state per save.
+    fingerprint: bool = False
     local: LocalCheckpointConfig = field(default_factory=LocalCheckpointConfig)
     remote: RemoteCheckpointConfig = field(default_factory=RemoteCheckpointConfig)
 

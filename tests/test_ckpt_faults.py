@@ -14,7 +14,7 @@ from resiliency.storage.checksum import FileEntry
 from resiliency.storage.layout import RunLayout
 from resiliency.storage.manifest import manifest_checksum, read_manifest
 from resiliency.storage.verify import verify_step_dir
-from tests.helpers import losses, read_steps, run_pretrain
+from tests.helpers import losses, read_steps, recommit_file, run_pretrain
 
 pytestmark = pytest.mark.slow
 STEPS = 10
@@ -76,6 +76,7 @@ def saved_every_step(
         f"train.train_steps={STEPS}",
         "checkpoint.save_interval=1",
         f"checkpoint.keep_last={STEPS}",
+        "checkpoint.fingerprint=true",
     ]
     run_pretrain(2, overrides)
     return root, overrides, losses(root / "run")
@@ -102,12 +103,47 @@ def test_every_corruption_is_rejected_and_the_newest_good_step_used(
         assert lines and reason in lines[0], (name, lines)
     assert "latest.json" in proc.stderr and "restore: skipped latest.json" in proc.stderr
     assert "resumed from step-000000003 at step 3" in proc.stderr
+    assert "restore: state fingerprint matches the save" in proc.stderr
     # Step 8 passes the quick pick; its re-hash (while the model is built) rejects it.
     assert "restore: step 8 failed its re-hash" in proc.stderr
     assert "step-000000011" not in proc.stderr.split("resumed from")[0]
     assert losses(root / "run") == baseline, "steps 4..10 re-done from step 3 must match"
     assert verify_step_dir(layout.step_dir(STEPS), "run").ok
     assert not leftover.exists(), "a dead attempt's tmp dir is collected after the next commit"
+
+
+def _middle_of_largest_item(model_dir: Path, fqn_part: str) -> tuple[Path, int]:
+    """The shard file and byte offset in the middle of the largest saved item whose name holds
+    ``fqn_part`` (from the checkpoint's own DCP index: inside tensor data, not framing)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    storage = FileSystemReader(str(model_dir)).read_metadata().storage_data
+    index, info = max(
+        ((k, v) for k, v in storage.items() if fqn_part in k.fqn), key=lambda kv: kv[1].length
+    )
+    return model_dir / info.relative_path, info.offset + info.length // 2
+
+
+def test_a_resealed_shard_loads_but_its_state_is_refused(
+    saved_every_step: tuple[Path, list[str], list[float]],
+) -> None:
+    """A shard edited from outside and re-sealed with correct checksums passes every file
+    check; the fingerprint of the restored tensors still tells, and the run refuses (exit 10)."""
+    root, overrides, _ = saved_every_step
+    step_dir = RunLayout(root, "run").step_dir(STEPS)
+    shard, offset = _middle_of_largest_item(step_dir / "model", "exp_avg_sq")
+    data = bytearray(shard.read_bytes())
+    data[offset] ^= 0x40  # one bit of one float in the middle of an Adam moment
+    shard.write_bytes(bytes(data))
+    recommit_file(step_dir, shard.relative_to(step_dir).as_posix())
+    assert verify_step_dir(step_dir, "run").ok, "re-sealed: the files verify"
+
+    proc = run_pretrain(2, overrides, check=False)
+
+    assert proc.returncode != 0, proc.stderr[-3000:]  # torchrun's own code: 1
+    assert f"exit {exit_codes.CHECKPOINT_IO}, do not retry" in proc.stderr
+    assert "restored state differs from the saved one in 1 of" in proc.stderr
+    assert "exp_avg_sq: " in proc.stderr  # the tensor is named
 
 
 @pytest.fixture()

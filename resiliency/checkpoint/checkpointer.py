@@ -30,6 +30,7 @@ from pretrain.failures import ClassifiedError, classify
 from pretrain.faults import FaultInjector
 from resiliency.checkpoint import rank_state as state_io
 from resiliency.checkpoint.async_writer import SpawnedWriterQueue
+from resiliency.checkpoint.fingerprint import differences, state_fingerprint
 from resiliency.checkpoint.resume_lr import (
     scale_lr_for_batch_change,
     schedule_from_config,
@@ -79,6 +80,9 @@ class CheckpointSaveError(ClassifiedError):
     """A save failed on some rank; the tmp dir was discarded and earlier steps are intact."""
 
     kind, exit_code = "checkpoint", exit_codes.CHECKPOINT_IO
+
+
+FINGERPRINT_KEY = "fingerprint"  # in a rank's state file (checkpoint.fingerprint)
 
 
 class RestoreError(ClassifiedError):
@@ -159,7 +163,7 @@ class Checkpointer:
         writer_checksums().drain()  # reports of an aborted save, if any
         try:
             request = self._write_shards(tmp)
-            state_io.save_rank_state(tmp, self.rank, state_io.capture_rng(self.trainer.env.device))
+            state_io.save_rank_state(tmp, self.rank, self._rank_state())
             if self.rank == 0:
                 state_io.write_train_state(tmp, state_io.train_state_record(self.trainer))
                 copy_tokenizer(tmp, self.trainer.run.data.tokenizer_path)
@@ -177,6 +181,14 @@ class Checkpointer:
                 self.faults.at_checkpoint("writer", step, writer.process.pid)
             if self.rank == 0:
                 log.info("checkpoint step %d: writing in the background", step)
+
+    def _rank_state(self) -> dict[str, Any]:
+        """RNG streams, and with checkpoint.fingerprint the live state's fingerprint."""
+        state = state_io.capture_rng(self.trainer.env.device)
+        if self.cfg.fingerprint:
+            parts = self.trainer.parts
+            state[FINGERPRINT_KEY] = state_fingerprint(parts.chunks, parts.optimizer)
+        return state
 
     def check_fence(self, what: str) -> None:
         """Collective: LeaseLostError on every rank when rank 0's lease was taken over (for
@@ -599,6 +611,7 @@ class Checkpointer:
                 "restore: topology changed; RNG reseeded from (seed, step, rank) = %d", seed
             )
         self._check_restored(train_state, lr_saved=not override)
+        self._check_fingerprint(rank_state)
         log.info(
             "restore: resumed from %s at step %d (%d samples consumed)",
             source,
@@ -634,6 +647,24 @@ class Checkpointer:
             raise RestoreError(
                 f"restored state does not match step {train_state['step']}: " + "; ".join(problems)
             )
+
+    def _check_fingerprint(self, rank_state: dict[str, Any] | None) -> None:
+        """checkpoint.fingerprint: the live state after the load is the state the save saw
+        (same layout and the optimizer loaded; otherwise the rank's tensors differ by design)."""
+        saved = (rank_state or {}).get(FINGERPRINT_KEY)
+        if not self.cfg.fingerprint or saved is None or not self.cfg.load_optimizer:
+            return
+        parts = self.trainer.parts
+        wrong = differences(saved, state_fingerprint(parts.chunks, parts.optimizer))
+        if wrong:
+            shown = "; ".join(wrong[:5]) + (
+                f"; and {len(wrong) - 5} more" if len(wrong) > 5 else ""
+            )
+            raise RestoreError(
+                f"restored state differs from the saved one in {len(wrong)} of {len(saved)} "
+                f"tensors (rank {self.rank}): {shown}"
+            )
+        log.info("restore: state fingerprint matches the save (%d tensors)", len(saved))
 
     def _optimizer_has_state(self) -> bool:
         optimizer = self.trainer.parts.optimizer
