@@ -43,9 +43,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pretrain.run_dir import RunDir, iter_jsonl, last_by_step, read_jsonl
-
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # `python3 bench/gpu_check.py` too, not only `-m bench.gpu_check`
+
+from pretrain.run_dir import RunDir, iter_jsonl, last_by_step, read_jsonl  # noqa: E402
+
 SECTIONS = ("peaks", "resume", "throughput", "plan", "recipe")
 WARMUP = 5  # steps left out of every median (allocator, autotuning, the first save's setup)
 GIB = float(1 << 30)
