@@ -101,18 +101,9 @@ class Shape:
             dims = (2, 64, 4, 2, 256, 128, 512)
         else:
             dims = (16, 2048, 32, 8, 8192, 4096, 128256)
-        layers, hidden, heads, groups, ffn, seq, vocab = dims
         return [
-            "recipe=llama3_8b",
-            "model.name=llama3_1b",
-            f"model.num_layers={layers}",
-            f"model.hidden_size={hidden}",
-            f"model.num_attention_heads={heads}",
-            f"model.num_query_groups={groups}",
-            f"model.ffn_hidden_size={ffn}",
-            f"model.seq_length={seq}",
+            *llama_shape("llama3_1b", dims),
             "model.share_embeddings_and_output_weights=true",
-            f"model.padded_vocab_size={vocab}",
             *single_gpu_layout(),
             *mock_data(),
             "train.micro_batch_size=1",
@@ -126,17 +117,8 @@ class Shape:
     def resume_model(self) -> list[str]:
         """A ~190M Llama-shaped model whose ~2.6 GB checkpoint a local disk writes in seconds."""
         dims = (2, 64, 4, 2, 128, 64, 512) if self.dry_run else (8, 1024, 16, 4, 4096, 2048, 32768)
-        layers, hidden, heads, groups, ffn, seq, vocab = dims
         return [
-            "recipe=llama3_8b",
-            "model.name=llama3_190m",
-            f"model.num_layers={layers}",
-            f"model.hidden_size={hidden}",
-            f"model.num_attention_heads={heads}",
-            f"model.num_query_groups={groups}",
-            f"model.ffn_hidden_size={ffn}",
-            f"model.seq_length={seq}",
-            f"model.padded_vocab_size={vocab}",
+            *llama_shape("llama3_190m", dims),
             *single_gpu_layout(),
             *mock_data(),
             "train.micro_batch_size=2",
@@ -178,6 +160,23 @@ class Shape:
             "logging.log_interval=1",
             *self.device(),
         ]
+
+
+def llama_shape(name: str, dims: tuple[int, ...]) -> list[str]:
+    """llama3_8b's recipe (GQA, SwiGLU, RMSNorm, RoPE) at other sizes: (layers, hidden, heads,
+    query groups, ffn, seq, padded vocab)."""
+    layers, hidden, heads, groups, ffn, seq, vocab = dims
+    return [
+        "recipe=llama3_8b",
+        f"model.name={name}",
+        f"model.num_layers={layers}",
+        f"model.hidden_size={hidden}",
+        f"model.num_attention_heads={heads}",
+        f"model.num_query_groups={groups}",
+        f"model.ffn_hidden_size={ffn}",
+        f"model.seq_length={seq}",
+        f"model.padded_vocab_size={vocab}",
+    ]
 
 
 def single_gpu_layout() -> list[str]:
