@@ -4,7 +4,7 @@ Runs a no-fault baseline; the same run checkpointing every k steps and SIGKILLed
 (twice, each relaunch restoring the newest commit, the second from a checkpoint the first
 restart wrote); restarts of copies whose newest step lost its COMMITTED marker or a shard;
 and consecutive kills until the retry budget stops the job. Then it judges the evidence
-(:mod:`drill.checks`) and writes ``report.md`` and ``loss.png``.
+(:mod:`drill.acceptance`) and writes ``report.md`` and ``loss.png``.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from drill.checks import FAIL, PASS, SKIP, CheckResult, DrillData, run_checks
-from drill.evidence import read_records, read_run, restore_events
+from drill.acceptance import FAIL, PASS, SKIP, CheckResult, DrillData, run_checks
 from drill.jobs import DrillError, make_launcher
 from drill.report import PlotData, plot_data, write_report
+from drill.run_records import read_records, read_run, restore_events
 from drill.runs import (
     BASELINE,
     BROKEN,

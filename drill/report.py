@@ -7,8 +7,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from drill.checks import ACCEPTANCE_IDS, FAIL, PASS, CheckResult, DrillData
-from drill.evidence import (
+from drill.acceptance import ACCEPTANCE_IDS, FAIL, PASS, CheckResult, DrillData
+from drill.run_records import (
     FailureTiming,
     RestoreEvent,
     failure_timing,

@@ -23,7 +23,7 @@ from pretrain import model as model_lib
 from pretrain.compat import fix_uninitialised_tp_attributes
 from pretrain.distributed import DistEnv, init_model_parallel
 from pretrain.evaluate import eval_loss, params_synced
-from pretrain.faults import FaultInjector
+from pretrain.fault_injection import FaultInjector
 from pretrain.guard import NumericGuard, answer_anomaly, nonfinite_grads
 from pretrain.hooks import EvalResult, StepResult, TrainHook
 from pretrain.progress import Progress

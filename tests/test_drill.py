@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from drill.checks import FAIL, PASS
+from drill.acceptance import FAIL, PASS
 from drill.cli import main
 from drill.experiment import DrillConfig, DrillResult, prepare_out, run_drill
 from drill.jobs import DrillError, LaunchResult, LaunchSpec

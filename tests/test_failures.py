@@ -14,7 +14,7 @@ import pytest
 from launch.retry_policy import REQUEUE, STOP, decide
 from pretrain import exit_codes
 from pretrain.failures import NonFiniteError
-from pretrain.faults import InjectedFault
+from pretrain.fault_injection import InjectedFault
 from resiliency.checkpoint.topology import TopologyRefusedError
 from resiliency.monitor.evidence import write_failure_file
 from resiliency.monitor.metrics import METRICS_FILE

@@ -24,7 +24,7 @@ import torch
 
 from pretrain import exit_codes
 from pretrain.failures import NonFiniteError, classify
-from pretrain.faults import FaultInjector
+from pretrain.fault_injection import FaultInjector
 from pretrain.guard import LossSpikeError, NumericGuard, SpikeWindow, nonfinite_grads
 from pretrain.hooks import StepResult
 from recipes import ConfigError, load_config

@@ -27,7 +27,7 @@ from pretrain.compat import fix_orphaned_writer_manager
 from pretrain.data import dataset_fingerprint
 from pretrain.distributed import broadcast_object
 from pretrain.failures import ClassifiedError, classify
-from pretrain.faults import FaultInjector
+from pretrain.fault_injection import FaultInjector
 from resiliency.checkpoint import rank_state as state_io
 from resiliency.checkpoint.async_writer import SpawnedWriterQueue
 from resiliency.checkpoint.fingerprint import differences, state_fingerprint

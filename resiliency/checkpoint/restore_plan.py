@@ -17,7 +17,7 @@ import torch.distributed as dist
 from pretrain import exit_codes
 from pretrain.distributed import broadcast_object
 from pretrain.failures import ClassifiedError
-from pretrain.faults import FaultInjector
+from pretrain.fault_injection import FaultInjector
 from pretrain.run_dir import RunDir
 from recipes import ConfigError
 from recipes.schema import RemoteCheckpointConfig, RunConfig

@@ -1,6 +1,6 @@
 """What the drill's runs left behind, read back: metrics per attempt, logs, restores, timings.
 
-Nothing here judges; :mod:`drill.checks` does. Metrics records are assigned to the
+Nothing here judges; :mod:`drill.acceptance` does. Metrics records are assigned to the
 attempt that wrote them by time (each attempt's record holds its start time), so a step redone
 after a restart is seen both as the killed attempt logged it and as the new attempt did.
 """

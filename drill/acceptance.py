@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from drill.evidence import RestoreEvent, RunEvidence, StepRecord
+from drill.run_records import RestoreEvent, RunEvidence, StepRecord
 from drill.runs import BASELINE, BUDGET, NO_COMMIT, NO_SHARD, RECOVERY, DrillPlan, Scenario
 from launch.retry_policy import REQUEUE, STOP
 from pretrain import exit_codes
