@@ -1,5 +1,5 @@
 """``python -m resiliency`` --help / ls / verify / gc / validate, run as real subprocesses
-(``plan``: test_resiliency_cli_plan.py). Exit codes: 0 ok, 1 bad checkpoint, 2 usage."""
+(``capacity``: test_capacity_cli.py). Exit codes: 0 ok, 1 bad checkpoint, 2 usage."""
 
 from __future__ import annotations
 
