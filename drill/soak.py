@@ -1,4 +1,4 @@
-"""``python -m drill.soak`` (also ``python -m resiliency soak``): the chaos soak.
+"""``python -m drill.soak``: the chaos soak.
 
 Runs a job under the fault-tolerant launcher with faults at exponentially distributed times
 (:mod:`drill.soak_plan`), then proves nothing was lost: the final loss trajectory equals a

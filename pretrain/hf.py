@@ -1,14 +1,15 @@
-"""``python -m pretrain.hf export|import``: Hugging Face transformers interop.
+"""``python -m pretrain.hf``: moved to ``python -m resiliency.hf export|import``.
 
-The commands read and publish checkpoints, which the resiliency package owns (a layer above
-this one); like ``python -m resiliency soak``, the command is handed to that package's own
-entry point as a new program, so no import crosses the layers.
+Export and import read and publish checkpoints, which the resiliency package owns (a layer
+above this one), so the command lives there. This module only says so (exit 2, the usage code):
+it imports nothing and starts nothing.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
 if __name__ == "__main__":
-    os.execv(sys.executable, [sys.executable, "-m", "resiliency.hf", *sys.argv[1:]])
+    args = " ".join(sys.argv[1:])
+    print(f"python -m pretrain.hf is now: python -m resiliency.hf {args}".rstrip(), file=sys.stderr)
+    sys.exit(2)

@@ -1,19 +1,18 @@
-"""``python -m resiliency <command>``: ls, verify, gc, validate, capacity (``--help`` lists them),
-and soak, which is ``python -m drill.soak``."""
+"""``python -m resiliency <command>``: ls, verify, gc, validate, capacity (``--help`` lists them).
+
+The chaos soak launches jobs, an application above this package: it is ``python -m
+drill.soak``; ``resiliency soak`` only names that command (exit 2) and starts nothing."""
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 
-# The chaos soak launches jobs, an application above this package: the command is handed to
-# the drill's own entry point (a new program, not an import, so the layers stay as they are).
-SOAK = ("soak", ["-m", "drill.soak"])
-
 if __name__ == "__main__":
-    if sys.argv[1:2] == [SOAK[0]]:
-        os.execv(sys.executable, [sys.executable, *SOAK[1], *sys.argv[2:]])
+    if sys.argv[1:2] == ["soak"]:
+        args = " ".join(sys.argv[2:])
+        print(f"the soak is: python -m drill.soak {args}".rstrip(), file=sys.stderr)
+        sys.exit(2)
     # torch/megatron import-time deprecation notes are noise in a CLI's output: filter them
     # before the commands (and torch with them) are imported.
     warnings.filterwarnings("ignore", category=FutureWarning)

@@ -156,3 +156,16 @@ def test_a_commit_phase_restarts_the_checkpointing_section(tmp_path: Path) -> No
         "start step",
     ]
     assert hook.timeouts.samples["out_of_section"] == []  # the phase change is not idle time
+
+
+def test_no_command_hops_layers_by_exec() -> None:
+    """A command lives in the layer that owns its work; the moved ones only name the new one."""
+    sources = [p for pkg in ("recipes", "pretrain", "resiliency", "launch", "drill", "bench")
+               for p in (REPO / pkg).rglob("*.py")]  # fmt: skip
+    assert [str(p) for p in sources if "os.execv" in p.read_text()] == []
+    for old, new in (
+        (["-m", "pretrain.hf", "export", "x"], "python -m resiliency.hf export x"),
+        (["-m", "resiliency", "soak", "--out", "y"], "python -m drill.soak --out y"),
+    ):
+        proc = subprocess.run([sys.executable, *old], cwd=REPO, capture_output=True, text=True)
+        assert proc.returncode == 2 and new in proc.stderr, proc.stderr

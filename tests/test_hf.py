@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.hf_convert import from_hf, join_qkv, split_qkv, to_hf
 from recipes.schema import ModelConfig
+from resiliency.hf.convert import from_hf, join_qkv, split_qkv, to_hf
 from tests.helpers import REPO, TORCHRUN, run_pretrain
 
 transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
@@ -63,7 +63,7 @@ TOKENS = [
 def hf_cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "pretrain.hf", *args],
+        [sys.executable, "-m", "resiliency.hf", *args],
         cwd=REPO,
         env=env,
         text=True,
@@ -189,7 +189,7 @@ def test_megatron_to_hf_and_back_is_exact(model: ModelConfig) -> None:
 
 def _random_megatron(model: ModelConfig, padded: int) -> dict[str, torch.Tensor]:
     """Random global tensors under megatron's checkpoint keys, built by from_hf's inverse."""
-    from pretrain.hf_convert import LAYERS
+    from resiliency.hf.convert import LAYERS
 
     h, L = model.hidden_size, model.num_layers
     groups = model.num_query_groups or model.num_attention_heads

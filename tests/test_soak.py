@@ -1,5 +1,5 @@
 """The chaos soak: its fault schedule, its reading of the evidence, the planner's goodput, and
-one short soak end to end (python -m resiliency soak: faults of every kind in one job under
+one short soak end to end (python -m drill.soak: faults of every kind in one job under
 ft_launcher, the final trajectory bit-exact against a clean run)."""
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def _orphans() -> set[int]:
 def test_a_short_soak_loses_nothing(tmp_path: Path, tiny_overrides: list[str]) -> None:
     out, before = tmp_path / "soak", _orphans()
     cmd = [
-        sys.executable, "-m", "resiliency", "soak", f"--out={out}", "--steps=24", "--mtbf-steps=2",
+        sys.executable, "-m", "drill.soak", f"--out={out}", "--steps=24", "--mtbf-steps=2",
         "--seed=1", *tiny_overrides, "checkpoint.save_interval=4",
         "resiliency.ft.timeout_floor_s=4", "resiliency.ft.learn_after_steps=3",
         "resiliency.ft.check_interval_s=0.5",

@@ -120,7 +120,7 @@ class Checkpointer:
     ) -> None:
         """``writer_queue``: a spawned writer already started (by the checkpoint hook, before
         the model was built); used if async saves stage into shared memory, else closed.
-        ``weights_only``: saves hold no optimizer state (python -m pretrain.hf import).
+        ``weights_only``: saves hold no optimizer state (python -m resiliency.hf import).
         ``fence``: rank 0's run lease; every publish, set-aside and retention delete holds it,
         so nothing is written once another owner took the run over.
         ``rejected_at_restore``: published steps this attempt's restore refused (a re-hash

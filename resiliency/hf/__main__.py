@@ -1,4 +1,4 @@
-"""``python -m resiliency.hf export|import`` (also ``python -m pretrain.hf``)."""
+"""``python -m resiliency.hf export|import``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Arguments and exit codes of ``python -m pretrain.hf`` (= ``python -m resiliency.hf``).
+"""Arguments and exit codes of ``python -m resiliency.hf``.
 
 Exit codes: 0 done (and, with a check, within tolerance); 1 the step does not verify, or the
 exported model's validation loss is off by more than ``--tolerance``; 2 usage or config error
@@ -15,14 +15,14 @@ from pretrain import exit_codes
 from pretrain.logs import setup_logging
 from recipes import ConfigError
 
-log = logging.getLogger("pretrain.hf")
+log = logging.getLogger("resiliency.hf")
 # As python -m resiliency's (resiliency/cli/base.py): 1 is "the checkpoint (or check) is bad".
 EXIT_OK, EXIT_BAD, EXIT_USAGE = exit_codes.OK, 1, exit_codes.CONFIG_ERROR
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m pretrain.hf",
+        prog="python -m resiliency.hf",
         description="Export checkpoints to Hugging Face transformers, import from it.",
         epilog=f"exit codes: {EXIT_OK} ok; {EXIT_BAD} the step does not verify or the check "
         f"failed; {EXIT_USAGE} usage or config error",

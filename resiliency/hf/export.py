@@ -14,13 +14,13 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from pretrain.hf_convert import hf_config, to_hf
-from pretrain.hf_tokenizer import write_tokenizer_dir
 from pretrain.tokenizer import Tokenizer, build_tokenizer
 from recipes import ConfigError
 from recipes.load import load_config_dict
 from recipes.schema import RunConfig
 from resiliency.checkpoint.checkpointer import MODEL_DIR
+from resiliency.hf.convert import hf_config, to_hf
+from resiliency.hf.tokenizer_files import write_tokenizer_dir
 from resiliency.storage.manifest import Manifest
 from resiliency.storage.tokenizer_copy import TOKENIZER_DIR
 from resiliency.storage.verify import expected_run_id, verify_step_dir

@@ -20,12 +20,12 @@ import torch
 from safetensors.torch import load_file
 
 from pretrain.distributed import init_distributed
-from pretrain.hf_convert import from_hf, model_fields_from_hf, normalised_keys
 from pretrain.loop import Trainer
 from pretrain.tokenizer import build_tokenizer
 from recipes import ConfigError, RunConfig, load_config
 from resiliency.checkpoint.checkpointer import Checkpointer
 from resiliency.checkpoint.state_dict import model_state_dict
+from resiliency.hf.convert import from_hf, model_fields_from_hf, normalised_keys
 from resiliency.storage.layout import RunLayout
 from resiliency.storage.lease import RunLease
 
