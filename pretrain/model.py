@@ -93,7 +93,11 @@ def transformer_config(
         # is a compiled extension (Megatron-LM's or apex's build) and persist_layer_norm is
         # apex's, so without them (a bare torch node) megatron's own unfused paths run
         # (its local norm asserts persist_layer_norm off, and the softmax would ImportError).
-        bias_dropout_fusion=on_gpu,
+        # Without dropout there is nothing to fuse but an add, and the fused kernel (torch.compile
+        # on CUDA) draws random numbers for a p=0 mask and is compiled at the first call of each
+        # process: a relaunched run's first steps then differ from the uninterrupted run's (the
+        # H200 check: bit-identical fresh runs, a restore off by 4e-4 from its first step).
+        bias_dropout_fusion=on_gpu and model.hidden_dropout > 0,
         bias_activation_fusion=on_gpu and not swiglu,
         masked_softmax_fusion=on_gpu and cuda_extension("scaled_masked_softmax_cuda"),
         apply_rope_fusion=False,

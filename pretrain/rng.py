@@ -95,4 +95,9 @@ def make_deterministic() -> dict[str, str]:
     warnings.filterwarnings("default", message=".*deterministic implementation.*")
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
+    # torch.compile'd code (megatron's jit_fuser) draws random numbers as eager code does, so
+    # a compiled dropout gives eager's masks whichever process compiled it and when.
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fallback_random = True
     return set_here
