@@ -355,9 +355,10 @@ class Check:
         # One state saved by two processes (the reference and the run killed later): its
         # payload files must be byte-identical, or the save itself is not deterministic.
         same_save = compare_step_files(
-            RunDir(reference).steps_dir / step_dir_name(step),
-            RunDir(self.runs / "resume-kill").steps_dir / step_dir_name(step),
+            layout_of(reference).step_dir(step),
+            layout_of(self.runs / "resume-kill").step_dir(step),
         )
+        ref_steps = read_steps(reference)
         variants = {}
         if self.args.diagnose:  # the same relaunch without the DDP overlaps, on a copy
             shutil.copytree(self.runs / "resume-kill", self.runs / "no-overlap" / "resume-kill")
@@ -370,10 +371,7 @@ class Check:
                 "perf.overlap_grad_reduce=false",
             ]
             alt = self.train(no_overlap, "resume-kill", self.runs / "no-overlap")
-            variants["no_ddp_overlap"] = compare_trajectories(
-                read_steps(reference), read_attempts(alt)[-1]
-            )
-        ref_steps = read_steps(reference)
+            variants["no_ddp_overlap"] = compare_trajectories(ref_steps, read_attempts(alt)[-1])
         attempts = read_attempts(relaunched)
         if len(attempts) != 2:
             raise RuntimeError(f"expected the killed attempt and its relaunch, got {len(attempts)}")
@@ -429,9 +427,10 @@ class Check:
         # first save (resiliency/checkpoint/hook.py): part of what a first save costs.
         staging = sum(r["blocked_s"] for r in records if r["tier"] == "staging")
         out: dict[str, Any] = {"staging_blocked_s": staging, "saves": []}
-        kept = sorted(RunDir(run_dir).steps_dir.glob("step-*"))
+        layout = layout_of(run_dir)
+        kept = layout.published_steps()
         # Every step of a run has the same bytes; older ones were collected (keep_last).
-        size = tree_bytes(kept[-1]) if kept else None
+        size = tree_bytes(layout.step_dir(kept[-1])) if kept else None
         for index, save in enumerate(saves):
             entry: dict[str, Any] = {
                 "step": save["step"],
@@ -557,17 +556,18 @@ def read_attempts(run_dir: Path) -> list[dict[int, dict[str, Any]]]:
     return attempts
 
 
-def step_dir_name(step: int) -> str:
-    from resiliency.storage.layout import step_name
+def layout_of(run_dir: Path) -> Any:
+    """The run's checkpoint layout (resiliency/storage/layout.py names the step dirs)."""
+    from resiliency.storage.layout import RunLayout
 
-    return step_name(step)
+    return RunLayout.from_run_dir(run_dir)
 
 
 def committed_marker(run_dir: Path, step: int) -> Path:
-    """The file whose appearance publishes ``step`` (resiliency/storage/layout.py)."""
-    from resiliency.storage.layout import COMMITTED_NAME, RunLayout
+    """The file whose appearance publishes ``step``."""
+    from resiliency.storage.layout import COMMITTED_NAME
 
-    return RunLayout.from_run_dir(run_dir).step_dir(step) / COMMITTED_NAME
+    return layout_of(run_dir).step_dir(step) / COMMITTED_NAME
 
 
 def compare_step_files(a: Path, b: Path) -> dict[str, Any]:

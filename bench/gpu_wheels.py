@@ -22,6 +22,10 @@ import tomllib
 import zipfile
 from pathlib import Path
 
+from packaging.markers import Marker
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
 REPO = Path(__file__).resolve().parents[1]
 NODE_PACKAGES = Path(__file__).with_name("gpu_node_packages.txt")
 LIMIT_MIB = 60  # of the 64 MiB a device command carries: room for the command's own files
@@ -33,7 +37,7 @@ MARKERS = {"python_version": PYTHON, "sys_platform": "linux", "platform_machine"
 
 
 def canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
+    return canonicalize_name(name)
 
 
 def node_packages() -> set[str]:
@@ -48,36 +52,16 @@ def runtime_requirements() -> list[str]:
 
 
 def applies(requirement: str) -> str | None:
-    """The requirement without its marker if the marker holds on the node (no extras), else None.
-    The markers this project and its dependencies use: python_version, sys_platform,
-    platform_machine, extra, compared with == != < <= > >=."""
+    """The requirement without its marker if the marker holds on the node (no extras), else
+    None (packaging evaluates the marker, as pip does)."""
     spec, _, marker = requirement.partition(";")
-    if not marker.strip():
-        return spec.strip()
-    for clause in re.split(r"\band\b", marker):
-        match = re.match(r"\s*(\w+)\s*(==|!=|<=|>=|<|>)\s*['\"]([^'\"]*)['\"]\s*$", clause)
-        if match is None:
-            return None  # an 'or' or anything unusual: not needed on the node's path
-        key, op, value = match.groups()
-        if key == "extra":
-            return None
-        have = MARKERS.get(key)
-        if have is None or not compare(have, op, value, key == "python_version"):
-            return None
+    if marker.strip() and not Marker(marker).evaluate({**MARKERS, "extra": ""}):
+        return None
     return spec.strip()
 
 
-def compare(have: str, op: str, want: str, as_version: bool) -> bool:
-    a, b = (version_tuple(have), version_tuple(want)) if as_version else (have, want)
-    return {"==": a == b, "!=": a != b, "<": a < b, "<=": a <= b, ">": a > b, ">=": a >= b}[op]
-
-
-def version_tuple(text: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in re.findall(r"\d+", text)[:3])
-
-
 def requirement_name(spec: str) -> str:
-    return canonical(re.match(r"[A-Za-z0-9._-]+", spec.strip()).group(0))  # type: ignore[union-attr]
+    return canonicalize_name(Requirement(spec).name)
 
 
 def wheel_requirements(wheel: Path) -> list[str]:
