@@ -42,15 +42,15 @@ $(STAMP): pyproject.toml
 corpus: $(CORPUS) $(BPE_CORPUS)
 
 $(CORPUS): | $(STAMP)
-	$(BIN)/python -m pretrain.prepare --stdlib --output-prefix data/stdlib
+	$(BIN)/python -m pretrain.data.prepare --stdlib --output-prefix data/stdlib
 
 # The same corpus with an 8k byte-level BPE tokenizer trained on it (data=stdlib_bpe).
 $(BPE_CORPUS): | $(STAMP)
-	$(BIN)/python -m pretrain.prepare --stdlib --output-prefix data/stdlib-bpe \
+	$(BIN)/python -m pretrain.data.prepare --stdlib --output-prefix data/stdlib-bpe \
 		--train-tokenizer 8192 --tokenizer-path tokenizers/stdlib-bpe
 
 pretrain: $(STAMP) $(CORPUS) $(BPE_CORPUS)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pretrain.run --standalone --nproc-per-node $(NPROC) -m pretrain \
+	OMP_NUM_THREADS=1 $(BIN)/python -m launch.torchrun --standalone --nproc-per-node $(NPROC) -m pretrain \
 		recipe=gpt_tiny_bpe run_id=$(RUN_ID) $(ARGS)
 	$(BIN)/python -m resiliency ls runs/$(RUN_ID)
 

@@ -29,7 +29,7 @@ import psutil
 
 from bench import hang_detection, remote_upload
 from bench.table import table
-from pretrain.run_dir import RunDir, iter_jsonl
+from pretrain.context.run_dir import RunDir, iter_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")

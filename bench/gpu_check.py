@@ -10,7 +10,7 @@ the public CLI (``python -m pretrain``, one process per run, faults from this pr
   run directory's disk writing fsync'd bytes;
 - ``throughput``: a Llama-3.2-1B-shaped model (GQA, SwiGLU, RMSNorm, RoPE, seq 4096, bf16,
   megatron-core's local spec, the distributed optimizer at world 1) with ``perf.recompute``
-  none, selective and full: tokens/s, TFLOP/s (pretrain/flops.py), MFU against the measured
+  none, selective and full: tokens/s, TFLOP/s (pretrain/model/flops.py), MFU against the measured
   and the datasheet peak, the step-time spread;
 - ``plan``: ``--plan --json`` for that model against the run's allocator figures;
 - ``resume``: ``train.deterministic=true``; a reference run, a second run SIGKILLed (its
@@ -46,13 +46,13 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `python3 bench/gpu_check.py` too, not only `-m bench.gpu_check`
 
-from pretrain.run_dir import RunDir, iter_jsonl, last_by_step, read_jsonl  # noqa: E402
+from pretrain.context.run_dir import RunDir, iter_jsonl, last_by_step, read_jsonl  # noqa: E402
 
 SECTIONS = ("peaks", "resume", "throughput", "plan", "recipe")
 WARMUP = 5  # steps left out of every median (allocator, autotuning, the first save's setup)
 GIB = float(1 << 30)
 
-# The settings train.deterministic applies (pretrain/rng.py), for the report.
+# The settings train.deterministic applies (pretrain/platform/rng.py), for the report.
 DETERMINISM = (
     "train.deterministic=true: megatron-core deterministic_mode (embedding backward without "
     "atomics), torch.use_deterministic_algorithms(True, warn_only=True), cuDNN deterministic, "
@@ -706,7 +706,7 @@ def install_wheels(wheels: Path, site: Path) -> None:
 
 def write_entry_points(site: Path) -> None:
     """The checkout's package metadata, entry points only (the trainer finds its hooks through
-    them, pretrain/hooks.py), so the code runs from the checkout without building it (a pip
+    them, pretrain/train/hooks.py), so the code runs from the checkout without building it (a pip
     install of the project would need setuptools and copy the tree)."""
     import tomllib
 

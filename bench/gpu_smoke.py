@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from pretrain.prepare import dataset_prefix, prepare_corpus, stdlib_documents
-from pretrain.run_dir import RunDir, last_by_step
-from pretrain.tokenizer import build_tokenizer
+from pretrain.context.run_dir import RunDir, last_by_step
+from pretrain.data.prepare.corpus import dataset_prefix, prepare_corpus, stdlib_documents
+from pretrain.data.tokenizer import build_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 WARMUP = 5  # steps left out of the throughput medians (compile, allocator, autotuning)

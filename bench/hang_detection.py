@@ -37,10 +37,10 @@ from typing import Any
 
 import psutil
 
-from pretrain.prepare import dataset_prefix, stdlib_documents
-from pretrain.prepare import prepare_corpus as prepare
-from pretrain.run_dir import RunDir
-from pretrain.tokenizer import build_tokenizer
+from pretrain.context.run_dir import RunDir
+from pretrain.data.prepare.corpus import dataset_prefix, stdlib_documents
+from pretrain.data.prepare.corpus import prepare_corpus as prepare
+from pretrain.data.tokenizer import build_tokenizer
 from resiliency.monitor.timeouts import p99
 
 REPO = Path(__file__).resolve().parents[1]

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pretrain.run_dir import RunDir, read_jsonl
+from pretrain.context.run_dir import RunDir, read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))

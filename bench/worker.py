@@ -34,8 +34,8 @@ def _barrier() -> None:
 
 
 def _setup(overrides: list[str], with_hooks: bool) -> tuple[Any, Any, list[Any]]:
-    from pretrain.distributed import init_distributed, launch_env
-    from pretrain.loop import Trainer
+    from pretrain.platform.distributed import init_distributed, launch_env
+    from pretrain.train.trainer import Trainer
     from recipes import load_config
     from recipes.validate import validate_runtime
 
@@ -46,10 +46,10 @@ def _setup(overrides: list[str], with_hooks: bool) -> tuple[Any, Any, list[Any]]
     run_dir.mkdir(parents=True, exist_ok=True)
     hooks: list[Any] = []
     if with_hooks:
-        from pretrain.reporting import reporting_hooks
+        from pretrain.train.reporting import reporting_hooks
         from resiliency.hooks import build_hooks
 
-        # Every hook a run has by default, TensorBoard included (as pretrain/session.py).
+        # Every hook a run has by default, TensorBoard included (as pretrain/train/session.py).
         hooks = build_hooks(run, env, run_dir) + reporting_hooks(run, env.rank, run_dir)
         for hook in hooks:
             run = hook.configure(run, dp)
@@ -343,7 +343,7 @@ def _shim_overhead(trainer: Any, steps: int) -> dict[str, Any]:
     """The CPU shim's per-op TorchFunctionMode: count calls in a step, time one call's cost."""
     import torch
 
-    from pretrain import cpu_shim
+    from pretrain.platform import cpu_shim
 
     mode_cls = type(cpu_shim._MODE)
     original = mode_cls.__torch_function__
@@ -414,7 +414,7 @@ class _Stamp:
 
 def mode_overhead(args: argparse.Namespace) -> dict[str, Any]:
     trainer, env, hooks = _setup(args.overrides, with_hooks=True)
-    from pretrain.reporting import ScalarHook  # after _setup, like every pretrain import here
+    from pretrain.train.reporting import ScalarHook  # after _setup, like every pretrain import here
 
     for hook in hooks:
         hook.on_start(trainer)

@@ -16,7 +16,7 @@ from typing import Any
 from drill.run_records import RestoreEvent, RunEvidence, StepRecord
 from drill.runs import BASELINE, BUDGET, NO_COMMIT, NO_SHARD, RECOVERY, DrillPlan, Scenario
 from launch.retry_policy import REQUEUE, STOP
-from pretrain import exit_codes
+from pretrain.context import exit_codes
 from resiliency.storage.checksum import file_checksum
 from resiliency.storage.layout import RunLayout
 from resiliency.storage.manifest import ManifestError, read_manifest
@@ -116,7 +116,7 @@ def optimizer_state_numel(model_dir: Path) -> dict[str, int]:
     # torch: the drill itself never loads it otherwise
     from torch.distributed.checkpoint import FileSystemReader
 
-    from pretrain.compat import restrict_checkpoint_loads
+    from pretrain.platform.compat import restrict_checkpoint_loads
 
     restrict_checkpoint_loads()  # .metadata is a pickle: only the admitted globals load
     totals = {"exp_avg": 0, "exp_avg_sq": 0, "other": 0}

@@ -132,7 +132,7 @@ def _check_baseline(baseline: Scenario, steps: int) -> None:
 
 def _resolve(overrides: list[str]) -> tuple[RunConfig, dict]:
     # torch: the drill itself never loads it otherwise
-    from pretrain.data import dataset_fingerprint
+    from pretrain.data.dataset import dataset_fingerprint
 
     try:
         # Every scenario has a run dir of its own: one fixed name for them all.

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from drill.runs import Scenario
-from pretrain.run_dir import RunDir, iter_jsonl
+from pretrain.context.run_dir import RunDir, iter_jsonl
 from resiliency.storage.attempts import recorded_attempts
 from resiliency.storage.layout import RunLayout
 

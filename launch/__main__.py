@@ -8,14 +8,14 @@ import logging
 import sys
 from types import ModuleType
 
-from pretrain import exit_codes
-from pretrain.logs import setup_logging
+from pretrain.context import exit_codes
+from pretrain.platform.logs import setup_logging
 from recipes import ConfigError
 from recipes.cli_args import has_sweep, sweep_points, translate
 from recipes.inputs import DataInputError
 
 # backend name -> module with add_arguments(parser) and run(args, overrides) -> int
-BACKENDS = {"local": "launch.local", "slurm": "launch.slurm", "k8s": "launch.k8s"}
+BACKENDS = {"local": "launch.local", "slurm": "launch.slurm.cli", "k8s": "launch.k8s.cli"}
 SWEEP_FLAGS = ("-m", "--multirun")
 OVERRIDES_EPILOG = (
     "Everything after the options is a Hydra override of the run config: key=value, "

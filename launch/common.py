@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pretrain.plan_time import progress_problems, resolve_save_interval
-from pretrain.run_dir import RunDir
+from pretrain.context.run_dir import RunDir
+from pretrain.fit.timing import progress_problems, resolve_save_interval
 from recipes import ConfigError, RunConfig, load_config, to_yaml
 from recipes.inputs import check_inputs
 from recipes.validate import new_launch_id, resolve_run_id, validate_runtime
@@ -147,7 +147,7 @@ def check_progress(
 ) -> None:
     """A job that would not make progress is refused before it is submitted: one that ends
     before two save intervals, or whose grace cannot cover a step and an emergency save
-    (pretrain/plan_time.py). Arithmetic on the config: it runs with --dry-run too."""
+    (pretrain/fit/timing.py). Arithmetic on the config: it runs with --dry-run too."""
     problems = progress_problems(plan.run, time_limit_s, grace_s, grace_key)
     if problems:
         raise ConfigError(

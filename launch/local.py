@@ -45,7 +45,7 @@ from launch.common import (
     write_resolved_config,
 )
 from launch.retry_policy import STOP, Decision, decide, newest_attempt, read_outcome
-from pretrain import exit_codes
+from pretrain.context import exit_codes
 from resiliency.health import describe, preflight
 from resiliency.monitor.fault_tolerance import write_launcher_config
 from resiliency.monitor.postmortem import LauncherEvents, finalize_attempts

@@ -9,9 +9,9 @@ import sys
 
 from omegaconf import OmegaConf
 
-from pretrain import exit_codes
-from pretrain.logs import setup_logging
-from pretrain.plan_time import resolve_save_interval
+from pretrain.context import exit_codes
+from pretrain.fit.timing import resolve_save_interval
+from pretrain.platform.logs import setup_logging
 from recipes import ConfigError, RunConfig, load_config, to_yaml
 from recipes.cli_args import CliRequest, has_sweep, parse_args, sweep_points
 from recipes.cli_args import translate as translate_overrides
@@ -65,7 +65,7 @@ def main(argv: list[str]) -> int:
         log.log(logging.ERROR if _first_rank() else logging.DEBUG, "config error: %s", exc)
         return exit_codes.DATA if isinstance(exc, DataInputError) else exit_codes.CONFIG_ERROR
     # torch and megatron-core: not for --help/--cfg
-    from pretrain.session import train
+    from pretrain.train.session import train
 
     return train(run, device, dp)
 
@@ -92,7 +92,7 @@ def _plan(req: CliRequest) -> int:
 
         gpu_bytes(req.gpu)
     # torch and megatron-core: only for --plan
-    from pretrain.plan import as_json, make_plan, report
+    from pretrain.fit.cli import as_json, make_plan, report
 
     plan = make_plan(req.overrides, req.gpu, req.vocab)
     print(as_json(plan) if req.json else report(plan))
@@ -204,7 +204,7 @@ def _prepare(run: RunConfig) -> tuple[RunConfig, str, int]:
     # torch: not for --help/--cfg
     import torch
 
-    from pretrain.distributed import launch_env
+    from pretrain.platform.distributed import launch_env
 
     rank, world_size, _ = launch_env()
     named = resolve_run_id(run, os.environ.get(LAUNCH_ID_ENV), world_size)

@@ -1,15 +1,7 @@
-"""``python -m pretrain.hf``: moved to ``python -m resiliency.hf export|import``.
-
-Export and import read and publish checkpoints, which the resiliency package owns (a layer
-above this one), so the command lives there. This module only says so (exit 2, the usage code):
-it imports nothing and starts nothing.
-"""
-
-from __future__ import annotations
-
-import sys
+"""``python -m pretrain.hf``: moved to ``python -m resiliency.hf export|import`` (checkpoints
+are read and published by the resiliency package, a layer above)."""
 
 if __name__ == "__main__":
-    args = " ".join(sys.argv[1:])
-    print(f"python -m pretrain.hf is now: python -m resiliency.hf {args}".rstrip(), file=sys.stderr)
-    sys.exit(2)
+    from pretrain.moved import say_moved
+
+    say_moved("pretrain.hf", "resiliency.hf")

@@ -53,7 +53,7 @@ class CliRequest:
     show_keys: bool = False
     keys_filter: str | None = None  # --show-keys FILTER: keys containing it
     help: bool = False
-    # --plan: parameters and memory per GPU at the recipe's layout (pretrain/plan.py)
+    # --plan: parameters and memory per GPU at the recipe's layout (pretrain/fit/cli.py)
     plan: bool = False
     gpu: str | None = None  # --gpu NAME|GiB
     vocab: int | None = None  # --vocab N: when the recipe's tokenizer files are not here

@@ -66,7 +66,7 @@ def _check_prefix(prefix: str) -> None:
         return
     raise DataInputError(
         f"data.paths: {prefix!r} is not a dataset prefix ({' and '.join(missing)} not "
-        f"found){_nearest_prefix(prefix)}; build one with `python -m pretrain.prepare`"
+        f"found){_nearest_prefix(prefix)}; build one with `python -m pretrain.data.prepare`"
     )
 
 

@@ -227,7 +227,7 @@ class DataConfig:
     paths: list[str] = field(default_factory=list)  # dataset prefixes: <prefix>.bin/.idx
     weights: Optional[list[float]] = None  # blend weights per path; None: by size
     split: str = "98,2,0"  # train,valid,test weights of each dataset
-    # byte | huggingface | sentencepiece | tiktoken (as `python -m pretrain.prepare --tokenizer`)
+    # byte | huggingface | sentencepiece | tiktoken (as `pretrain.data.prepare --tokenizer`)
     tokenizer: str = "byte"
     # huggingface: a tokenizer.json or a local tokenizer directory; sentencepiece: a .model file;
     # tiktoken: a megatron tiktoken vocabulary .json; byte: none. Never downloaded.
@@ -248,7 +248,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         one_of("data", "kind", self.kind, ("indexed", "mock"))
-        # The same kinds as pretrain.tokenizer.TOKENIZER_KINDS (tests/test_prepare.py checks).
+        # The same kinds as pretrain.data.tokenizer.TOKENIZER_KINDS (tests/test_prepare.py checks).
         files = {
             "huggingface": "a tokenizer.json file or a local Hugging Face tokenizer directory",
             "sentencepiece": "a SentencePiece .model file",
@@ -258,7 +258,7 @@ class DataConfig:
         require(
             self.kind != "indexed" or len(self.paths) > 0,
             "data.kind=indexed needs data.paths (prefixes of .bin/.idx files made by "
-            "`python -m pretrain.prepare`)",
+            "`python -m pretrain.data.prepare`)",
         )
         require(
             self.weights is None or len(self.weights) == len(self.paths),
@@ -344,7 +344,7 @@ class CheckpointConfig:
     # Steps between persistent saves; None: only at the end; "auto": Young's interval
     # sqrt(2 x save time x MTBF) in steps, from the planner's step time (train.step_time_s, or
     # estimated for launch.gpu) and a save of the checkpoint's bytes at plan_bandwidth
-    # (pretrain/plan_time.py). A launcher pins the number it resolves in the job's config.
+    # (pretrain/fit/timing.py). A launcher pins the number it resolves in the job's config.
     save_interval: Optional[int | str] = None
     # What "auto" and the launchers' progress check plan with: the job's aggregate checkpoint
     # write rate (GB/s) and one GPU's mean time between failures (hours; the job's MTBF is it
@@ -372,7 +372,8 @@ class CheckpointConfig:
     # Restoring with a different train.global_batch_size: refuse, or scale the LR by this rule.
     batch_change_lr_scaling: str = "refuse"
     # Resuming with other optimizer/scheduler values than the checkpoint's: refuse, keep the
-    # checkpoint's ("checkpoint") or apply the new ones ("config"); see resume_policy.py.
+    # checkpoint's ("checkpoint") or apply the new ones ("config"); see
+    # checkpoint/restore/resume_policy.py.
     schedule_on_resume: str = "refuse"
     # The run dir has published steps but none verifies: refuse (exit 10), or start the run's
     # history over from step 0 (the bad steps are set aside as they are overwritten).

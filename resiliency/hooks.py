@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pretrain.hooks import TrainHook
+from pretrain.train.hooks import TrainHook
 from resiliency.checkpoint.hook import CheckpointHook
 from resiliency.monitor.evidence import AttemptEvidenceHook
 from resiliency.monitor.fault_tolerance import FaultToleranceHook, under_ft_launcher
@@ -17,7 +17,7 @@ from resiliency.monitor.straggler import StragglerHook
 from resiliency.monitor.watch import PostRestoreWatchHook
 
 if TYPE_CHECKING:
-    from pretrain.distributed import DistEnv
+    from pretrain.platform.distributed import DistEnv
     from recipes.schema import RunConfig
 
 

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from bench.s3_server import S3Server, running_s3_server
-from pretrain.prepare import dataset_prefix, prepare_corpus, stdlib_documents
-from pretrain.tokenizer import build_tokenizer
+from pretrain.data.prepare.corpus import dataset_prefix, prepare_corpus, stdlib_documents
+from pretrain.data.tokenizer import build_tokenizer
 from tests.fault_proxy import FaultProxy
 
 CORPUS_BYTES = 1 << 20

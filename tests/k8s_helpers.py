@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from launch import k8s
-from launch.k8s_schema import (
+from launch.k8s import cli as k8s
+from launch.k8s.schema import (
     CRD_FILE,
 )
 from tests.helpers import REPO

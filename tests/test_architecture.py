@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from pretrain import hooks as hook_api
-from pretrain.distributed import DistEnv
-from pretrain.hooks import TrainHook
-from pretrain.loop import Trainer
+from pretrain.platform.distributed import DistEnv
+from pretrain.train import hooks as hook_api
+from pretrain.train.hooks import TrainHook
+from pretrain.train.trainer import Trainer
 from recipes import ConfigError, load_config
 from recipes.schema import FtConfig, PerfConfig
 from resiliency.monitor.fault_tolerance import FaultToleranceHook
@@ -46,7 +46,7 @@ def test_checkpointing_without_a_hook_provider_is_refused(
 def test_the_core_loads_without_any_upper_layer() -> None:
     """Importing the training session loads no module of resiliency, launch, drill or bench."""
     code = (
-        "import sys, pretrain.session, pretrain.hooks\n"
+        "import sys, pretrain.train.session, pretrain.train.hooks\n"
         "upper = sorted(m for m in sys.modules if m.split('.')[0] in "
         "('resiliency', 'launch', 'drill', 'bench'))\n"
         "print(','.join(upper))"
@@ -166,6 +166,8 @@ def test_no_command_hops_layers_by_exec() -> None:
     for old, new in (
         (["-m", "pretrain.hf", "export", "x"], "python -m resiliency.hf export x"),
         (["-m", "resiliency", "soak", "--out", "y"], "python -m drill.soak --out y"),
+        (["-m", "pretrain.prepare", "--stdlib"], "python -m pretrain.data.prepare --stdlib"),
+        (["-m", "pretrain.run", "--standalone"], "python -m launch.torchrun --standalone"),
     ):
         proc = subprocess.run([sys.executable, *old], cwd=REPO, capture_output=True, text=True)
         assert proc.returncode == 2 and new in proc.stderr, proc.stderr

@@ -1,5 +1,5 @@
 """``python -m resiliency capacity`` through the real CLI: the interval in steps from a step time or
-a recipe, and the recipe's parameter count against megatron-core's own (pretrain.loop logs
+a recipe, and the recipe's parameter count against megatron-core's own (pretrain.train.trainer logs
 "N params on this rank"; the figures below are that line at TP=PP=EP=1)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.flops import flops_per_step
+from pretrain.model.flops import flops_per_step
 from recipes import load_config
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain import exit_codes
+from pretrain.context import exit_codes
 from resiliency.storage.checksum import FileEntry
 from resiliency.storage.layout import RunLayout
 from resiliency.storage.manifest import manifest_checksum, read_manifest

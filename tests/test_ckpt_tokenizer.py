@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain import exit_codes
+from pretrain.context import exit_codes
 from resiliency.storage.checksum import describe_files
 from resiliency.storage.tokenizer_copy import (
     copy_tokenizer,

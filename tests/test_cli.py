@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pretrain import exit_codes
+from pretrain.context import exit_codes
 from recipes import list_recipes
 from recipes.describe import describe_keys
 from tests.helpers import REPO, read_steps

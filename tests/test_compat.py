@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pretrain import compat
+from pretrain.platform import compat
 from resiliency.storage.layout import RunLayout
 from tests.helpers import REPO, losses, pretrain_cmd, run_pretrain
 
@@ -222,13 +222,13 @@ def test_this_stack_applies_what_it_needs() -> None:
 
 _WRITER_IMPORTS = (
     "import sys, time, torch\n"
-    "from pretrain.compat import lean_writer_imports\n"
+    "from pretrain.platform.compat import lean_writer_imports\n"
     "lean = sys.argv[1] == 'lean'\n"
     "start = time.perf_counter()\n"
     "with lean_writer_imports() if lean else open('/dev/null'):\n"
     "    import megatron.core.dist_checkpointing.strategies.filesystem_async\n"
     "    import megatron.core.dist_checkpointing.strategies.torch\n"
-    "    from resiliency.checkpoint.writer_process import writer_main\n"
+    "    from resiliency.checkpoint.write.writer_process import writer_main\n"
     "loaded = [m for m in ('torch._inductor', 'wandb') if m in sys.modules]\n"
     "print(round(time.perf_counter() - start, 3), torch.compile.__name__, ','.join(loaded))\n"
 )

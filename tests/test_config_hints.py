@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from pretrain import exit_codes
+from pretrain.context import exit_codes
 from recipes import ConfigError, load_config
 from recipes.load import schema_keys
 from recipes.megatron_names import MEGATRON_NAMES

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from pretrain import exit_codes
-from pretrain.prepare import dataset_prefix, prepare_corpus, stdlib_documents
-from pretrain.tokenizer import build_tokenizer
+from pretrain.context import exit_codes
+from pretrain.data.prepare.corpus import dataset_prefix, prepare_corpus, stdlib_documents
+from pretrain.data.tokenizer import build_tokenizer
 from recipes import ConfigError, load_config
-from resiliency.checkpoint import restore_plan
+from resiliency.checkpoint.restore import plan as restore_plan
 from resiliency.storage.checksum import file_checksum
 from resiliency.storage.corpus import corpus_changes, describe_change
 from resiliency.storage.manifest import Manifest
@@ -132,9 +132,9 @@ def corpus_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, lis
 
 
 def _relaunch(overrides: list[str]) -> subprocess.CompletedProcess:
-    """Through python -m pretrain.run: the exit code is the failing rank's."""
+    """Through python -m launch.torchrun: the exit code is the failing rank's."""
     return subprocess.run(
-        [sys.executable, "-m", "pretrain.run", "--standalone", "--nproc-per-node=2",
+        [sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node=2",
          "-m", "pretrain", *overrides],
         cwd=REPO, capture_output=True, text=True, timeout=300, env=env(),
     )  # fmt: skip

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain import compat, cpu_shim
+from pretrain.platform import compat, cpu_shim
 from tests.helpers import REPO, run_pretrain
 
 pytestmark = [pytest.mark.slow, pytest.mark.current_stack]

@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from pretrain import exit_codes
-from resiliency.checkpoint.topology import MCORE, Target, validate
+from pretrain.context import exit_codes
+from resiliency.checkpoint.restore.topology import MCORE, Target, validate
 from resiliency.storage.layout import RunLayout
 from resiliency.storage.manifest import Manifest
 from tests.helpers import REPO, losses

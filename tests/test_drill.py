@@ -17,8 +17,8 @@ from drill.cli import main
 from drill.experiment import DrillConfig, DrillResult, prepare_out, run_drill
 from drill.jobs import DrillError, LaunchResult, LaunchSpec
 from drill.runs import DrillPlan, Runner, Scenario
-from pretrain import exit_codes
-from pretrain.compat import SKIP_ENV
+from pretrain.context import exit_codes
+from pretrain.platform.compat import SKIP_ENV
 from resiliency.storage.attempts import write_attempt_record
 from resiliency.storage.layout import RunLayout
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from launch.retry_policy import REQUEUE, STOP, decide
-from pretrain import exit_codes
-from pretrain.failures import NonFiniteError
-from pretrain.fault_injection import InjectedFault
-from resiliency.checkpoint.topology import TopologyRefusedError
+from pretrain.context import exit_codes
+from pretrain.context.failures import NonFiniteError
+from pretrain.train.fault_injection import InjectedFault
+from resiliency.checkpoint.restore.topology import TopologyRefusedError
 from resiliency.monitor.evidence import write_failure_file
 from resiliency.monitor.metrics import METRICS_FILE
 from resiliency.monitor.postmortem import LauncherEvents, failure_path, finalize_attempts
@@ -202,7 +202,7 @@ def test_sigterm_saves_requeues_and_resumes_exactly(
 @pytest.mark.parametrize("kind", ["NaN", "Inf"])
 def test_megatron_nan_check_is_numeric(kind: str) -> None:
     """megatron DDP's own grad check raises before the loop's: the same class, exit 5."""
-    from pretrain.failures import classify
+    from pretrain.context.failures import classify
 
     exc = RuntimeError(
         f"Rank 1: found {kind} in local grad norm for bucket #0 in backward pass before "

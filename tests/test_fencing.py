@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pretrain import exit_codes
+from pretrain.context import exit_codes
 from resiliency.storage.layout import RunLayout
 from resiliency.storage.lease import read_lease
 from resiliency.storage.manifest import read_manifest
@@ -43,7 +43,7 @@ def _can_unshare() -> bool:
 
 
 def _job(overrides: list[str], log: Path, namespace: bool = False) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "pretrain.run", "--standalone", "--nproc-per-node=2"]
+    cmd = [sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node=2"]
     cmd += ["-m", "pretrain", *overrides]
     if namespace:  # its own pid namespace: as on another host, our pids mean nothing to it
         cmd = ["unshare", "--pid", "--fork", "--mount-proc", *cmd]
@@ -156,7 +156,7 @@ def test_an_io_error_in_one_ranks_rehash_falls_back_on_every_rank(
     the collective that confirms the plan, and the previous step is restored (no hang)."""
     root = tmp_path / "runs"
     base = [*tiny_overrides, f"output_dir={root}", "run_id=eio", "checkpoint.save_interval=2"]
-    run = [sys.executable, "-m", "pretrain.run", "--standalone", "--nproc-per-node=2"]
+    run = [sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node=2"]
     first = subprocess.run(
         [*run, "-m", "pretrain", *base, "train.train_steps=4"],
         cwd=REPO, env=env(), capture_output=True, text=True, timeout=300,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.file_queue import PREFIX, FileQueue
+from pretrain.platform.file_queue import PREFIX, FileQueue
 
 
 def _put_from_child(results: FileQueue, item: object) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pretrain.flops import flops_per_step, peak_tflops
+from pretrain.model.flops import flops_per_step, peak_tflops
 from recipes.schema import ModelConfig
 
 

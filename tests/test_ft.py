@@ -11,9 +11,9 @@ import pytest
 
 from launch.common import plan_launch
 from launch.local import launcher_command
-from pretrain.failures import classify
-from pretrain.hooks import StepResult
-from pretrain.run_dir import RunDir
+from pretrain.context.failures import classify
+from pretrain.context.run_dir import RunDir
+from pretrain.train.hooks import StepResult
 from recipes.schema import WatchConfig
 from resiliency.monitor.fault_tolerance import launcher_config
 from resiliency.monitor.stacks import StackWatchdog, read_stack_dump

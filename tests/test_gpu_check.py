@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from bench import gpu_check, gpu_wheels
-from pretrain.plan_time import resolve_save_interval
+from pretrain.fit.timing import resolve_save_interval
 from recipes import load_config
 from tests.helpers import REPO
 
@@ -30,7 +30,7 @@ def test_mfu_arithmetic_for_the_checked_model() -> None:
     # out: 12 B s L h^2 x (attention (1 + g/a + s/h) + SwiGLU MLP (ffn/h x 1.5) + logits V/(2Lh)).
     by_hand = 12 * 4 * 4096 * 16 * 2048**2 * ((1 + 8 / 32 + 4096 / 2048) + 4 * 1.5 + 128256 / 65536)
     run = load_config(gpu_check.Shape(False, 30).throughput_model())
-    from pretrain.flops import flops_per_step
+    from pretrain.model.flops import flops_per_step
 
     assert flops_per_step(run.model, 4, 128256) == pytest.approx(by_hand, rel=1e-12)
     # the H200's measured figure: 1.4787e14 FLOP per 1.3694 s step is 108.0 TFLOP/s
@@ -107,11 +107,12 @@ def test_fused_kernels_need_their_extensions() -> None:
     # Found on the GPU: without apex / Megatron-LM's compiled softmax, megatron's local norm
     # asserts persist_layer_norm off and the fused softmax would ImportError at seq <= 4096;
     # a fused bias-dropout-add without dropout drew random numbers in compiled code.
-    from pretrain import model
+    from pretrain.model import gpt as model
 
     code = textwrap.dedent(
         """
-        from pretrain import cpu_shim, model
+        from pretrain.platform import cpu_shim
+        from pretrain.model import gpt as model
         from recipes import load_config
         cpu_shim.apply()
         run = load_config(["recipe=gpt_125m"])
@@ -133,7 +134,7 @@ def test_shim_leaves_torch_compile_rule_map_consistent() -> None:
     code = textwrap.dedent(
         """
         import torch
-        from pretrain import cpu_shim
+        from pretrain.platform import cpu_shim
         cpu_shim.apply()
         from torch._dynamo import trace_rules
         trace_rules.get_torch_obj_rule_map()

@@ -22,14 +22,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pretrain import exit_codes
-from pretrain.failures import NonFiniteError, classify
-from pretrain.fault_injection import FaultInjector
-from pretrain.guard import LossSpikeError, NumericGuard, SpikeWindow, nonfinite_grads
-from pretrain.hooks import StepResult
+from pretrain.context import exit_codes
+from pretrain.context.failures import NonFiniteError, classify
+from pretrain.train.fault_injection import FaultInjector
+from pretrain.train.guard import LossSpikeError, NumericGuard, SpikeWindow, nonfinite_grads
+from pretrain.train.hooks import StepResult
 from recipes import ConfigError, load_config
 from recipes.guard_schema import GuardConfig
-from resiliency.checkpoint.resume_policy import classify_key
+from resiliency.checkpoint.restore.resume_policy import classify_key
 from resiliency.storage.layout import RunLayout
 from tests.helpers import REPO, read_steps, recommit_file, run_pretrain
 
@@ -191,13 +191,13 @@ def test_spike_fault_scales_the_loss_of_one_batch() -> None:
 
 # ---------------------------------------------------------------- real runs (TP=2)
 def _launch(tiny: list[str], root: Path, name: str, *extra: str, ok: bool = True) -> Path:
-    """A TP=2 run; one expected to fail goes through python -m pretrain.run, whose exit code
+    """A TP=2 run; one expected to fail goes through python -m launch.torchrun, whose exit code
     is the failing rank's (bare torchrun says 1)."""
     overrides = [*tiny, f"output_dir={root}", f"run_id={name}", "scheduler.decay_steps=12"]
     if ok:
         run_pretrain(2, [*overrides, *extra])
         return root / name
-    launcher = [sys.executable, "-m", "pretrain.run", "--standalone", "--nproc-per-node=2"]
+    launcher = [sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node=2"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [*launcher, "-m", "pretrain", *overrides, *extra],

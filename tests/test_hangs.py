@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from bench.hang_detection import stop_a_random_rank
-from pretrain.run_dir import RunDir
+from pretrain.context.run_dir import RunDir
 from recipes.schema import FtConfig
 from resiliency.monitor.attribution import UNDETERMINED, attribute_hang
 from resiliency.monitor.fault_tolerance import load_timeouts

@@ -313,9 +313,9 @@ def test_import_round_trips_and_continues_with_transformers_loss(
 def _transformers_first_batch_loss(model_dir: Path, overrides: list[str], tmp: Path) -> float:
     import torch.nn.functional as F
 
-    from pretrain import data
-    from pretrain.loop import split_sizes
-    from pretrain.tokenizer import ByteTokenizer
+    from pretrain.data import dataset as data
+    from pretrain.data.tokenizer import ByteTokenizer
+    from pretrain.train.trainer import split_sizes
     from recipes import load_config
 
     run = load_config(overrides)

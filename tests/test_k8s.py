@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import yaml
 
-from launch import k8s
 from launch.__main__ import main as launch_main
-from launch.k8s_render import render
-from launch.k8s_schema import (
+from launch.k8s import cli as k8s
+from launch.k8s.render import render
+from launch.k8s.schema import (
     crd_path,
     crd_schema,
     operator_errors,
@@ -25,7 +25,7 @@ from launch.k8s_schema import (
     to_json_schema,
     validate_objects,
 )
-from pretrain import exit_codes
+from pretrain.context import exit_codes
 from recipes import ConfigError
 from recipes.load import load_config_file
 from resiliency.storage.layout import RunLayout

@@ -18,8 +18,8 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 import yaml
 
-from launch import k8s
-from pretrain import exit_codes
+from launch.k8s import cli as k8s
+from pretrain.context import exit_codes
 from recipes import ConfigError
 from recipes.load import load_config_file
 from tests.helpers import REPO

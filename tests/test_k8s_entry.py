@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launch import k8s
-from launch.k8s_entry import Outcome, RetryBudget, classify
-from launch.k8s_schema import (
+from launch.k8s import cli as k8s
+from launch.k8s.entry import Outcome, RetryBudget, classify
+from launch.k8s.schema import (
     CRD_ENV,
     CRD_FILE,
     crd_path,
     operator_errors,
     schema_errors,
 )
-from pretrain import exit_codes
+from pretrain.context import exit_codes
 from recipes import ConfigError
 from tests.helpers import REPO
 from tests.k8s_helpers import (
@@ -42,7 +42,7 @@ def test_crd_is_the_shipped_copy_unless_overridden(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv(CRD_ENV, raising=False)
-    assert crd_path() == REPO / "launch" / "schemas" / CRD_FILE
+    assert crd_path() == REPO / "launch" / "k8s" / "schemas" / CRD_FILE
     monkeypatch.setenv(CRD_ENV, str(tmp_path / "crd.yaml"))
     with pytest.raises(ConfigError, match=r"not found at .*crd.yaml \(\$MCORE_RECIPES_PYTORCHJOB"):
         crd_path()
@@ -50,7 +50,7 @@ def test_crd_is_the_shipped_copy_unless_overridden(
 
 @pytest.mark.skipif(not SHARED_CRD.is_file(), reason=f"{SHARED_CRD} not present")
 def test_shipped_crd_is_the_shared_copy() -> None:
-    shipped = REPO / "launch" / "schemas" / CRD_FILE
+    shipped = REPO / "launch" / "k8s" / "schemas" / CRD_FILE
     assert shipped.read_bytes() == SHARED_CRD.read_bytes()
 
 
@@ -83,10 +83,10 @@ def test_installed_wheel_renders_and_validates_outside_the_repo(tmp_path: Path) 
     env = {**os.environ, "PYTHONPATH": str(site), k8s.SUBMISSION_ENV: "test"}
     env.pop(CRD_ENV, None)
     run = dict(cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120)
-    probe = "import launch, recipes, launch.k8s_schema as s; print(launch.__file__, s.crd_path())"
+    probe = "import launch, recipes, launch.k8s.schema as s; print(launch.__file__, s.crd_path())"
     proc = subprocess.run([sys.executable, "-c", probe], **run)
     assert proc.returncode == 0, proc.stderr
-    shipped = site / "launch" / "schemas" / CRD_FILE
+    shipped = site / "launch" / "k8s" / "schemas" / CRD_FILE
     assert proc.stdout.split() == [str(site / "launch" / "__init__.py"), str(shipped)]
     argv = [*RECIPES["llama3_70b"], *BASE, f"output_dir={tmp_path / 'runs'}", "--dry-run"]
     proc = subprocess.run([sys.executable, "-m", "launch", "k8s", *argv], **run)
@@ -134,7 +134,7 @@ def _pod_entry(
         [
             sys.executable,
             "-m",
-            "launch.k8s_entry",
+            "launch.k8s.entry",
             "--retries",
             str(retries),
             "--state-dir",
@@ -162,7 +162,7 @@ def test_wrapper_recovers_the_worker_exit_code_torchrun_drops(tmp_path: Path) ->
 
 def test_ft_launcher_entry_gets_its_config(tmp_path: Path) -> None:
     """ft_launcher refuses to start without --ft-cfg-path: the pod entry writes it."""
-    from launch.k8s_entry import with_ft_config
+    from launch.k8s.entry import with_ft_config
     from recipes import load_config, to_yaml
 
     pinned = tmp_path / "launch-config.yaml"
@@ -189,7 +189,7 @@ def test_pod_on_an_unhealthy_node_exits_before_torchrun(tmp_path: Path) -> None:
     proc = _pod_entry(tmp_path, 2, env, ["--standalone", "-m", "pretrain", "--config", str(pinned)])
     assert proc.returncode == exit_codes.INFRASTRUCTURE, proc.stderr[-3000:]
     assert "UNHEALTHY: script: '/bin/false' exit 1" in proc.stderr
-    assert "torchrun" not in proc.stderr.lower().replace("launch.k8s_entry", "")
+    assert "torchrun" not in proc.stderr.lower().replace("launch.k8s.entry", "")
     health = tmp_path / "state" / "job-sick" / "health"
     [report] = [json.loads(p.read_text()) for p in health.glob("*.json")]
     assert report["ok"] is False

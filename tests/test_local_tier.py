@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from resiliency.checkpoint.local_store import (
+from resiliency.checkpoint.local.store import (
     REJECTED_SUFFIX,
     VerifiedLocalManager,
     list_local_files,
@@ -256,7 +256,7 @@ def test_dirty_files_of_dead_attempts_are_removed(tmp_path: Path) -> None:
 def test_replicas_must_land_on_other_nodes() -> None:
     from recipes import ConfigError
     from recipes.schema import LocalCheckpointConfig
-    from resiliency.checkpoint.local_tier import replication_strategy
+    from resiliency.checkpoint.local.tier import replication_strategy
 
     cfg = LocalCheckpointConfig(interval=5, dir="/x", replication_factor=2, replication_jump=2)
     with pytest.raises(ConfigError, match="different node.*replication_factor=1"):

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from pretrain.plan_time import model_parameters
+from pretrain.fit.timing import model_parameters
 from recipes import load_config
 from tests.helpers import REPO, TORCHRUN
 
@@ -165,7 +165,7 @@ def test_a_submission_that_does_not_fit_is_refused_with_the_fix(
     """gpt_125m's activations (micro-batch 8, sequence 2048) do not fit an 8 GiB GPU; full
     recomputation would. Refused before anything is written or submitted."""
     from launch.__main__ import main as launch_main
-    from pretrain import exit_codes
+    from pretrain.context import exit_codes
     from tests.k8s_helpers import BASE, GPT
 
     argv = [f"output_dir={tmp_path}", "launch.gpu=8"]

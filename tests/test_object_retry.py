@@ -8,8 +8,8 @@ import botocore.exceptions
 import pytest
 import urllib3.exceptions
 
-from pretrain import exit_codes
-from pretrain.failures import classify
+from pretrain.context import exit_codes
+from pretrain.context.failures import classify
 from resiliency.storage.object_retry import (
     ObjectStoreAccessError,
     ObjectStoreUnavailable,

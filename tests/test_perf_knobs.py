@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.model import perf_settings
+from pretrain.model.gpt import perf_settings
 from recipes import ConfigError, load_config
 from recipes.validate import validate_runtime
 from tests.helpers import REPO, losses, run_pretrain

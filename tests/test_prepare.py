@@ -1,4 +1,5 @@
-"""pretrain.tokenizer and pretrain.prepare: real files in tmp_path, read back via megatron-core."""
+"""pretrain.data.tokenizer and pretrain.data.prepare: real files in tmp_path, read back via
+megatron-core."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.exit_codes import DATA
-from pretrain.prepare import (
+from pretrain.context.exit_codes import DATA
+from pretrain.data.prepare.corpus import (
     STDLIB_SKIP_DIRS,
     PrepareError,
     dataset_prefix,
@@ -22,7 +23,7 @@ from pretrain.prepare import (
     stdlib_documents,
     stdlib_files,
 )
-from pretrain.tokenizer import (
+from pretrain.data.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
     TokenizerError,
@@ -239,7 +240,7 @@ def test_cli_entrypoint_subprocess(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "pretrain.prepare",
+            "pretrain.data.prepare",
             "--input",
             str(tmp_path / "d*.txt"),
             "--output-prefix",

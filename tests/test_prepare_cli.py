@@ -1,4 +1,4 @@
-"""`python -m pretrain.prepare` through the real CLI: subprocesses, real exit codes and stderr.
+"""`python -m pretrain.data.prepare` through the real CLI: subprocesses, real exit codes and stderr.
 
 Each CLI process pays megatron-core's import (~5 s of CPU), so where two runs are compared the
 run under test is a subprocess and the reference is `main()` in this process, run meanwhile.
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.exit_codes import CONFIG_ERROR, DATA
-from pretrain.prepare import dataset_prefix, main
-from pretrain.tokenizer import build_tokenizer
+from pretrain.context.exit_codes import CONFIG_ERROR, DATA
+from pretrain.data.prepare.corpus import dataset_prefix, main
+from pretrain.data.tokenizer import build_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.current_stack  # the indexed format and the tokenizers, on both stacks
@@ -60,7 +60,7 @@ def bpe_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def start(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "pretrain.prepare", *args],
+        [sys.executable, "-m", "pretrain.data.prepare", *args],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -74,7 +74,7 @@ def finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
 
 
 def run_together(*argv: list[str]) -> list[subprocess.CompletedProcess]:
-    """Run several `python -m pretrain.prepare` at once; each with its own exit code."""
+    """Run several `python -m pretrain.data.prepare` at once; each with its own exit code."""
     return [finish(proc) for proc in [start(args) for args in argv]]
 
 
@@ -152,7 +152,7 @@ def test_a_line_missing_a_key_is_one_line_with_its_number(tmp_path: Path) -> Non
     assert result.returncode == DATA
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    assert lines[0].startswith("pretrain.prepare: error: ")
+    assert lines[0].startswith("pretrain.data.prepare: error: ")
     assert f"{bad}:3: no 'title' key in this line" in lines[0] and "--json-keys" in lines[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]  # nothing left behind
 
@@ -195,7 +195,7 @@ def test_usage_and_tokenizer_errors_exit_codes(tmp_path: Path) -> None:
         assert result.returncode == code, (argv, result.stderr)
         assert needle in lines[-1] and "Traceback" not in result.stderr, (argv, result.stderr)
         if not lines[0].startswith("usage:"):  # argparse prints its usage, then one line
-            assert len(lines) == 1 and lines[0].startswith("pretrain.prepare: error: ")
+            assert len(lines) == 1 and lines[0].startswith("pretrain.data.prepare: error: ")
     assert not (tmp_path / "out_text_document.bin").exists()
 
 

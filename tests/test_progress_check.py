@@ -145,7 +145,7 @@ def test_the_two_planners_agree_and_the_suggested_command_runs() -> None:
 @pytest.mark.parametrize("name", ["H100", "h100-80gb", "H200"])
 def test_both_planners_and_the_config_take_the_same_gpu_names(name: str) -> None:
     assert cli("resiliency", "capacity", "--params", "7B", "--gpu", name).returncode == 0
-    from pretrain.plan_memory import gpu_bytes
+    from pretrain.fit.memory import gpu_bytes
     from recipes import load_config
 
     assert load_config(["recipe=llama3_8b", f"launch.gpu={name}"]).launch.gpu == name

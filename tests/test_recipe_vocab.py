@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain import exit_codes
+from pretrain.context import exit_codes
 from recipes import list_recipes, load_config
 from tests.ft_helpers import env
 from tests.helpers import REPO
@@ -36,8 +36,8 @@ def test_plan_needs_no_vocab_flag() -> None:
 def test_a_tokenizer_of_another_size_is_refused(tiny_overrides: list[str], tmp_path: Path) -> None:
     overrides = [*tiny_overrides, f"output_dir={tmp_path}", "data.vocab_size=1000",
                  "parallel.tp=1", "checkpoint.enabled=false"]  # fmt: skip
-    proc = subprocess.run(  # pretrain.run: exits with the failing rank's code
-        [sys.executable, "-m", "pretrain.run", "--standalone", "--nproc-per-node=1",
+    proc = subprocess.run(  # launch.torchrun: exits with the failing rank's code
+        [sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node=1",
          "-m", "pretrain", *overrides],
         cwd=REPO, capture_output=True, text=True, timeout=300, env=env(),
     )  # fmt: skip

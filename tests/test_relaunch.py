@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pretrain import exit_codes
-from pretrain.failures import classify
+from pretrain.context import exit_codes
+from pretrain.context.failures import classify
 from recipes import ConfigError, load_config
 from recipes.validate import resolve_run_id
 from resiliency.storage.layout import RunLayout
@@ -45,9 +45,9 @@ def _attempts(run_dir: Path) -> list[dict]:
 
 
 def _relaunch(overrides: list[str]) -> subprocess.CompletedProcess:
-    """Through python -m pretrain.run: the exit code is the failing rank's (README)."""
+    """Through python -m launch.torchrun: the exit code is the failing rank's (README)."""
     return subprocess.run(
-        [sys.executable, "-m", "pretrain.run", "--standalone", "--nproc-per-node=2"]
+        [sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node=2"]
         + ["-m", "pretrain", *overrides],
         cwd=REPO,
         capture_output=True,
@@ -188,7 +188,7 @@ def test_no_step_to_trust_stops_the_run_until_told_to_start_over(
 def test_the_scheduler_sees_the_failing_rank_exit_code(
     tiny_overrides: list[str], tmp_path: Path
 ) -> None:
-    """Bare torchrun reports 1 for any worker failure; python -m pretrain.run reports the code
+    """Bare torchrun reports 1 for any worker failure; python -m launch.torchrun reports the code
     the README documents (here 2: the global batch does not divide)."""
     args = [
         "--standalone",
@@ -204,7 +204,7 @@ def test_the_scheduler_sees_the_failing_rank_exit_code(
     bare = subprocess.run([TORCHRUN, *args], cwd=REPO, capture_output=True, text=True, env=run_env)
     assert bare.returncode == 1
     wrapped = subprocess.run(
-        [sys.executable, "-m", "pretrain.run", *args],
+        [sys.executable, "-m", "launch.torchrun", *args],
         cwd=REPO,
         capture_output=True,
         text=True,

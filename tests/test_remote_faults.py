@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from bench.s3_server import S3Server
-from pretrain import exit_codes
+from pretrain.context import exit_codes
 from recipes.tier_schema import RemoteCheckpointConfig
 from resiliency.monitor.fault_tolerance import newest_rank_bytes
 from resiliency.storage.layout import RunLayout

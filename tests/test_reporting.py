@@ -9,7 +9,7 @@ import re
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from pretrain.flops import flops_per_step
+from pretrain.model.flops import flops_per_step
 from recipes import load_config
 from tests.helpers import read_steps, run_pretrain
 

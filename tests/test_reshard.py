@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from pretrain import exit_codes
+from pretrain.context import exit_codes
 from resiliency.storage.layout import RunLayout
 from tests.helpers import REPO, losses, run_pretrain
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain import exit_codes
+from pretrain.context import exit_codes
 from resiliency.storage.layout import RunLayout
 from tests.helpers import losses, read_steps, run_pretrain
 

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from recipes import ConfigError, RunConfig, load_config
-from resiliency.checkpoint.resume_policy import classify_key, flatten, reconcile
+from resiliency.checkpoint.restore.resume_policy import classify_key, flatten, reconcile
 
 # The keys a resume refuses to change. A new config key lands here until someone classifies it
 # in resume_policy.RULES: this list makes that a decision, not an accident.

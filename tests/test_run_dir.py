@@ -1,5 +1,5 @@
-"""pretrain/run_dir.py is the one owner of a run directory's entry names and of its JSON-lines
-files: no other module spells a name, and readers survive a writer killed mid-line."""
+"""pretrain/context/run_dir.py is the one owner of a run directory's entry names and of its
+JSON-lines files: no other module spells a name, and readers survive a writer killed mid-line."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-from pretrain.run_dir import RunDir, append_jsonl, last_by_step, read_jsonl
+from pretrain.context.run_dir import RunDir, append_jsonl, last_by_step, read_jsonl
 from resiliency.storage.layout import RunLayout
 from tests.helpers import REPO
 
@@ -28,7 +28,7 @@ NAMES = (
 
 
 def test_each_entry_name_is_spelt_in_one_module() -> None:
-    owner = REPO / "pretrain" / "run_dir.py"
+    owner = REPO / "pretrain" / "context" / "run_dir.py"
     spelt: dict[str, list[str]] = {name: [] for name in NAMES}
     for package in PACKAGES:
         for path in sorted((REPO / package).rglob("*.py")):

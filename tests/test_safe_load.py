@@ -25,9 +25,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from pretrain import compat
-from pretrain.checkpoint_globals import DCP_METADATA, UnsafeCheckpointError, admitted_globals
-from resiliency.checkpoint.local_store import list_local_files
+from pretrain.platform import compat
+from pretrain.platform.checkpoint_globals import (
+    DCP_METADATA,
+    UnsafeCheckpointError,
+    admitted_globals,
+)
+from resiliency.checkpoint.local.store import list_local_files
 from resiliency.storage import pickle_scan
 from resiliency.storage.checksum import file_checksum
 from resiliency.storage.layout import RunLayout
@@ -171,7 +175,7 @@ def _sanitise_storage_meta(model: Path) -> None:
 _PROOF = """
 import json, os, sys
 from pathlib import Path
-from pretrain import compat
+from pretrain.platform import compat
 root = Path(sys.argv[1])
 out = {"applied": compat.restrict_checkpoint_loads()}
 def attempt(name, load):

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain import exit_codes
+from pretrain.context import exit_codes
 from recipes import ConfigError, load_config
-from resiliency.checkpoint.local_store import REJECTED_SUFFIX, VerifiedLocalManager
+from resiliency.checkpoint.local.store import REJECTED_SUFFIX, VerifiedLocalManager
 from resiliency.storage.checksum import file_checksum
 from resiliency.storage.layout import COMMITTED_NAME, MANIFEST_NAME, RunLayout
 from resiliency.storage.object_store import ObjectInfo

@@ -22,7 +22,7 @@ import pytest
 from drill.jobs import SLURM_TERMINAL as TERMINAL  # states after which a job never runs again
 from launch.__main__ import main as launch_main
 from launch.retry_policy import REQUEUE, STOP, decide
-from pretrain import exit_codes
+from pretrain.context import exit_codes
 from resiliency.storage.layout import RunLayout, atomic_write_json
 from resiliency.storage.lease import RunLease
 from tests.helpers import REPO, read_steps

@@ -13,8 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from drill.soak_plan import AT_SAVE, IN_PLACE, KINDS, JobShape, PlannedFault, plan_faults
-from drill.soak_report import compare, match_faults
+from drill.soak.plan import AT_SAVE, IN_PLACE, KINDS, JobShape, PlannedFault, plan_faults
+from drill.soak.report import compare, match_faults
 from resiliency.cli.capacity import predicted_goodput
 from tests.helpers import REPO
 

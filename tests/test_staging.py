@@ -78,7 +78,7 @@ def test_staged_optimizer_state_equals_megatrons(
 
 
 def test_async_staging_uses_shared_memory_only_when_dev_shm_holds_it(caplog) -> None:
-    from resiliency.checkpoint.staging import shm_free_bytes, staging_for
+    from resiliency.checkpoint.write.staging import shm_free_bytes, staging_for
 
     assert staging_for(True, param_bytes=1 << 20, ranks_on_node=2).shared
     assert not staging_for(False, param_bytes=1 << 20, ranks_on_node=2).shared
@@ -91,7 +91,7 @@ def test_async_staging_uses_shared_memory_only_when_dev_shm_holds_it(caplog) -> 
 def test_staging_buffers_are_reused_per_key_and_replaced_on_shape_change() -> None:
     import torch
 
-    from resiliency.checkpoint.staging import StagingBuffers
+    from resiliency.checkpoint.write.staging import StagingBuffers
 
     staging = StagingBuffers(shared=True)
     first = staging.stage("a", torch.arange(6.0))

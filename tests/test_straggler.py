@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pretrain import exit_codes
-from pretrain.cpu_shim import nvrx_straggler_on_cpu
+from pretrain.context import exit_codes
+from pretrain.platform.cpu_shim import nvrx_straggler_on_cpu
 from recipes.schema import StragglerConfig
 from resiliency.monitor.straggler import REPORTS_FILE, summarize
 from resiliency.storage.layout import RunLayout
@@ -44,7 +44,7 @@ def test_summary_names_only_ranks_slower_than_their_peers() -> None:
 @pytest.mark.current_stack
 def test_cpu_sections_time_work_not_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
     nvrx_straggler_on_cpu("cpu")  # CUPTI stub + CPU-time section clock
-    from pretrain.compat import nvrx_straggler
+    from pretrain.platform.compat import nvrx_straggler
 
     straggler = nvrx_straggler()
     Statistic = nvrx_straggler("statistics").Statistic

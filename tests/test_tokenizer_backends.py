@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.prepare import dataset_prefix, prepare_corpus
-from pretrain.tokenizer import (
+from pretrain.data.prepare.corpus import dataset_prefix, prepare_corpus
+from pretrain.data.tokenizer import (
     TOKENIZER_KINDS,
     HFTokenizer,
     MegatronLibraryTokenizer,

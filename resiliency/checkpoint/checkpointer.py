@@ -22,28 +22,28 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from pretrain import exit_codes
-from pretrain.compat import fix_orphaned_writer_manager
-from pretrain.data import dataset_fingerprint
-from pretrain.distributed import broadcast_object
-from pretrain.failures import ClassifiedError, classify
-from pretrain.fault_injection import FaultInjector
+from pretrain.context import exit_codes
+from pretrain.context.failures import ClassifiedError, classify
+from pretrain.data.dataset import dataset_fingerprint
+from pretrain.platform.compat import fix_orphaned_writer_manager
+from pretrain.platform.distributed import broadcast_object
+from pretrain.train.fault_injection import FaultInjector
 from resiliency.checkpoint import rank_state as state_io
-from resiliency.checkpoint.async_writer import SpawnedWriterQueue
 from resiliency.checkpoint.fingerprint import differences, state_fingerprint
-from resiliency.checkpoint.resume_lr import (
+from resiliency.checkpoint.restore.resume_lr import (
     scale_lr_for_batch_change,
     schedule_from_config,
     set_group_lrs,
 )
-from resiliency.checkpoint.shard_writer import in_process_writes, writer_checksums
-from resiliency.checkpoint.staging import (
+from resiliency.checkpoint.state_dict import chunks_by_key, sharded_training_state
+from resiliency.checkpoint.write.async_writer import SpawnedWriterQueue
+from resiliency.checkpoint.write.shard_writer import in_process_writes, writer_checksums
+from resiliency.checkpoint.write.staging import (
     StagingBuffers,
     StagingPlan,
     stage_sharded_state,
     staging_for,
 )
-from resiliency.checkpoint.state_dict import chunks_by_key, sharded_training_state
 from resiliency.storage.checksum import describe_files, describe_written, share_of
 from resiliency.storage.corpus import index_files
 from resiliency.storage.layout import RunLayout, payload_files
@@ -68,7 +68,7 @@ from resiliency.storage.tokenizer_copy import copy_tokenizer, tokenizer_record
 from resiliency.storage.verify import verify_step_dir
 
 if TYPE_CHECKING:
-    from pretrain.loop import Trainer
+    from pretrain.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
 MODEL_DIR = "model"
@@ -273,7 +273,7 @@ class Checkpointer:
                 )
 
     def _write_shards(self, tmp: Path) -> Any:
-        # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
+        # megatron-core: imported after the CPU shim is applied (pretrain/platform/distributed.py)
         from megatron.core import dist_checkpointing
 
         start = time.perf_counter()
@@ -311,13 +311,13 @@ class Checkpointer:
         a run, so megatron caches the save plan in it (and the replica distribution over DP
         ranks) after the first save, which alone validates the sharding (Megatron-LM's
         --ckpt-assume-constant-structure)."""
-        # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
+        # megatron-core: imported after the CPU shim is applied (pretrain/platform/distributed.py)
         from megatron.core import parallel_state as ps
         from megatron.core.dist_checkpointing.strategies.fully_parallel import (
             FullyParallelSaveStrategyWrapper,
         )
 
-        # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
+        # megatron-core: imported after the CPU shim is applied (pretrain/platform/distributed.py)
         from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
         if self._strategy is None:
@@ -342,7 +342,7 @@ class Checkpointer:
         return staging_for(self.cfg.async_save, param_bytes, ranks_on_node)
 
     def _async_queue(self) -> Any:
-        # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
+        # megatron-core: imported after the CPU shim is applied (pretrain/platform/distributed.py)
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
         if self.queue is None:
@@ -466,7 +466,7 @@ class Checkpointer:
 
     @staticmethod
     def _check_loadable(model_dir: Path) -> None:
-        # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
+        # megatron-core: imported after the CPU shim is applied (pretrain/platform/distributed.py)
         from megatron.core.dist_checkpointing.core import check_is_distributed_checkpoint
         from torch.distributed.checkpoint import FileSystemReader
 
@@ -539,7 +539,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------- restore
     def restore(self, step_dir: Path, manifest: Manifest, same_layout: bool) -> int:
-        """Load a step chosen, topology-validated and re-hashed by restore_plan.py."""
+        """Load a step chosen, topology-validated and re-hashed by restore/plan.py."""
         self.faults.at_checkpoint("restore", manifest.step)
         started = time.perf_counter()
         cfg, train_state = self.cfg, state_io.read_train_state(step_dir)
@@ -621,7 +621,7 @@ class Checkpointer:
         self.restored_step, self.restored_tier = restored
 
     def _load_shards(self, model_dir: Path, manifest: Manifest) -> dict[str, Any]:
-        # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
+        # megatron-core: imported after the CPU shim is applied (pretrain/platform/distributed.py)
         from megatron.core import dist_checkpointing
 
         sharded = sharded_training_state(

@@ -12,20 +12,20 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pretrain import exit_codes
-from pretrain.compat import vpp_tied_embedding_save_problem
-from pretrain.distributed import broadcast_object, probe_ranks
-from pretrain.failures import classify
-from pretrain.hooks import StepResult, TrainHook
-from pretrain.run_dir import append_jsonl
-from pretrain.tokenizer import build_tokenizer
+from pretrain.context import exit_codes
+from pretrain.context.failures import classify
+from pretrain.context.run_dir import append_jsonl
+from pretrain.data.tokenizer import build_tokenizer
+from pretrain.platform.compat import vpp_tied_embedding_save_problem
+from pretrain.platform.distributed import broadcast_object, probe_ranks
+from pretrain.train.hooks import StepResult, TrainHook
 from recipes import ConfigError
-from resiliency.checkpoint.async_writer import SpawnedWriterQueue
 from resiliency.checkpoint.checkpointer import Checkpointer
-from resiliency.checkpoint.local_tier import LocalTier
-from resiliency.checkpoint.restore_plan import plan_restore
-from resiliency.checkpoint.resume_policy import ResumeDecision, reconcile
-from resiliency.checkpoint.shard_writer import writer_checksums
+from resiliency.checkpoint.local.tier import LocalTier
+from resiliency.checkpoint.restore.plan import plan_restore
+from resiliency.checkpoint.restore.resume_policy import ResumeDecision, reconcile
+from resiliency.checkpoint.write.async_writer import SpawnedWriterQueue
+from resiliency.checkpoint.write.shard_writer import writer_checksums
 from resiliency.health import HEALTH_DIR_ENV, read_reports
 from resiliency.storage.attempts import (
     TERMINAL_STATUSES,
@@ -39,12 +39,12 @@ from resiliency.storage.object_retry import ObjectStoreUnavailable
 from resiliency.storage.remote_preflight import RemotePreflightError, check_remote
 
 if TYPE_CHECKING:
-    from pretrain.distributed import DistEnv
-    from pretrain.loop import Trainer
+    from pretrain.platform.distributed import DistEnv
+    from pretrain.train.trainer import Trainer
     from recipes.schema import RunConfig
-    from resiliency.checkpoint.local_tier import LocalTier
-    from resiliency.checkpoint.resume_policy import ResumeDecision, reconcile
-from resiliency.checkpoint.restore_plan import RestorePlan
+    from resiliency.checkpoint.local.tier import LocalTier
+    from resiliency.checkpoint.restore.resume_policy import ResumeDecision, reconcile
+from resiliency.checkpoint.restore.plan import RestorePlan
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pretrain.compat import fully_reshardable_state_from
-from resiliency.checkpoint.staging import Stager, StagingPlan, staging_key
+from pretrain.platform.compat import fully_reshardable_state_from
+from resiliency.checkpoint.write.staging import Stager, StagingPlan, staging_key
 
 log = logging.getLogger(__name__)
 PREFIX = "optimizer.state"
@@ -116,7 +116,7 @@ def build(
     """What ``opt.sharded_param_state_fully_reshardable(sd, is_loading=False)`` returns, with
     every tensor a staging buffer. ``snapshot=False`` (a sync save: training waits for the
     write) leaves whole host tensors of a DP=1 optimizer in place instead of copying them."""
-    # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
+    # megatron-core: imported after the CPU shim is applied (pretrain/platform/distributed.py)
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
     from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
@@ -173,7 +173,7 @@ def build(
 
 
 def _distributed_optimizers(optimizer: Any) -> list[Any]:
-    # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
+    # megatron-core: imported after the CPU shim is applied (pretrain/platform/distributed.py)
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     chained = getattr(optimizer, "chained_optimizers", [optimizer])

@@ -1,7 +1,7 @@
 """Per-rank and loop state that is not in the model/optimizer shards.
 
-Rank state (RNG streams) is stored as plain tensors and lists, so it loads with torch's
-weights-only unpickler admitting the checkpoint allow-list only (pretrain/checkpoint_globals.py:
+Rank state (RNG streams) is stored as plain tensors and lists, so it loads with torch's weights-only
+unpickler admitting the checkpoint allow-list only (pretrain/platform/checkpoint_globals.py:
 tensors, dtypes, storage types): a file naming any other global is refused unrun.
 """
 
@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-# The RNG streams themselves are captured in pretrain/rng.py (evaluation holds them still too).
-from pretrain.compat import safe_torch_load
-from pretrain.rng import capture_rng as capture_rng
-from pretrain.rng import reseed_rng as reseed_rng
-from pretrain.rng import restore_rng as restore_rng
+# The RNG streams are captured in pretrain/platform/rng.py (evaluation holds them still too).
+from pretrain.platform.compat import safe_torch_load
+from pretrain.platform.rng import capture_rng as capture_rng
+from pretrain.platform.rng import reseed_rng as reseed_rng
+from pretrain.platform.rng import restore_rng as restore_rng
 from resiliency.storage.layout import TRAIN_STATE_NAME
 
 RANK_STATE_DIR = "rank-state"

@@ -6,7 +6,7 @@ import contextlib
 from typing import Any
 
 from resiliency.checkpoint.optim_gather import staged_fully_reshardable
-from resiliency.checkpoint.staging import Stager
+from resiliency.checkpoint.write.staging import Stager
 
 
 def chunks_by_key(chunks: list[Any]) -> dict[str, Any]:

@@ -8,8 +8,9 @@ bad" from "you called me wrong" without reading the output.
 - ``EXIT_BAD`` (1): a checkpoint failed verification (``verify``, ``ls --verify``), or a run dir
   holds no step that verifies. Not ``CHECKPOINT_IO`` (10): that is the trainer's "could not
   save or restore", and a CLI that only read the files has nothing to retry.
-- ``EXIT_USAGE`` (2, ``pretrain.exit_codes.CONFIG_ERROR``): bad arguments or config, a path that
-  does not exist or is neither a step dir nor a run dir, a live run that ``gc`` must not touch.
+- ``EXIT_USAGE`` (2, ``pretrain.context.exit_codes.CONFIG_ERROR``): bad arguments or config, a
+  path that does not exist or is neither a step dir nor a run dir, a live run that ``gc`` must not
+  touch.
 - ``validate`` also exits 3 (``TOPOLOGY_REFUSED``) when the layout change is refused.
 """
 
@@ -19,7 +20,7 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pretrain import exit_codes
+from pretrain.context import exit_codes
 
 EXIT_OK = exit_codes.OK
 EXIT_BAD = 1

@@ -4,7 +4,7 @@ estimated) in steps.
 
 Size per version counts the persistent training state of mixed-precision training (section 9
 of the fault-tolerance notes: bf16 params 2 B + fp32 master 4 B + Adam moments 8 B = 14 B per
-parameter; pretrain/plan_time.py owns the figures, and ``--plan`` uses the same). The interval
+parameter; pretrain/fit/timing.py owns the figures, and ``--plan`` uses the same). The interval
 is Young's approximation sqrt(2 * C * MTBF) (section 16): a starting point for fault-injection
 measurements, not the final answer. ``recipe=<name>`` and Hydra
 overrides supply the parameter count, dtype, retention and step time (capacity_recipe.py).
@@ -17,7 +17,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from pretrain.plan_time import (
+from pretrain.fit.timing import (
     DEFAULT_MFU,
     MAIN_PARAM_BYTES,
     MOMENT_BYTES,
@@ -159,7 +159,7 @@ def _compound_duration(value: str, original: str) -> float:
 
 
 def checkpoint_size(params: float, optimizer: str = "adam", dtype: str = "bf16") -> CheckpointSize:
-    """The components of pretrain.plan_time.checkpoint_bytes_per_param, named."""
+    """The components of pretrain.fit.timing.checkpoint_bytes_per_param, named."""
     moments, count = OPTIMIZER_MOMENTS[optimizer]
     components = (
         Component(f"{dtype} model parameters", WEIGHT_BYTES[dtype]),

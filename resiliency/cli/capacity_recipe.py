@@ -1,5 +1,5 @@
 """What ``capacity`` takes from a recipe: parameter count, step time, retention and save
-interval, by the planner's own formulas (pretrain/plan_time.py: the parameter count from the
+interval, by the planner's own formulas (pretrain/fit/timing.py: the parameter count from the
 model config alone, the step time from FLOPs over the GPU's peak at an assumed MFU; measure
 it, then pass ``--step-time`` or set ``train.step_time_s``).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pretrain.plan_time import StepTime, model_parameters, step_time
+from pretrain.fit.timing import StepTime, model_parameters, step_time
 from recipes import RunConfig, load_config
 
 
@@ -28,8 +28,8 @@ class RecipeFacts:
 def padded_vocab(run: RunConfig, vocab: int | None) -> tuple[int | None, str]:
     """Padded vocabulary: the model's pinned size, ``--vocab`` padded as Megatron pads, or the
     recipe's tokenizer (local files only); None with the reason when none of them is there."""
-    from pretrain.tokenizer import build_tokenizer
-    from pretrain.vocab import padded_vocab_size
+    from pretrain.data.tokenizer import build_tokenizer
+    from pretrain.data.vocab import padded_vocab_size
 
     if vocab is not None:
         padded = padded_vocab_size(run.model, vocab, run.parallel.tp)
@@ -68,5 +68,5 @@ def recipe_facts(overrides: Sequence[str], vocab: int | None) -> RecipeFacts:
 def estimate_step_time(
     facts: RecipeFacts, gpu: str | None, peak: float | None, mfu: float
 ) -> StepTime:
-    """The planner's step time (pretrain/plan_time.py) for ``gpu`` (default launch.gpu)."""
+    """The planner's step time (pretrain/fit/timing.py) for ``gpu`` (default launch.gpu)."""
     return step_time(facts.run, facts.padded_vocab, gpu, peak, mfu)

@@ -194,7 +194,7 @@ def _recorded_local_dir(layout: RunLayout) -> str | None:
 
 def _print_local_tier(local_dir: Path, run_id: str) -> None:
     # torch: only for runs with a local tier
-    from resiliency.checkpoint.local_listing import describe_copies, scan_local_tier
+    from resiliency.checkpoint.local.listing import describe_copies, scan_local_tier
 
     steps = scan_local_tier(local_dir, run_id)
     print(f"\nlocal tier:  {local_dir} (node-*/{run_id}/<rank>/; copies: shard owner -> where)")

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from pretrain.run_dir import RunDir
+from pretrain.context.run_dir import RunDir
 from resiliency.cli.base import EXIT_OK, EXIT_USAGE, Command
 from resiliency.monitor.goodput import build_ledger, format_ledger
 

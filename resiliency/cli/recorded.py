@@ -1,9 +1,9 @@
 """A run's recorded ``checkpoint.*`` settings, and which file said so.
 
 The trainer writes the config it ran with to ``<run_dir>/config.yaml`` at every start
-(pretrain/session.py); launchers pin theirs in ``<run_dir>/launch-config.yaml``; every published
-step's ``manifest.json`` carries the resolved config it was saved with. Tools that act on a run
-(``gc``) take the run's own settings from there, newest record first, before any built-in
+(pretrain/train/session.py); launchers pin theirs in ``<run_dir>/launch-config.yaml``; every
+published step's ``manifest.json`` carries the resolved config it was saved with. Tools that act on
+a run (``gc``) take the run's own settings from there, newest record first, before any built-in
 default, and say which source they used.
 """
 

@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 from types import FrameType
 
-from pretrain import exit_codes
+from pretrain.context import exit_codes
 from resiliency.cli.base import EXIT_BAD, EXIT_OK, EXIT_USAGE, Command
 from resiliency.cli.recorded import recorded_setting
 from resiliency.monitor.remote_metrics import RemoteUploadMetrics

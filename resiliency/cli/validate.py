@@ -12,8 +12,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from pretrain import exit_codes
-from pretrain.tokenizer import build_tokenizer
+from pretrain.context import exit_codes
+from pretrain.data.tokenizer import build_tokenizer
 from recipes import ConfigError, RunConfig, load_config
 from recipes.validate import validate_runtime
 from resiliency.cli.base import EXIT_BAD, EXIT_USAGE, Command
@@ -88,8 +88,8 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     # torch comes with these: imported here so ls, verify, gc and plan start in a fraction
     # of the time.
-    from resiliency.checkpoint.restore_plan import target_for
-    from resiliency.checkpoint.topology import validate
+    from resiliency.checkpoint.restore.plan import target_for
+    from resiliency.checkpoint.restore.topology import validate
 
     report = validate(manifest, target_for(run, world, dp, vocab))
     print(f"checkpoint: {step_dir} (step {manifest.step}, {manifest.optim_format})")

@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from pretrain.run_dir import RunDir
+from pretrain.context.run_dir import RunDir
 from recipes.checks import ConfigError
 from resiliency.cli.base import EXIT_BAD, EXIT_OK, EXIT_USAGE, Command
 from resiliency.cli.remote import remote_verify

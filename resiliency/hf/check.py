@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pretrain import data
-from pretrain.loop import split_sizes
-from pretrain.run_dir import RunDir, iter_jsonl
+from pretrain.context.run_dir import RunDir, iter_jsonl
+from pretrain.data import dataset as data
+from pretrain.train.trainer import split_sizes
 from resiliency.hf.export import VerifiedStep, step_tokenizer
 
 log = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ import argparse
 import logging
 from pathlib import Path
 
-from pretrain import exit_codes
-from pretrain.logs import setup_logging
+from pretrain.context import exit_codes
+from pretrain.platform.logs import setup_logging
 from recipes import ConfigError
 
 log = logging.getLogger("resiliency.hf")

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from pretrain.tokenizer import Tokenizer, build_tokenizer
+from pretrain.data.tokenizer import Tokenizer, build_tokenizer
 from recipes import ConfigError
 from recipes.load import load_config_dict
 from recipes.schema import RunConfig

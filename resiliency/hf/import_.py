@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from pretrain.distributed import init_distributed
-from pretrain.loop import Trainer
-from pretrain.tokenizer import build_tokenizer
+from pretrain.data.tokenizer import build_tokenizer
+from pretrain.platform.distributed import init_distributed
+from pretrain.train.trainer import Trainer
 from recipes import ConfigError, RunConfig, load_config
 from resiliency.checkpoint.checkpointer import Checkpointer
 from resiliency.checkpoint.state_dict import model_state_dict
@@ -85,7 +85,7 @@ def check_recipe_matches(run: RunConfig, config: dict[str, Any], hf_dir: Path) -
 def load_global_tensors(chunks: list[Any], tensors: dict[str, torch.Tensor]) -> int:
     """Copy megatron's global tensors into this rank's model through its sharded state dict
     (each shard's offsets say which part it holds); returns the number of shards filled."""
-    # megatron-core: imported after the CPU shim is applied (pretrain/distributed.py)
+    # megatron-core: imported after the CPU shim is applied (pretrain/platform/distributed.py)
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from pretrain.tokenizer import ByteTokenizer
+from pretrain.data.tokenizer import ByteTokenizer
 
 EOD_TOKEN, PAD_TOKEN = "<|endoftext|>", "<|pad|>"
 

@@ -22,16 +22,16 @@ from typing import TYPE_CHECKING, Any
 import psutil
 import torch.distributed as dist
 
-from pretrain.failures import Failure, classify
-from pretrain.hooks import StepResult, TrainHook
+from pretrain.context.failures import Failure, classify
+from pretrain.train.hooks import StepResult, TrainHook
 from resiliency.monitor.postmortem import failure_path, last_step_between, lost_steps, read_record
 from resiliency.monitor.stacks import COLLECTIVE_MARKERS
 from resiliency.storage.attempts import recorded_attempts
 from resiliency.storage.layout import atomic_write_json
 
 if TYPE_CHECKING:
-    from pretrain.distributed import DistEnv
-    from pretrain.loop import Trainer
+    from pretrain.platform.distributed import DistEnv
+    from pretrain.train.trainer import Trainer
     from resiliency.checkpoint.hook import CheckpointHook
 
 log = logging.getLogger(__name__)

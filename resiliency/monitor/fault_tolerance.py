@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from pretrain import exit_codes
-from pretrain.failures import classify
-from pretrain.hooks import StepResult, TrainHook
-from pretrain.run_dir import RunDir
+from pretrain.context import exit_codes
+from pretrain.context.failures import classify
+from pretrain.context.run_dir import RunDir
+from pretrain.train.hooks import StepResult, TrainHook
 from resiliency.monitor.stacks import STACKS_DIR, StackWatchdog, stack_path
 from resiliency.monitor.timeouts import (
     BYTES_PER_PARAM,
@@ -39,9 +39,9 @@ from resiliency.storage.layout import RunLayout, atomic_write_json
 from resiliency.storage.manifest import ManifestError, read_manifest
 
 if TYPE_CHECKING:
-    from pretrain.distributed import DistEnv
-    from pretrain.hooks import EvalResult
-    from pretrain.loop import Trainer
+    from pretrain.platform.distributed import DistEnv
+    from pretrain.train.hooks import EvalResult
+    from pretrain.train.trainer import Trainer
     from recipes.schema import FtConfig, RunConfig
     from recipes.tier_schema import RemoteCheckpointConfig
     from resiliency.checkpoint.hook import CheckpointHook

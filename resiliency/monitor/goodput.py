@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pretrain.run_dir import RunDir, read_jsonl
+from pretrain.context.run_dir import RunDir, read_jsonl
 from resiliency.storage.attempts import recorded_attempts
 from resiliency.storage.layout import RunLayout
 

@@ -23,14 +23,14 @@ from prometheus_client import (
     write_to_textfile,
 )
 
-from pretrain.hooks import StepResult, TrainHook
+from pretrain.train.hooks import StepResult, TrainHook
 from resiliency.monitor.goodput import build_ledger
 from resiliency.monitor.postmortem import read_record
 from resiliency.storage.attempts import recorded_attempts
 from resiliency.storage.layout import RunLayout
 
 if TYPE_CHECKING:
-    from pretrain.loop import Trainer
+    from pretrain.train.trainer import Trainer
     from recipes.schema import MetricsConfig
     from resiliency.checkpoint.hook import CheckpointHook
     from resiliency.monitor.evidence import AttemptEvidenceHook

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pretrain import exit_codes
-from pretrain.run_dir import RunDir, iter_jsonl
+from pretrain.context import exit_codes
+from pretrain.context.run_dir import RunDir, iter_jsonl
 from resiliency.monitor.attribution import UNDETERMINED, attribute_hang, last_progress
 from resiliency.monitor.stacks import STACKS_DIR, read_stack_dump
 from resiliency.storage.layout import RunLayout, atomic_write_json

@@ -16,11 +16,11 @@ import signal
 import threading
 from typing import TYPE_CHECKING, Any
 
-from pretrain import exit_codes
-from pretrain.hooks import TrainHook
+from pretrain.context import exit_codes
+from pretrain.train.hooks import TrainHook
 
 if TYPE_CHECKING:
-    from pretrain.loop import StepResult, Trainer
+    from pretrain.train.trainer import StepResult, Trainer
     from resiliency.checkpoint.hook import CheckpointHook
 
 log = logging.getLogger(__name__)

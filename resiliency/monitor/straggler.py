@@ -5,8 +5,8 @@ Each training step after ``warmup_steps`` is a detection section ("step"); every
 whose relative score (fastest rank's median section time / this rank's) is below
 ``relative_threshold``, with their individual scores (vs. the rank's own best median). On a GPU
 the CUDA-kernel scores count too; on CPU sections are timed in CPU time (see
-:func:`pretrain.cpu_shim.nvrx_straggler_on_cpu`). A rank only slower than its own past (the whole
-job slowed down: a noisy machine) is logged, not named. Reports go to the log and to
+:func:`pretrain.platform.cpu_shim.nvrx_straggler_on_cpu`). A rank only slower than its own past
+(the whole job slowed down: a noisy machine) is logged, not named. Reports go to the log and to
 ``<run_dir>/metrics/straggler.jsonl``; with ``stop_if_detected`` the run saves and exits
 STRAGGLER.
 """
@@ -26,15 +26,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from pretrain import exit_codes
-from pretrain.compat import nvrx_straggler
-from pretrain.cpu_shim import nvrx_straggler_on_cpu
-from pretrain.hooks import StepResult, TrainHook
-from pretrain.run_dir import RunDir
+from pretrain.context import exit_codes
+from pretrain.context.run_dir import RunDir
+from pretrain.platform.compat import nvrx_straggler
+from pretrain.platform.cpu_shim import nvrx_straggler_on_cpu
+from pretrain.train.hooks import StepResult, TrainHook
 
 if TYPE_CHECKING:
-    from pretrain.distributed import DistEnv
-    from pretrain.loop import Trainer
+    from pretrain.platform.distributed import DistEnv
+    from pretrain.train.trainer import Trainer
     from recipes.schema import StragglerConfig
 
 log = logging.getLogger(__name__)

@@ -15,12 +15,12 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pretrain.failures import NonFiniteError
-from pretrain.hooks import StepResult, TrainHook
-from pretrain.run_dir import RunDir, last_by_step
+from pretrain.context.failures import NonFiniteError
+from pretrain.context.run_dir import RunDir, last_by_step
+from pretrain.train.hooks import StepResult, TrainHook
 
 if TYPE_CHECKING:
-    from pretrain.loop import Trainer
+    from pretrain.train.trainer import Trainer
     from recipes.schema import WatchConfig
     from resiliency.checkpoint.hook import CheckpointHook
 

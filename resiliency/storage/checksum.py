@@ -193,8 +193,8 @@ class _ChecksummingFile(ChecksummingStream):
 
 class WriterChecksums:
     """crc32c of checkpoint files computed by the writer processes, so the commit does not have
-    to read every byte back (a second pass over the data). ``open`` is a drop-in for the
-    builtin inside megatron's writer module; its forked (or spawned, see async_writer.py)
+    to read every byte back (a second pass over the data). ``open`` is a drop-in for the builtin
+    inside megatron's writer module; its forked (or spawned, see checkpoint/write/async_writer.py)
     writer processes report through one queue."""
 
     def __init__(self, reports: Any = None) -> None:

@@ -3,7 +3,7 @@
 A step's manifest holds the checksum of each dataset prefix's ``.idx`` file
 (``dataset["index_files"]``, ``{prefix + ".idx": crc32c}``). The saved data cursor counts samples
 of that index: a corpus rebuilt under the same prefix would resume at a cursor that now means
-other samples, so a resume compares them first (``restore_plan.check_corpus``).
+other samples, so a resume compares them first (``checkpoint.restore.plan.check_corpus``).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pretrain.run_dir import RunDir
+from pretrain.context.run_dir import RunDir
 
 STEP_DIGITS = 9
 _STEP_RE = re.compile(r"^step-(\d{9})$")
@@ -69,7 +69,7 @@ class RunLayout:
 
     @property
     def dir(self) -> RunDir:
-        """Every other entry of the run dir (pretrain/run_dir.py owns their names)."""
+        """Every other entry of the run dir (pretrain/context/run_dir.py owns their names)."""
         return RunDir(self.run_dir)
 
     @property

@@ -37,9 +37,9 @@ from typing import Any
 
 import psutil
 
-from pretrain import exit_codes
-from pretrain.failures import ClassifiedError
-from pretrain.host import boot_and_pid_namespace
+from pretrain.context import exit_codes
+from pretrain.context.failures import ClassifiedError
+from pretrain.platform.host import boot_and_pid_namespace
 from resiliency.storage.layout import RunLayout, atomic_write_json, fsync_dir
 
 logger = logging.getLogger(__name__)

@@ -25,8 +25,8 @@ from typing import TypeVar
 import botocore.exceptions
 import urllib3.exceptions
 
-from pretrain import exit_codes
-from pretrain.failures import ClassifiedError
+from pretrain.context import exit_codes
+from pretrain.context.failures import ClassifiedError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

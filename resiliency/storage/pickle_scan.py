@@ -9,7 +9,7 @@ DCP's raw pickle), every item of the ``*.distcp`` files (each a torch zip archiv
 ``.metadata`` gives it, read with ``torch.load``), and the ``*.pt`` files (torch zip archives:
 their ``data.pkl``; a ``.pt`` that is no zip archive is never unpickled: compat's loads refuse
 it unread); nvrx's node-local files are torch zip archives too. A file naming a global outside
-``pretrain.checkpoint_globals`` is refused with one line naming it.
+``pretrain.platform.checkpoint_globals`` is refused with one line naming it.
 
 Torch-free (the storage layer loads no torch): item offsets are read from ``.metadata`` by an
 unpickler whose every global is a stand-in record, so even that read runs nothing of the file.
@@ -27,7 +27,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
-from pretrain.checkpoint_globals import (
+from pretrain.platform.checkpoint_globals import (
     UnsafeCheckpointError,
     admitted_globals,
     global_name,

@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pretrain.run_dir import RunDir
+from pretrain.context.run_dir import RunDir
 from resiliency.storage.checksum import FileEntry, file_checksum
 from resiliency.storage.layout import (
     COMMITTED_NAME,

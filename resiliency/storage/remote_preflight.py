@@ -16,8 +16,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from pretrain import exit_codes
-from pretrain.failures import ClassifiedError
+from pretrain.context import exit_codes
+from pretrain.context.failures import ClassifiedError
 from recipes.tier_schema import RemoteCheckpointConfig
 from resiliency.storage.object_retry import ObjectStoreAccessError, ObjectStoreUnavailable
 from resiliency.storage.object_store import ObjectStore, PreconditionFailed

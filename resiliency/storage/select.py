@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pretrain.run_dir import RunDir
+from pretrain.context.run_dir import RunDir
 from resiliency.storage.layout import RunLayout, step_name
 from resiliency.storage.signing import SigningKey
 from resiliency.storage.verify import Verdict, verify_step_dir

@@ -14,7 +14,7 @@ warnings.simplefilter("ignore")
 
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from pretrain.plan import as_json, make_plan
+    from pretrain.fit.cli import as_json, make_plan
 
     out, results = Path(sys.argv[1]), {}
     for case in sys.argv[2:]:

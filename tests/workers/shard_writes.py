@@ -46,7 +46,7 @@ def save_request(directory: Path, thread_count: int) -> Any:
 
 
 def save(directory: Path, in_process: bool) -> int:
-    from resiliency.checkpoint.shard_writer import in_process_writes
+    from resiliency.checkpoint.write.shard_writer import in_process_writes
 
     request = save_request(directory, thread_count=2)
     before = FORKS[0]
@@ -80,7 +80,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from pretrain import cpu_shim
+    from pretrain.platform import cpu_shim
 
     cpu_shim.apply()  # megatron's preload synchronizes CUDA
     work = Path(tempfile.mkdtemp(prefix="shard-writes-"))
@@ -101,7 +101,7 @@ def main() -> None:
     report["files"] = sorted(p.name for p in (work / "threads").glob("*.distcp"))
     gone = work / "gone"
     try:
-        from resiliency.checkpoint.shard_writer import in_process_writes
+        from resiliency.checkpoint.write.shard_writer import in_process_writes
 
         request = save_request(gone, thread_count=1)
         shutil.rmtree(gone)

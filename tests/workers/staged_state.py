@@ -66,8 +66,8 @@ def compare(ref: dict[str, Any], fast: dict[str, Any]) -> list[str]:
 def _reserved_save(parts: Any) -> tuple[list[str], dict[str, Any]]:
     """A dry run sizes shared buffers, reserved on a thread; then the save's state as an async
     save stages it. Returns the buffers that save had to allocate or replace, and the state."""
-    from resiliency.checkpoint.staging import StagingBuffers, StagingPlan, stage_sharded_state
     from resiliency.checkpoint.state_dict import sharded_training_state
+    from resiliency.checkpoint.write.staging import StagingBuffers, StagingPlan, stage_sharded_state
 
     plan = StagingPlan(shared=True)
     stage_sharded_state(sharded_training_state(parts, "fully_reshardable", staging=plan), plan)
@@ -83,8 +83,8 @@ def _reserved_save(parts: Any) -> tuple[list[str], dict[str, Any]]:
 
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from resiliency.checkpoint.staging import StagingBuffers
     from resiliency.checkpoint.state_dict import sharded_training_state
+    from resiliency.checkpoint.write.staging import StagingBuffers
     from tests.workers.trainer_worker import build_trainer, gather_to
 
     args, trainer = build_trainer()

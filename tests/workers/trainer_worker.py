@@ -14,8 +14,8 @@ def build_trainer() -> tuple[argparse.Namespace, Any]:
     parser.add_argument("--out", required=True)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    from pretrain.distributed import init_distributed, launch_env
-    from pretrain.loop import Trainer
+    from pretrain.platform.distributed import init_distributed, launch_env
+    from pretrain.train.trainer import Trainer
     from recipes import load_config
     from recipes.validate import validate_runtime
 

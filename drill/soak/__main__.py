@@ -1,0 +1,5 @@
+import sys
+
+from drill.soak.cli import main
+
+sys.exit(main())

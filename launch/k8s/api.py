@@ -1,0 +1,196 @@
+"""Kubernetes API calls of the k8s adapter (kubernetes client): submit, status, logs, delete."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from launch.k8s.pod import CONTAINER
+from launch.k8s.render import API_VERSION, JOB_NAME_LABEL, KIND, Rendered
+
+log = logging.getLogger(__name__)
+
+GROUP, VERSION = API_VERSION.split("/")
+PLURAL = "pytorchjobs"
+JOB_LABEL = "training.kubeflow.org/job-name"
+REPLICA_TYPE_LABEL = "training.kubeflow.org/replica-type"
+REPLICA_INDEX_LABEL = "training.kubeflow.org/replica-index"
+
+
+class K8sError(RuntimeError):
+    """The cluster refused or could not be reached; the message says what it answered."""
+
+
+def api_client() -> Any:
+    """A client for the cluster: in-cluster when running in a pod, else $KUBECONFIG/~/.kube."""
+    try:
+        # optional k8s extra
+        from kubernetes import client, config
+    except ModuleNotFoundError:
+        raise K8sError(
+            "submitting needs the kubernetes client: pip install 'mcore-recipes[k8s]'"
+        ) from None
+    configuration = client.Configuration()
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        try:
+            config.load_incluster_config(client_configuration=configuration)
+            return client.ApiClient(configuration)
+        except config.ConfigException as exc:
+            log.info("no in-cluster credentials (%s); trying kubeconfig", exc)
+    # Passed explicitly: the client reads $KUBECONFIG only once, when it is imported.
+    path = os.environ.get("KUBECONFIG") or "~/.kube/config"
+    try:
+        config.load_kube_config(config_file=path, client_configuration=configuration)
+    except (config.ConfigException, OSError) as exc:
+        raise K8sError(f"cannot load kubeconfig {path}: {exc}") from None
+    return client.ApiClient(configuration)
+
+
+@contextmanager
+def _api_errors(action: str) -> Iterator[None]:
+    # optional k8s extra
+    from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
+
+    try:
+        yield
+    except ApiException as exc:
+        raise K8sError(
+            f"{action}: HTTP {exc.status} {exc.reason}: {_status_message(exc)}"
+        ) from None
+    except HTTPError as exc:
+        raise K8sError(f"{action}: cannot reach the API server: {exc}") from None
+
+
+def _status_message(exc: Any) -> str:
+    try:
+        return str(json.loads(exc.body).get("message", exc.body))
+    except (TypeError, ValueError, AttributeError):
+        return str(exc.body)
+
+
+def submit(api: Any, rendered: Rendered) -> dict[str, Any]:
+    """Create the ConfigMap, then the PyTorchJob, then make the job the ConfigMap's owner;
+    returns the job as the server stored it."""
+    # optional k8s extra
+    from kubernetes import client
+
+    core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    # The ConfigMap first: pods that start before their config volume exists sit in
+    # ContainerCreating, and the owner's uid exists only once the job does.
+    with _api_errors(f"creating ConfigMap {rendered.namespace}/{rendered.config_map_name}"):
+        core.create_namespaced_config_map(rendered.namespace, rendered.config_map)
+    try:
+        with _api_errors(f"creating PyTorchJob {rendered.namespace}/{rendered.name}"):
+            created = custom.create_namespaced_custom_object(
+                GROUP, VERSION, rendered.namespace, PLURAL, rendered.job
+            )
+    except K8sError:
+        _delete_config_map(core, rendered.namespace, rendered.config_map_name)
+        raise
+    _set_owner(core, rendered, created.get("metadata", {}).get("uid"))
+    if rendered.uploader is not None:
+        # Not owned by the job: the uploader must outlive its pods (k8s delete removes it).
+        where = f"Deployment {rendered.namespace}/{rendered.uploader['metadata']['name']}"
+        with _api_errors(f"creating {where}"):
+            client.AppsV1Api(api).create_namespaced_deployment(
+                rendered.namespace, rendered.uploader
+            )
+    return created
+
+
+def _set_owner(core: Any, rendered: Rendered, uid: str | None) -> None:
+    """Owned by the job, the ConfigMap goes with it however the job is deleted (garbage
+    collector). Only metadata changes: allowed on an immutable ConfigMap."""
+    where = f"ConfigMap {rendered.namespace}/{rendered.config_map_name}"
+    hint = f"it outlives the job; `python -m launch k8s delete {rendered.name}` removes both"
+    if not uid:
+        log.warning(
+            "the API server returned the PyTorchJob without a uid: %s not owned; %s", where, hint
+        )
+        return
+    # Neither controller (the operator controls nothing here) nor blockOwnerDeletion: that
+    # needs update rights on pytorchjobs/finalizers, which users who may create jobs often lack.
+    owner = {"apiVersion": API_VERSION, "kind": KIND, "name": rendered.name, "uid": uid}
+    # A JSON Patch (a list body): every supported client version sends it as one.
+    patch = [{"op": "add", "path": "/metadata/ownerReferences", "value": [owner]}]
+    try:
+        with _api_errors(f"setting the owner of {where}"):
+            core.patch_namespaced_config_map(rendered.config_map_name, rendered.namespace, patch)
+    except K8sError as exc:
+        log.warning("%s; %s", exc, hint)
+
+
+def get_job(api: Any, namespace: str, name: str) -> dict[str, Any]:
+    # optional k8s extra
+    from kubernetes import client
+
+    with _api_errors(f"reading PyTorchJob {namespace}/{name}"):
+        return client.CustomObjectsApi(api).get_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, name
+        )
+
+
+def replica_logs(
+    api: Any, namespace: str, name: str, replica: str, index: int, tail: int | None = None
+) -> str:
+    """Logs of the ``pytorch`` container of one replica's newest pod."""
+    # optional k8s extra
+    from kubernetes import client
+
+    core = client.CoreV1Api(api)
+    selector = (
+        f"{JOB_LABEL}={name},{REPLICA_TYPE_LABEL}={replica.lower()},{REPLICA_INDEX_LABEL}={index}"
+    )
+    with _api_errors(f"listing pods of {namespace}/{name}"):
+        pods = core.list_namespaced_pod(namespace, label_selector=selector).items
+    if not pods:
+        raise K8sError(
+            f"no pod of {namespace}/{name} matches {selector} (not scheduled yet, or cleaned up)"
+        )
+    pod = max(pods, key=lambda p: str(p.metadata.creation_timestamp or ""))
+    with _api_errors(f"reading logs of pod {namespace}/{pod.metadata.name}"):
+        # The raw body: kubernetes 36's deserializer returns str(bytes), "b'...'", for logs.
+        reply = core.read_namespaced_pod_log(
+            pod.metadata.name, namespace, container=CONTAINER, tail_lines=tail,
+            _preload_content=False,
+        )  # fmt: skip
+    return reply.data.decode(errors="replace")
+
+
+def delete(api: Any, namespace: str, name: str) -> None:
+    """Delete the job (its pods and owned ConfigMap go with it) and any ConfigMap rendered for
+    a job of this name that is not owned (its owner could not be set)."""
+    # optional k8s extra
+    from kubernetes import client
+
+    with _api_errors(f"deleting PyTorchJob {namespace}/{name}"):
+        client.CustomObjectsApi(api).delete_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, name, propagation_policy="Background"
+        )
+    selector = f"{JOB_NAME_LABEL}={name}"
+    try:
+        with _api_errors(f"deleting ConfigMaps {namespace}/{selector}"):
+            client.CoreV1Api(api).delete_collection_namespaced_config_map(
+                namespace, label_selector=selector
+            )
+        # checkpoint.remote's uploader, if the job had one (its last pass is lost with it:
+        # `python -m resiliency upload <run dir>` finishes what it had not copied).
+        with _api_errors(f"deleting Deployments {namespace}/{selector}"):
+            client.AppsV1Api(api).delete_collection_namespaced_deployment(
+                namespace, label_selector=selector
+            )
+    except K8sError as exc:
+        log.warning("%s", exc)
+
+
+def _delete_config_map(core: Any, namespace: str, name: str) -> None:
+    try:
+        with _api_errors(f"deleting ConfigMap {namespace}/{name}"):
+            core.delete_namespaced_config_map(name, namespace)
+    except K8sError as exc:
+        log.warning("%s", exc)

@@ -1,0 +1,195 @@
+"""Kubernetes (Kubeflow PyTorchJob): render, validate and submit a run; status, logs, delete.
+
+  python -m launch k8s recipe=NAME launch.k8s.image=IMAGE launch.k8s.shared_pvc=CLAIM
+                       [key=value ...] [--dry-run] [--out FILE] [--skip-fit-check]
+                       [--skip-remote-check]
+  python -m launch k8s status NAME [--namespace NS]
+  python -m launch k8s logs NAME [--namespace NS] [--replica master|worker] [--index I] [--tail N]
+  python -m launch k8s delete NAME [--namespace NS]
+
+The first word after ``k8s`` picks the action when it is ``status``, ``logs`` or ``delete``;
+otherwise every word is a config override and the run is rendered as a ConfigMap (the pinned
+config, mounted at /etc/mcore-recipes) plus a ``kubeflow.org/v1`` PyTorchJob, validated against
+the operator's CRD (see launch.k8s.schema) and written to ``<output_dir>/<run_id>/k8s/NAME.yaml``
+(or ``--out``). ``--dry-run`` prints it; without, the run dir is checked for a live owner, the
+layout's memory per GPU is checked against ``launch.gpu`` (``python -m pretrain --plan``), and
+both objects are created with the kubernetes client (in-cluster credentials in a pod, else
+$KUBECONFIG or ~/.kube/config), and the job is made the ConfigMap's owner, so deleting the job
+(``k8s delete`` or kubectl) deletes its ConfigMap. Inside the pods ``output_dir`` is
+``launch.k8s.shared_mount``.
+``--namespace`` (default: ``default``) applies to status/logs/delete; a submission uses
+``launch.k8s.namespace``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+from launch.common import (
+    LaunchPlan,
+    check_fit,
+    check_progress,
+    check_remote_tier,
+    check_run_dir_free,
+    plan_launch,
+    record_submission,
+    write_resolved_config,
+)
+from launch.k8s import api as k8s_api
+from launch.k8s.render import Rendered, render, to_manifest_yaml
+from launch.k8s.schema import validate_objects
+from pretrain.context import exit_codes
+from recipes import ConfigError
+from resiliency.storage.manifest import code_commit
+
+log = logging.getLogger(__name__)
+
+ACTIONS = ("status", "logs", "delete")
+# Fixes the otherwise random per-submission id (labels, retry-budget key), for stable output.
+SUBMISSION_ENV = "MCORE_RECIPES_SUBMISSION_ID"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="render, validate and print the manifest; submit nothing",
+    )
+    parser.add_argument("--out", type=Path, help="write the manifest here instead of the run dir")
+    parser.add_argument(
+        "--skip-fit-check",
+        action="store_true",
+        help="submit even if `python -m pretrain --plan` says the layout does not fit",
+    )
+    parser.add_argument(
+        "--skip-progress-check",
+        action="store_true",
+        help="submit even if the termination grace cannot cover a step and an emergency save",
+    )
+    parser.add_argument(
+        "--skip-remote-check",
+        action="store_true",
+        help="checkpoint.remote: do not probe the object store from this host (credentials "
+        "only the pods hold; their trainer still probes it)",
+    )
+    parser.add_argument("--namespace", help="namespace for status/logs/delete (default: default)")
+    parser.add_argument(
+        "--replica", choices=("master", "worker"), default="master", help="logs: which replica type"
+    )
+    parser.add_argument("--index", type=int, default=0, help="logs: replica index")
+    parser.add_argument("--tail", type=int, help="logs: only the last N lines")
+
+
+def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    try:
+        if overrides and overrides[0] in ACTIONS:
+            return _manage(overrides[0], overrides[1:], args)
+        return _launch(args, overrides)
+    except k8s_api.K8sError as exc:
+        log.error("%s", exc)
+        return exit_codes.INFRASTRUCTURE
+
+
+def render_run(overrides: list[str]) -> tuple[LaunchPlan, Rendered]:
+    """Plan, render and validate: everything short of writing or submitting."""
+    plan = plan_launch(overrides, check_files=False)  # pod paths: checked against the mounts
+    submission = os.environ.get(SUBMISSION_ENV) or secrets.token_hex(4)
+    rendered = render(plan, submission, code_commit())
+    validate_objects(rendered.objects)
+    return plan, rendered
+
+
+def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
+    if args.namespace is not None:
+        raise ConfigError(
+            "--namespace is for status/logs/delete; to submit elsewhere set launch.k8s.namespace"
+        )
+    plan, rendered = render_run(overrides)
+    if not args.skip_progress_check:  # a pod has no time limit: the grace is what is judged
+        grace = plan.run.launch.k8s.termination_grace_s
+        check_progress(plan, None, grace, "launch.k8s.termination_grace_s")
+    text = to_manifest_yaml(rendered.objects)
+    path = args.out or plan.run_dir / "k8s" / f"{rendered.name}.yaml"
+    if args.dry_run:
+        _write(path, text)
+        print(text, end="")
+        return exit_codes.OK
+    check_run_dir_free(plan)
+    if not args.skip_remote_check:  # seconds at most: before the fit check's model plan
+        check_remote_tier(plan)
+    if not args.skip_fit_check:
+        check_fit(plan)
+    _write(path, text)
+    write_resolved_config(dataclasses.replace(plan, run=rendered.pod_run))
+    created = k8s_api.submit(k8s_api.api_client(), rendered)
+    record_submission(
+        plan,
+        "k8s",
+        {
+            "namespace": rendered.namespace,
+            "name": rendered.name,
+            "uid": created.get("metadata", {}).get("uid"),
+            "manifest": str(path),
+        },
+    )
+    log.info(
+        "submitted PyTorchJob %s/%s; follow it with `python -m launch k8s status %s "
+        "--namespace %s`",
+        rendered.namespace,
+        rendered.name,
+        rendered.name,
+        rendered.namespace,
+    )
+    return exit_codes.OK
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    log.info("wrote %s", path)
+
+
+def _manage(action: str, words: list[str], args: argparse.Namespace) -> int:
+    if len(words) != 1:
+        raise ConfigError(
+            f"usage: python -m launch k8s {action} NAME [--namespace NS]; got {words}"
+        )
+    name, namespace = words[0], args.namespace or "default"
+    api = k8s_api.api_client()
+    if action == "status":
+        print(format_status(k8s_api.get_job(api, namespace, name)), end="")
+    elif action == "logs":
+        print(
+            k8s_api.replica_logs(api, namespace, name, args.replica, args.index, args.tail), end=""
+        )
+    else:
+        k8s_api.delete(api, namespace, name)
+        log.info("deleted PyTorchJob %s/%s", namespace, name)
+    return exit_codes.OK
+
+
+def format_status(job: dict[str, Any]) -> str:
+    """The job's conditions (oldest first) and per-replica pod counts, one line each."""
+    meta, status = job.get("metadata", {}), job.get("status") or {}
+    lines = [f"{meta.get('namespace')}/{meta.get('name')}"]
+    conditions = status.get("conditions") or []
+    for cond in conditions:
+        lines.append(
+            f"  {cond.get('lastTransitionTime', '-'):<22} {cond.get('type'):<10} "
+            f"{cond.get('status'):<6} {cond.get('reason', '')}: "
+            f"{cond.get('message', '')}"
+        )
+    if not conditions:
+        lines.append("  no conditions yet (the operator has not reconciled the job)")
+    for rtype, counts in sorted((status.get("replicaStatuses") or {}).items()):
+        summary = ", ".join(
+            f"{k}={counts[k]}" for k in ("active", "succeeded", "failed") if k in counts
+        )
+        lines.append(f"  {rtype}: {summary or 'no pods'}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,193 @@
+"""Submit a run to Slurm with sbatch: one launcher per node, emergency save on USR1, self-requeue.
+
+``python -m launch slurm [--dry-run] key=value ...`` validates the overrides for the launch
+layout (launch.nodes x launch.nproc_per_node), refuses a run directory a live job owns, pins
+the resolved config in ``<run_dir>/launch-config.yaml``, renders
+``<run_dir>/slurm/<run_id>.sbatch`` and submits it (``sbatch --parsable``), printing the job id.
+``python -m launch slurm status|logs|cancel NAME`` follows a job (launch/slurm/manage.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from launch.common import (
+    LaunchPlan,
+    check_fit,
+    check_progress,
+    check_remote_tier,
+    check_run_dir_free,
+    plan_launch,
+    record_submission,
+    write_resolved_config,
+)
+from launch.slurm.manage import ACTIONS, manage
+from launch.slurm.script import ScriptInputs, render_sbatch, runs_image_code
+from pretrain.context.run_dir import RunDir
+from recipes import ConfigError, RunConfig
+from recipes.inputs import check_inputs
+from resiliency.monitor.fault_tolerance import write_launcher_config
+from resiliency.storage.manifest import code_commit, image_digest
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="render the batch script into the run dir, do not submit it",
+    )
+    parser.add_argument(
+        "--skip-fit-check",
+        action="store_true",
+        help="submit a GPU job even if `python -m pretrain --plan` says it does not fit",
+    )
+    parser.add_argument(
+        "--skip-progress-check",
+        action="store_true",
+        help="submit even if the time limit fits fewer than two save intervals or the signal "
+        "grace cannot cover a step and an emergency save",
+    )
+    parser.add_argument("--tail", type=int, help="logs: only the last N lines")
+    parser.add_argument(
+        "--skip-remote-check",
+        action="store_true",
+        help="checkpoint.remote: do not probe the object store from this host (the job's "
+        "trainer still does, where it runs)",
+    )
+
+
+def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    if overrides and overrides[0] in ACTIONS:
+        return manage(overrides[0], overrides[1:], args.tail)
+    # A dry run renders for a cluster whose file systems may not be mounted here: missing
+    # inputs are reported, not fatal (a submission checks them).
+    plan = _absolute_output_dir(plan_launch(overrides, not args.dry_run, time_limit=True))
+    if args.dry_run:
+        _warn_on_missing_inputs(plan)
+    check_run_dir_free(plan)
+    slurm = plan.run.launch.slurm
+    if not args.skip_progress_check:
+        check_progress(
+            plan, slurm.time_limit_s, slurm.signal_grace_s, "launch.slurm.signal_grace_s"
+        )
+    _warn_on_short_grace(plan)
+    text = render(plan)  # before writing anything: a value it cannot render is bad input too
+    # After every check of the input: a bad value is reported as such, on any machine.
+    if not args.dry_run and not args.skip_remote_check:  # before the fit check's model plan
+        check_remote_tier(plan)
+    if not args.dry_run and not args.skip_fit_check:
+        check_fit(plan)
+    sbatch = None if args.dry_run else _find_sbatch()
+    write_resolved_config(plan)
+    if plan.run.launch.backend == "ft_launcher":
+        write_launcher_config(plan.run, plan.run_dir)
+    script = write_script(plan, text)
+    if sbatch is None:
+        log.info("dry run: rendered %s (not submitted)", script)
+        print(script)
+        return 0
+    job_id = submit(sbatch, script)
+    record_submission(plan, "slurm", {"job_id": job_id, "script": str(script)})
+    log.info(
+        "submitted job %s for run %s (output: %s/slurm/)", job_id, plan.run.run_id, plan.run_dir
+    )
+    print(job_id)
+    return 0
+
+
+def _absolute_output_dir(plan: LaunchPlan) -> LaunchPlan:
+    # Pinned absolute, so every node and restart finds the same run dir whatever its working
+    # directory (the script may be resubmitted from elsewhere).
+    output_dir = Path(plan.run.output_dir).absolute()
+    run = dataclasses.replace(plan.run, output_dir=str(output_dir))
+    if runs_image_code(run):  # the job starts in its run dir, not here: pin the inputs too
+        run = _absolute_inputs(run)
+    return dataclasses.replace(plan, run=run, run_dir=output_dir / run.run_id)
+
+
+def _absolute_inputs(run: RunConfig) -> RunConfig:
+    def absolute(path: str | None) -> str | None:
+        return str(Path(path).absolute()) if path else path
+
+    data = dataclasses.replace(
+        run.data,
+        paths=[absolute(p) for p in run.data.paths],
+        tokenizer_path=absolute(run.data.tokenizer_path),
+        cache_dir=absolute(run.data.cache_dir),
+    )
+    local = dataclasses.replace(run.checkpoint.local, dir=absolute(run.checkpoint.local.dir))
+    checkpoint = dataclasses.replace(run.checkpoint, local=local)
+    return dataclasses.replace(run, data=data, checkpoint=checkpoint)
+
+
+def _find_sbatch() -> str:
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        raise ConfigError(
+            "sbatch not found on PATH: submit from a Slurm login node (or source "
+            "the cluster's environment), or pass --dry-run to only render the "
+            "batch script"
+        )
+    return sbatch
+
+
+def _warn_on_missing_inputs(plan: LaunchPlan) -> None:
+    try:
+        check_inputs(plan.run)
+    except ConfigError as exc:
+        log.warning("dry run, rendered anyway: %s", exc)
+
+
+def _warn_on_short_grace(plan: LaunchPlan) -> None:
+    grace = plan.run.launch.slurm.signal_grace_s
+    save = plan.run.resiliency.emergency_save_timeout_s
+    if plan.run.resiliency.preemption and grace < save:
+        log.warning(
+            "launch.slurm.signal_grace_s=%d is shorter than "
+            "resiliency.emergency_save_timeout_s=%.0f: at the time limit Slurm may kill "
+            "the job before its emergency save ends",
+            grace,
+            save,
+        )
+
+
+def render(plan: LaunchPlan) -> str:
+    inputs = ScriptInputs(
+        config_path=RunDir(plan.run_dir).launch_config_path,
+        run_dir=plan.run_dir,
+        workdir=Path.cwd(),
+        bin_dir=Path(sys.executable).parent,
+        code_commit=code_commit(),
+        image_digest=image_digest(),
+    )
+    return render_sbatch(plan.run, inputs)
+
+
+def write_script(plan: LaunchPlan, text: str) -> Path:
+    path = plan.run_dir / "slurm" / f"{plan.run.run_id}.sbatch"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+def submit(sbatch: str, script: Path) -> str:
+    """Submit ``script``; the job id, or ConfigError with sbatch's own message."""
+    proc = subprocess.run(
+        [sbatch, "--parsable", str(script)], capture_output=True, text=True, timeout=120
+    )
+    if proc.returncode != 0:
+        raise ConfigError(
+            f"sbatch refused {script} (exit {proc.returncode}): "
+            f"{proc.stderr.strip() or proc.stdout.strip()}"
+        )
+    # --parsable prints "<job id>[;<cluster>]"
+    return proc.stdout.strip().split(";")[0]

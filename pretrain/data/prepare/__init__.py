@@ -1,0 +1,1 @@
+"""``python -m pretrain.data.prepare``: a corpus tokenized into megatron's indexed format."""

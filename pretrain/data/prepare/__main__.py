@@ -1,0 +1,5 @@
+import sys
+
+from pretrain.data.prepare.corpus import main
+
+sys.exit(main())

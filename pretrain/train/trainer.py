@@ -1,0 +1,433 @@
+"""The training loop: build components, run pipeline-scheduled steps, call hooks, log."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import math
+import os
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from pretrain.context.run_dir import RunDir, append_jsonl
+from pretrain.data import dataset as data
+from pretrain.data.tokenizer import build_tokenizer
+from pretrain.model import flops
+from pretrain.model import gpt as model_lib
+from pretrain.model import optimizer as optim
+from pretrain.platform.compat import fix_uninitialised_tp_attributes
+from pretrain.platform.distributed import DistEnv, init_model_parallel
+from pretrain.train.evaluate import eval_loss, params_synced
+from pretrain.train.fault_injection import FaultInjector
+from pretrain.train.guard import NumericGuard, answer_anomaly, nonfinite_grads
+from pretrain.train.hooks import EvalResult, StepResult, TrainHook
+from pretrain.train.progress import Progress
+from pretrain.train.schedule import run_schedule
+from recipes import ConfigError
+from recipes.schema import RunConfig
+from recipes.validate import num_microbatches
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainState:
+    """Loop position saved with every checkpoint."""
+
+    step: int = 0
+    consumed_samples: int = 0
+    consumed_tokens: int = 0
+
+
+@dataclass
+class Components:
+    tcfg: Any
+    chunks: list[Any]
+    ddp: list[Any]
+    optimizer: Any
+    scheduler: Any
+    dataset: Any
+    tokenizer: Any
+    plan: data.BatchPlan
+    padded_vocab: int
+    eval_data: dict[str, Any]  # held-out splits by name ("valid", "test"); empty: no eval
+
+
+def seed_everything(seed: int) -> None:
+    # megatron-core: imported after the CPU shim is applied (pretrain/platform/distributed.py)
+    from megatron.core import parallel_state as ps
+
+    # Megatron-LM's rule: distinct streams per pipeline stage, identical across TP/DP.
+    stage_seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+    torch.manual_seed(stage_seed)
+    init_model_parallel_seed(stage_seed)
+
+
+def init_model_parallel_seed(seed: int) -> None:
+    # megatron-core: imported after the CPU shim is applied (pretrain/platform/distributed.py)
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def build_components(run: RunConfig, env: DistEnv, dp: int, run_dir: Path) -> Components:
+    # megatron-core: imported after the CPU shim is applied (pretrain/platform/distributed.py)
+    from megatron.core import parallel_state as ps
+
+    bf16 = run.train.precision == "bf16" or (run.train.precision == "auto" and env.device == "cuda")
+    tokenizer = build_tokenizer(run.data.tokenizer, run.data.tokenizer_path)
+    if run.data.vocab_size not in (None, tokenizer.vocab_size):
+        raise ConfigError(
+            f"data.vocab_size={run.data.vocab_size}, but the tokenizer "
+            f"({run.data.tokenizer_path or run.data.tokenizer}) has {tokenizer.vocab_size} ids: "
+            "fix data.vocab_size (the recipe's planning figure) or the tokenizer"
+        )
+    padded = model_lib.padded_vocab_size(run.model, tokenizer.vocab_size, run.parallel.tp)
+    tcfg = model_lib.transformer_config(
+        run.model, run.parallel, env.device, bf16, run.perf, run.train.deterministic
+    )
+    chunks = model_lib.build_chunks(
+        run.model, run.parallel, tcfg, padded, use_te=env.device == "cuda" and _have_te()
+    )
+    if run.model.layout_invariant_init and run.model.perform_initialization:
+        model_lib.layout_invariant_init(chunks, run.model, run.train.seed)
+    if not run.model.perform_initialization:
+        fix_uninitialised_tp_attributes(chunks)
+    for chunk in chunks:
+        chunk.to(env.torch_device)
+    # megatron's own NaN check raises inside the backward pass (a RuntimeError); a guard that
+    # skips or rolls back must see the non-finite gradients itself (train.guard).
+    ddp = model_lib.wrap_ddp(
+        chunks,
+        tcfg,
+        run.optimizer.use_distributed_optimizer,
+        bf16,
+        run.perf,
+        check_for_nan_in_grad=run.train.guard.policy == "stop",
+    )
+    optimizer = optim.build_optimizer(run.optimizer, ddp, tcfg, bf16, run.perf)
+    scheduler = optim.build_scheduler(
+        run.scheduler, run.optimizer, optimizer, run.train.train_steps
+    )
+    plan = data.BatchPlan(
+        run.train.micro_batch_size, num_microbatches(run, dp), dp, ps.get_data_parallel_rank()
+    )
+    cache = Path(run.data.cache_dir) if run.data.cache_dir else RunDir(run_dir).data_cache_dir
+    train, valid, test = data.build_datasets(
+        run.data, tokenizer, run.model.seq_length, split_sizes(run, plan), cache
+    )
+    eval_data = {name: split for name, split in (("valid", valid), ("test", test)) if split}
+    log.info(
+        "model: %s, %d params on this rank (padded vocab %d), %s, %d microbatches x %d",
+        run.model.name,
+        model_lib.count_parameters(chunks),
+        padded,
+        "bf16" if bf16 else "fp32",
+        plan.num_microbatches,
+        plan.micro_batch_size,
+    )
+    return Components(
+        tcfg, chunks, ddp, optimizer, scheduler, train, tokenizer, plan, padded, eval_data
+    )
+
+
+def split_sizes(run: RunConfig, plan: data.BatchPlan) -> list[int]:
+    """Samples per split: the whole training run; eval_iters global batches to validate on
+    (and to test on at the end, when data.split gives the test split any weight)."""
+    per_eval = run.train.eval_iters * plan.global_batch_size if run.train.eval_interval else 0
+    test = per_eval if run.data.split_weights[2] > 0 else 0
+    return [run.train.train_steps * plan.global_batch_size, per_eval, test]
+
+
+def _have_te() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class Trainer:
+    def __init__(
+        self,
+        run: RunConfig,
+        env: DistEnv,
+        dp: int,
+        run_dir: Path,
+        hooks: list[TrainHook] | None = None,
+    ) -> None:
+        self.env, self.dp, self.run_dir = env, dp, run_dir
+        self.hooks = hooks or []
+        init_model_parallel(run.parallel)
+        self.rebuild(run)
+        self.state = TrainState()
+        self.faults = FaultInjector.parse(run.train.fault, env.rank)
+        self.guard = NumericGuard(run.train.guard)
+        self.stop_requested = False
+        self.exit_code = 0  # non-zero for planned exits (request_stop: preemption, straggler)
+        self._checkpointing: str | None = None
+        self.run_paths = RunDir(run_dir)
+        self.metrics_path = self.run_paths.steps_metrics
+        self.progress = self._progress()
+        self.saves: dict[str, int] = {}  # checkpoint work done this attempt, by kind
+        self.last_result: StepResult | None = None
+        self.last_eval: dict[str, float] = {}  # split -> its latest loss
+
+    def rebuild(self, run: RunConfig) -> None:
+        """(Re)build model, optimizer and data for ``run`` from the seed, as a fresh start would
+        (a restore whose chosen step failed its re-hash rebuilds for the next step)."""
+        self.run = run
+        if hasattr(self, "parts"):  # free the old model (frozen below) before building anew
+            gc.unfreeze()
+            del self.parts
+            gc.collect()
+        seed_everything(run.train.seed)
+        self.parts = build_components(run, self.env, self.dp, self.run_dir)
+        # The model, optimizer and imports live for the whole run: keep them out of every later
+        # full collection (megatron collects after each optimizer state dict: 0.2 s -> 0.01 s
+        # for a 1.5 GiB model).
+        gc.freeze()
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.parts.plan.global_batch_size * self.run.model.seq_length
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the step that ran last (the scheduler's current value)."""
+        return float(self.parts.optimizer.param_groups[0]["lr"])
+
+    def request_stop(self, exit_code: int, reason: str) -> None:
+        """A planned exit: the loop stops before the next step and the run exits with
+        ``exit_code`` (a hook's decision, e.g. requeue after preemption)."""
+        if self.env.rank == 0:
+            log.info("stop requested at step %d (exit %d): %s", self.state.step, exit_code, reason)
+        self.stop_requested, self.exit_code = True, exit_code
+
+    def resume_from(self, state: TrainState, load_s: float | None = None) -> None:
+        """Continue from a restored loop position (a checkpoint's train state); ``load_s``:
+        how long the restore took (hooks see it in ``on_resumed``)."""
+        self.state = state
+        if load_s is not None:
+            for hook in self.hooks:
+                hook.on_resumed(self, load_s)
+
+    def resume_from_record(self, record: dict[str, Any], load_s: float | None = None) -> None:
+        """``resume_from`` a checkpoint's train-state record, the numeric guard's state too."""
+        self.guard.load_state_dict(record.get("guard"))
+        state = TrainState(record["step"], record["consumed_samples"], record["consumed_tokens"])
+        self.resume_from(state, load_s)
+
+    def _progress(self) -> Progress:
+        plan, train = self.parts.plan, self.run.train
+        precision = "bf16" if self.parts.tcfg.bf16 else "fp32"
+        device_name = torch.cuda.get_device_name() if self.env.device == "cuda" else "cpu"
+        peak = train.peak_tflops or flops.peak_tflops(
+            device_name, "fp8" if self.run.perf.fp8 else precision
+        )
+        return Progress(
+            flops.flops_per_step(self.run.model, plan.global_batch_size, self.parts.padded_vocab),
+            self.env.world_size,
+            self.tokens_per_step,
+            train.train_steps,
+            peak,
+            self.env.device,
+        )
+
+    @contextlib.contextmanager
+    def checkpointing(self, what: str) -> Iterator[None]:
+        """Wrap checkpoint work: every hook sees ``on_checkpoint_begin``/``_end`` around it
+        (hang detection gives it its own timeout). Nested calls announce only the outermost."""
+        if self._checkpointing is not None:
+            yield
+            return
+        self._checkpointing = what
+        self.saves[what] = self.saves.get(what, 0) + 1
+        for hook in self.hooks:
+            hook.on_checkpoint_begin(self, what)
+        try:
+            with params_synced(self.parts.ddp, self.run.perf.overlap_param_gather):
+                yield
+        finally:
+            self._checkpointing = None
+            for hook in self.hooks:
+                hook.on_checkpoint_end(self, what)
+
+    def checkpoint_phase(self, phase: str) -> None:
+        """Announce a new phase of the checkpoint work in progress (no-op outside one)."""
+        if self._checkpointing is None:
+            return
+        for hook in self.hooks:
+            hook.on_checkpoint_phase(self, phase)
+
+    def fit(self) -> TrainState:
+        for hook in self.hooks:
+            hook.on_start(self)
+        self._loop()
+        if not self.stop_requested and self.run.train.eval_interval:
+            self._final_evaluation()
+        for hook in self.hooks:
+            hook.on_end(self)
+        self._summary()
+        return self.state
+
+    def evaluate(self, split: str = "valid") -> EvalResult:
+        """A forward-only pass over ``split`` (collective); moves no training state."""
+        for hook in self.hooks:
+            hook.on_eval_begin(self, split)
+        started = time.perf_counter()
+        with params_synced(self.parts.ddp, self.run.perf.overlap_param_gather):
+            self.faults.at_checkpoint("eval", self.state.step)
+            loss = eval_loss(self, self.parts.eval_data[split])
+        result = EvalResult(split, self.state.step, loss, time.perf_counter() - started)
+        self.last_eval[split] = loss
+        if self.env.rank == 0:
+            log.info(
+                "%s at step %d | loss %.6f | perplexity %.3f | %d batches in %.2f s",
+                "validation" if split == "valid" else split,
+                result.step,
+                loss,
+                math.exp(min(loss, 80.0)),
+                self.run.train.eval_iters,
+                result.seconds,
+            )
+            append_jsonl(self.run_paths.eval_metrics, {**asdict(result), "time": time.time()})
+        for hook in self.hooks:
+            hook.on_eval_end(self, result)
+        return result
+
+    def _final_evaluation(self) -> None:
+        interval = self.run.train.eval_interval
+        if interval and self.state.step % interval:  # not just validated by the loop
+            self.evaluate("valid")
+        if "test" in self.parts.eval_data:
+            self.evaluate("test")
+
+    def _summary(self) -> None:
+        if self.env.rank != 0:
+            return
+        log.info("%s", self.progress.summary(self.last_result, self.last_eval.get("valid")))
+        saves = ", ".join(f"{n} {what}" for what, n in sorted(self.saves.items())) or "none"
+        restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
+        log.info("run summary: checkpoint work this attempt: %s; restarts %s", saves, restarts)
+
+    def _loop(self) -> None:
+        while self.state.step < self.run.train.train_steps:
+            for hook in self.hooks:
+                hook.before_step(self)
+            if self.stop_requested:
+                return
+            self.faults.before_step(self.state.step + 1)
+            result = self.train_step()
+            self._log(result)
+            if result.anomaly is not None and not answer_anomaly(self, result):
+                continue  # rolled back: the loop goes on from the restored step
+            for hook in self.hooks:
+                hook.after_step(self, result)
+            interval = self.run.train.eval_interval
+            if interval and result.step % interval == 0:
+                self.evaluate("valid")
+
+    def train_step(self) -> StepResult:
+        parts, start = self.parts, time.perf_counter()
+        for chunk in parts.ddp:
+            chunk.zero_grad_buffer()
+        parts.optimizer.zero_grad()
+        # lr for step s is the scheduler's value at s: advance before the update, not after.
+        parts.scheduler.step(increment=1)
+        lr, gbs = self.lr, parts.plan.global_batch_size
+        batches = data.microbatches(parts.dataset, parts.plan, self.state.consumed_samples)
+        losses = run_schedule(
+            parts,
+            self.env.torch_device,
+            self.run.model.seq_length,
+            batches,
+            forward_only=False,
+            loss_scale=self.faults.loss_scale(self.state.consumed_samples // gbs + 1),
+        )
+        self.faults.after_backward(self.state.step + 1, parts.ddp)
+        loss, stop_asked, bad_grads = self._reduce_loss(losses)
+        anomaly = self.guard.inspect(loss, bad_grads) if self.guard.active else None
+        skipped = anomaly is not None
+        if skipped:
+            grad_norm = self._drop_update(anomaly)
+        else:
+            _, grad_norm, _ = parts.optimizer.step()
+            grad_norm = float(grad_norm or 0.0)
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                anomaly = "non-finite loss or grad norm"  # the update is applied already
+        self.state.step += 1
+        self.state.consumed_samples += gbs
+        self.state.consumed_tokens += self.tokens_per_step
+        elapsed = time.perf_counter() - start
+        return StepResult(
+            self.state.step,
+            loss,
+            grad_norm,
+            lr,
+            elapsed,
+            self.tokens_per_step / elapsed,
+            stop_asked,
+            skipped=skipped,
+            anomaly=anomaly,
+        )
+
+    def _drop_update(self, anomaly: str) -> float:
+        """The guard refused this step's update: the optimizer does not step, and neither does
+        the LR schedule (Megatron-LM advances it with successful updates only). Returns the
+        grad norm for the record (NaN for non-finite gradients)."""
+        self.parts.scheduler.step(increment=-1)
+        if anomaly.startswith("non-finite"):
+            return float("nan")
+        # The norm megatron would have clipped with (collective; every rank skips alike).
+        self.parts.optimizer.prepare_grads()
+        return float(self.parts.optimizer.get_grad_norm())
+
+    def _reduce_loss(self, losses: list[dict]) -> tuple[float, bool, bool]:
+        """Mean loss over microbatches and DP ranks, whether any rank's hook wants to stop,
+        and (train.guard) whether any rank has a non-finite gradient: known on every rank
+        from one all-reduce, before the optimizer step."""
+        # megatron-core: imported after the CPU shim is applied (pretrain/platform/distributed.py)
+        from megatron.core import parallel_state as ps
+
+        local = torch.zeros(3, dtype=torch.float64, device=self.env.torch_device)
+        if losses and ps.is_pipeline_last_stage(ignore_virtual=True):
+            local[0] += torch.stack([x["lm loss"].double() for x in losses]).mean()
+        local[1] = float(any(hook.wants_stop(self) for hook in self.hooks))
+        if self.guard.checks_grads:
+            local[2] = nonfinite_grads(self.parts.ddp)
+        dist.all_reduce(local)
+        loss_sum, stop_votes, bad_grads = local.tolist()
+        last_stage_ranks = self.env.world_size // self.run.parallel.pp
+        return loss_sum / last_stage_ranks, stop_votes > 0, bad_grads > 0
+
+    def _log(self, result: StepResult) -> None:
+        """Throughput on every rank's result (hooks read it); the line and steps.jsonl on 0."""
+        extra = self.progress.add(result)
+        result.tflops_per_device, result.mfu = extra["tflops_per_device"], extra["mfu"]
+        self.last_result = result
+        if self.env.rank != 0:
+            return
+        interval = self.run.logging.log_interval
+        if result.step % interval == 0 or result.step == 1:
+            line = self.progress.line(result)
+            result.memory_gib = self.progress.last_memory
+            log.info("%s", line)
+        record = {**asdict(result), "consumed_tokens": extra["consumed_tokens"]}
+        append_jsonl(self.metrics_path, {**record, "time": time.time()})
+
+    def report(self, scalars: dict[str, float], step: int) -> None:
+        """Hand run-level scalars to every hook's ``on_report`` (the reporting hooks write them)."""
+        for hook in self.hooks:
+            hook.on_report(self, scalars, step)

@@ -1,0 +1,1 @@
+"""The node-local tier: its store, its listing and replication across nodes (``tier``)."""

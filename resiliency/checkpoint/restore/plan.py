@@ -1,0 +1,338 @@
+"""Choose the step to restore and validate its topology, before any model is built; its files
+are re-hashed while the model is built, and confirmed before anything is loaded."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from pretrain.context import exit_codes
+from pretrain.context.failures import ClassifiedError
+from pretrain.context.run_dir import RunDir
+from pretrain.platform.distributed import broadcast_object
+from pretrain.train.fault_injection import FaultInjector
+from recipes import ConfigError
+from recipes.schema import RemoteCheckpointConfig, RunConfig
+from resiliency.checkpoint.restore.topology import (
+    Target,
+    TopologyRefusedError,
+    TopologyReport,
+    validate,
+)
+from resiliency.storage.corpus import INDEX_SUFFIX, corpus_changes, describe_change
+from resiliency.storage.layout import RunLayout
+from resiliency.storage.manifest import Manifest, read_manifest
+from resiliency.storage.object_retry import ObjectStoreAccessError, ObjectStoreUnavailable
+from resiliency.storage.object_store import ObjectStore
+from resiliency.storage.pickle_scan import step_pickle_problem
+from resiliency.storage.remote import committed_remote_steps, fetch_newest
+from resiliency.storage.select import select_restore_step
+from resiliency.storage.signing import SigningKey, key_from_env
+from resiliency.storage.tokenizer_copy import TOKENIZER_DIR, tokenizer_difference
+from resiliency.storage.verify import balanced_share, checksum_problem, io_problem
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    step_dir: Path
+    manifest: Manifest
+    report: TopologyReport
+    tier: str = "persistent"  # or "remote": fetched from the object store by this plan
+    # This rank's share of the step's files, re-hashed (unless checkpoint.full_verify is off)
+    # and pickle-scanned in the background while the model is built (I/O next to CPU work).
+    rehash: Future[str | None] | None = field(default=None, compare=False)
+    # How the corpus differs from the one the step recorded, resumed anyway because
+    # data.allow_changed_corpus=true (corpus.corpus_changes); None when nothing differs.
+    corpus_changes: list[dict[str, Any]] | None = None
+
+    def confirm(self) -> str | None:
+        """Collective: the first checksum or pickle problem any rank found in its share."""
+        if self.rehash is None:
+            return None
+        problems: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, self.rehash.result())
+        return next((p for p in problems if p is not None), None)
+
+
+class UnrecoverableRunError(ClassifiedError):
+    """The run has published steps and none of them verifies: starting over would silently
+    replace its history, so the run stops until someone decides."""
+
+    kind, exit_code = "checkpoint", exit_codes.CHECKPOINT_IO
+
+
+def pick_checkpoint(
+    layout: RunLayout,
+    run_id: str,
+    rejected: Mapping[int, str],
+    start_over: bool = False,
+    remote: RemoteCheckpointConfig | None = None,
+    attempt: int = 0,
+    key: SigningKey | None = None,
+) -> tuple[Path | None, str]:
+    """Rank 0 picks the newest step whose marker, manifest and file sizes check out (and, with
+    ``key``, whose manifest is signed with it) and that is not ``rejected``; with none, the
+    newest the remote tier holds intact (fetched here). Every rank gets the same (step dir,
+    tier) (collective). Published steps of which none verifies stop the run, unless
+    ``start_over``."""
+    choice, tier, refusal, error = None, "persistent", None, None
+    if dist.get_rank() == 0:
+        selection = select_restore_step(
+            layout, run_id, full_verify=False, rejected=rejected, key=key
+        )
+        for name, reason in selection.skipped:
+            log.warning("restore: skipped %s: %s", name, reason)
+        choice = str(selection.step_dir) if selection.step_dir else None
+        remote_steps: list[int] = []
+        if choice is None and remote is not None and remote.enabled:
+            try:
+                fetched, remote_steps = fetch_from_remote(remote, layout, attempt, rejected, key)
+                choice, tier = (str(fetched), "remote") if fetched else (None, tier)
+            except (ObjectStoreUnavailable, ObjectStoreAccessError) as exc:
+                error = exc  # every rank raises it: the store is out, no step is to blame
+        if error is None and choice is None and (layout.published_steps() or remote_steps):
+            refusal = _unrecoverable(layout, selection.skipped, start_over, remote_steps)
+    choice, tier, refusal, error = broadcast_object((choice, tier, refusal, error))
+    if error is not None:
+        raise error
+    if refusal is not None:
+        raise UnrecoverableRunError(refusal)
+    if choice is None:
+        log.info("restore: no verified checkpoint in %s; starting fresh", layout.run_dir)
+        return None, tier
+    return Path(choice), tier
+
+
+def fetch_from_remote(
+    remote: RemoteCheckpointConfig,
+    layout: RunLayout,
+    attempt: int,
+    rejected: Mapping[int, str],
+    key: SigningKey | None = None,
+) -> tuple[Path | None, list[int]]:
+    """Last in the restore order (local, replica, shared, remote): the newest remote step that
+    verifies and downloads intact, published into the shared steps dir; and the committed
+    remote steps there were."""
+    assert remote.url is not None
+    store = ObjectStore(
+        remote.url, remote.endpoint_url, remote.workers, retry_budget_s=remote.retry_budget_s
+    )
+    log.warning(
+        "restore: no verified step in %s; looking in the remote tier %s",
+        layout.steps_dir,
+        remote.url,
+    )
+    below = min(rejected) if rejected else None  # a rejected step is not fetched again
+    steps = [s for s in committed_remote_steps(store, layout.run_id) if below is None or s < below]
+    return fetch_newest(store, layout, attempt, remote.workers, below, steps, key), steps
+
+
+def _unrecoverable(
+    layout: RunLayout, skipped: list[tuple[str, str]], start_over: bool, remote: list[int]
+) -> str | None:
+    steps = layout.published_steps()
+    if remote:  # every committed remote step failed its checks (each one logged why)
+        skipped = [*skipped, ("remote tier", f"steps {remote} committed, none fetched intact")]
+    if start_over:
+        log.warning(
+            "restore: none of the %d published steps in %s verifies; "
+            "checkpoint.start_over_if_unverified=true: training starts over from step 0",
+            len(steps),
+            layout.steps_dir,
+        )
+        return None
+    reasons = "\n".join(f"  {name}: {reason}" for name, reason in skipped)
+    return (
+        f"{layout.steps_dir} holds {len(steps)} published step(s) and none verifies"
+        f"{f' (nor any of the remote tier, {len(remote)} committed)' if remote else ''}:\n"
+        f"{reasons}\nNothing was changed. Repair or restore the steps (python -m resiliency "
+        "verify <step dir> says why), or start this run's history over with "
+        "checkpoint.start_over_if_unverified=true."
+    )
+
+
+def start_rehash(
+    step_dir: Path,
+    manifest: Manifest,
+    faults: FaultInjector | None = None,
+    checksums: bool = True,
+) -> Future[str | None]:
+    """Re-hash this rank's share of the files on a helper thread (reads and crc32c release
+    the GIL); together the ranks read the checkpoint once, which warms the page cache for
+    the load. An I/O error is this rank's problem with the step, reported in the collective
+    that confirms the plan like a checksum mismatch (never raised past its peers' wait). So
+    is a pickle in the share that names a global the loader does not admit (pickle_scan.py:
+    found statically, before anything of the step is unpickled). Without ``checksums``
+    (checkpoint.full_verify=false) only the pickles are read: a forged step is still refused
+    here, and the previous one planned, rather than failing the load."""
+    rank = dist.get_rank()
+    mine = balanced_share(manifest.files, rank, dist.get_world_size())
+
+    def first_problem() -> str | None:
+        try:
+            if faults is not None:
+                faults.at_rehash(manifest.step)
+            problem = None
+            if checksums:
+                problem = next(
+                    (p for e in mine if (p := checksum_problem(step_dir / e.path, e))), None
+                )
+            return problem or step_pickle_problem(step_dir, [e.path for e in mine])
+        except OSError as exc:
+            return f"rank {rank}: {io_problem(exc)}"
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="rehash")
+    future = pool.submit(first_problem)
+    pool.shutdown(wait=False)  # the thread exits once the job is done
+    return future
+
+
+def target_for(
+    run: RunConfig, world_size: int, dp: int, vocab_size: int, tier: str = "persistent"
+) -> Target:
+    return Target(
+        parallelism=run.parallel.layout(dp),
+        world_size=world_size,
+        model=dataclasses.asdict(run.model),
+        vocab_size=vocab_size,
+        padded_vocab_size=run.model.padded_vocab_size,
+        global_batch_size=run.train.global_batch_size,
+        load_optimizer=run.checkpoint.load_optimizer,
+        batch_change_lr_scaling=run.checkpoint.batch_change_lr_scaling,
+        tier=tier,
+    )
+
+
+def check_topology(manifest: Manifest, target: Target) -> TopologyReport:
+    """Validate; a refusal raises with the diff table and the user's options."""
+    report = validate(manifest, target)
+    if report.refused:
+        raise TopologyRefusedError(
+            f"checkpoint step {manifest.step} cannot be restored into this layout:\n"
+            f"{report.table()}"
+        )
+    if not report.same_layout and dist.get_rank() == 0:
+        log.warning("restore: topology changes from the checkpoint's:\n%s", report.table())
+    return report
+
+
+def check_tokenizer(manifest: Manifest, path: str | None, step_dir: Path) -> None:
+    """The running tokenizer's files are the checkpoint's, or ConfigError with the difference
+    (a step saved before tokenizers travelled with checkpoints records none: not checked)."""
+    saved = manifest.tokenizer.get("files")
+    if saved is None:
+        return
+    difference = tokenizer_difference(saved, path)
+    if difference is None:
+        return
+    copy = step_dir / TOKENIZER_DIR
+    if len(saved) == 1 and path and Path(path).is_file():
+        copy = copy / next(iter(saved))
+    raise ConfigError(
+        f"restore refused: {step_dir.name} was trained with another tokenizer than "
+        f"data.tokenizer_path={path}: {difference}. Continue it with its own copy "
+        f"(data.tokenizer_path={copy}), or start a new run (another run_id)"
+    )
+
+
+def check_corpus(
+    run: RunConfig, manifest: Manifest, step_dir: Path, run_dir: Path
+) -> list[dict[str, Any]] | None:
+    """Collective: the dataset's index files are the ones the step recorded, or ConfigError
+    naming each difference (rank 0 re-hashes them, every rank gets its answer). With
+    data.allow_changed_corpus=true the differences are logged and returned instead, and the
+    run's own index cache (built from the old corpus, named by config, not content) is
+    removed so that megatron rebuilds it. A step saved before index checksums were recorded,
+    or mock data, is not checked."""
+    saved = manifest.dataset.get("index_files")
+    saved_kind = manifest.config.get("data", {}).get("kind", "indexed")
+    if saved is None or run.data.kind != "indexed" or saved_kind != "indexed":
+        return None
+    changes = corpus_changes(saved, run.data.paths) if dist.get_rank() == 0 else None
+    if changes and run.data.allow_changed_corpus:
+        _drop_stale_cache(run, run_dir)
+    changes = broadcast_object(changes)
+    if not changes:
+        return None
+    what = "; ".join(describe_change(c) for c in changes)
+    if not run.data.allow_changed_corpus:
+        raise ConfigError(
+            f"restore refused: {step_dir.name} was trained on another corpus than data.paths "
+            f"holds now: {what}. Its data cursor counts samples of the {INDEX_SUFFIX} files it "
+            "recorded, so it would now select other samples. Continue anyway with "
+            "data.allow_changed_corpus=true, or start a new run (another run_id)"
+        )
+    if dist.get_rank() == 0:
+        log.warning(
+            "restore: data.allow_changed_corpus=true: resuming %s on a changed corpus (%s); "
+            "the data cursor now selects other samples than the saved run would have",
+            step_dir.name,
+            what,
+        )
+    return changes
+
+
+def _drop_stale_cache(run: RunConfig, run_dir: Path) -> None:
+    """Rank 0: megatron's sample index cache of the old corpus would be reused as is."""
+    if run.data.cache_dir is not None:
+        log.warning(
+            "restore: data.cache_dir=%s may hold megatron index caches built from the old "
+            "corpus (they are named by config, not content): remove them before this resume",
+            run.data.cache_dir,
+        )
+        return
+    cache = RunDir(run_dir).data_cache_dir  # the index cache when data.cache_dir is unset
+    if cache.is_dir():
+        shutil.rmtree(cache)
+        log.warning("restore: removed %s, built from the old corpus (rebuilt now)", cache)
+
+
+def plan_restore(
+    run: RunConfig,
+    layout: RunLayout,
+    world_size: int,
+    dp: int,
+    vocab_size: int,
+    rejected: Mapping[int, str] | None = None,
+    attempt: int = 0,
+) -> tuple[RunConfig, RestorePlan | None]:
+    """Returns the run config to build (checkpoint's padded vocab pinned) and what to load.
+
+    With ``checkpoint.full_verify`` the plan's files are still being re-hashed: call
+    :meth:`RestorePlan.confirm` (all ranks) before loading; on a problem, plan again with the
+    step in ``rejected``.
+    """
+    step_dir, tier = pick_checkpoint(
+        layout,
+        run.run_id,
+        rejected or {},
+        run.checkpoint.start_over_if_unverified,
+        run.checkpoint.remote,
+        attempt,
+        key_from_env(run.checkpoint.signing_key_env),
+    )
+    if step_dir is None:
+        return run, None
+    manifest = read_manifest(step_dir)
+    faults = FaultInjector.parse(run.train.fault, dist.get_rank())
+    rehash = start_rehash(step_dir, manifest, faults, run.checkpoint.full_verify)
+    target = target_for(run, world_size, dp, vocab_size)
+    if manifest.weights_only:  # nothing of the optimizer to reshard: any layout loads it
+        target = dataclasses.replace(target, load_optimizer=False)
+    report = check_topology(manifest, target)
+    check_tokenizer(manifest, run.data.tokenizer_path, step_dir)
+    changes = check_corpus(run, manifest, step_dir, layout.run_dir)
+    padded = manifest.tokenizer.get("padded_vocab_size")
+    model = dataclasses.replace(run.model, padded_vocab_size=padded)
+    plan = RestorePlan(step_dir, manifest, report, tier, rehash, changes)
+    return dataclasses.replace(run, model=model), plan
