@@ -33,9 +33,14 @@ def _barrier() -> None:
     dist.barrier()
 
 
+def _next_step_dir(trainer: Any) -> None:
+    """Saves after this go to a new step dir: the loop position moves on, nothing else."""
+    trainer.load_state_dict({**trainer.state_dict(), "step": trainer.state.step + 1})
+
+
 def _setup(overrides: list[str], with_hooks: bool) -> tuple[Any, Any, list[Any]]:
     from pretrain.platform.distributed import init_distributed, launch_env
-    from pretrain.train.trainer import Trainer
+    from pretrain.train.session import build_trainer
     from recipes import load_config
     from recipes.validate import validate_runtime
 
@@ -53,7 +58,7 @@ def _setup(overrides: list[str], with_hooks: bool) -> tuple[Any, Any, list[Any]]
         hooks = build_hooks(run, env, run_dir) + reporting_hooks(run, env.rank, run_dir)
         for hook in hooks:
             run = hook.configure(run, dp)
-    trainer = Trainer(run, env, dp, run_dir, hooks)
+    trainer = build_trainer(run, env, dp, run_dir, hooks)
     return trainer, env, hooks
 
 
@@ -185,7 +190,7 @@ def mode_save(args: argparse.Namespace) -> dict[str, Any]:
     buf = memoryview(os.urandom(8 * MIB))
     out.update(bytes=total, bytes_per_rank=share)
     for rep in range(args.reps):
-        trainer.state.step += 1  # a new step dir each time; the model state is the same size
+        _next_step_dir(trainer)  # the model state is the same size
         pair = {}
         for which in ("raw", "save") if rep % 2 == 0 else ("save", "raw"):
             if which == "raw":
@@ -201,8 +206,8 @@ def mode_save(args: argparse.Namespace) -> dict[str, Any]:
     # A new checkpointer set up as an attempt's is (its writer process spawned at start):
     # its first save is what every attempt pays once, reported apart from the steady state.
     ckpt.close()
-    trainer.run = replace(trainer.run, checkpoint=replace(trainer.run.checkpoint, async_save=True))
-    ckpt = Checkpointer(trainer, layout, attempt=2, faults=trainer.faults)
+    async_cfg = replace(trainer.run.checkpoint, async_save=True)
+    ckpt = Checkpointer(trainer, layout, attempt=2, faults=trainer.faults, cfg=async_cfg)
     src = torch.empty(share, dtype=torch.uint8).random_(0, 255)
     dst = torch.empty_like(src)
     memcpy(dst, src)  # fault the pages in
@@ -244,7 +249,7 @@ def _async_save_record(
             ckpt.reserve_staging()
             record["reserve_s"] = time.perf_counter() - start
     _barrier()
-    trainer.state.step += 1  # a new step dir each time
+    _next_step_dir(trainer)
     start = time.perf_counter()
     ckpt.save()
     record["save_call_s"] = time.perf_counter() - start
@@ -421,14 +426,12 @@ def mode_overhead(args: argparse.Namespace) -> dict[str, Any]:
     bare = BareLoop(trainer.parts, trainer.run.model.seq_length)
     for _ in range(2):  # warm-up both paths
         bare.step()
-    trainer.run.train.train_steps = trainer.state.step + 2
-    trainer._loop()
+    trainer.run_steps(2)
     out: dict[str, Any] = {"pairs": []}
     n = args.block_steps
     hook_s = _time_hooks(hooks)
     stamps: list[float] = []
-    trainer.hooks.append(_Stamp(stamps))  # last hook: a step ends after every other hook ran
-    every_hook = list(trainer.hooks)
+    every_hook = [*hooks, _Stamp(stamps)]  # last hook: a step ends after every other hook ran
     # A third arm: the framework without TensorBoard (and W&B), so their share of a step is
     # measured in the same process, a fraction of a second from the other two.
     unreported = [h for h in every_hook if not isinstance(h, ScalarHook)]
@@ -446,15 +449,12 @@ def mode_overhead(args: argparse.Namespace) -> dict[str, Any]:
             else:
                 # The product loop: before_step hooks, faults, train_step, step log, after_step.
                 stamps[:] = [start]
-                trainer.hooks = every_hook if which == "framework" else unreported
-                trainer.run.train.train_steps = trainer.state.step + n
-                trainer._loop()
+                trainer.run_steps(n, every_hook if which == "framework" else unreported)
             steps = [b - a for a, b in zip(stamps, stamps[1:])]
             # Per-step median: one step stalled by another tenant of the machine is not overhead.
             pair[which + "_s"] = sorted(steps)[len(steps) // 2]
             pair[which + "_steps"] = steps
         out["pairs"].append(pair)
-    trainer.hooks = every_hook
     framework_steps = sum(len(p["framework_steps"]) for p in out["pairs"]) + 2
     out["hooks_s_per_step"] = {k: v / framework_steps for k, v in hook_s.items()}
     out["shim"] = _shim_overhead(trainer, 3)

@@ -314,8 +314,8 @@ def _transformers_first_batch_loss(model_dir: Path, overrides: list[str], tmp: P
     import torch.nn.functional as F
 
     from pretrain.data import dataset as data
+    from pretrain.data.dataset import split_sizes
     from pretrain.data.tokenizer import ByteTokenizer
-    from pretrain.train.trainer import split_sizes
     from recipes import load_config
 
     run = load_config(overrides)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from recipes.schema import DataConfig
+from recipes.schema import DataConfig, RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -116,3 +116,11 @@ def microbatches(dataset: Any, plan: BatchPlan, consumed: int) -> list[dict[str,
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+
+
+def split_sizes(run: RunConfig, plan: BatchPlan) -> list[int]:
+    """Samples per split: the whole training run; eval_iters global batches to validate on
+    (and to test on at the end, when data.split gives the test split any weight)."""
+    per_eval = run.train.eval_iters * plan.global_batch_size if run.train.eval_interval else 0
+    test = per_eval if run.data.split_weights[2] > 0 else 0
+    return [run.train.train_steps * plan.global_batch_size, per_eval, test]

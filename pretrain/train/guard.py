@@ -33,7 +33,6 @@ from pretrain.context.failures import NonFiniteError
 
 if TYPE_CHECKING:
     from pretrain.train.hooks import StepResult
-    from pretrain.train.trainer import Trainer
     from recipes.guard_schema import GuardConfig
 
 log = logging.getLogger(__name__)
@@ -96,8 +95,9 @@ def nonfinite_grads(ddp_chunks: list[Any]) -> torch.Tensor:
 
 
 class NumericGuard:
-    """Judges each step (when active) and keeps the run's totals; the Trainer applies the
-    policy (it owns the optimizer, the scheduler and the data cursor)."""
+    """Judges each step (when active), picks the policy's action and keeps the run's totals;
+    the Trainer carries the action out (it owns the optimizer, the scheduler and the data
+    cursor: ``Trainer._answer_anomaly``)."""
 
     def __init__(self, cfg: GuardConfig) -> None:
         self.cfg = cfg
@@ -168,6 +168,15 @@ class NumericGuard:
             self.replayed.add(result.step)
         self._event(result, action, restored_step=restored, skipped_samples=list(window))
 
+    def roll_back_error(self, result: StepResult, action: str) -> NonFiniteError:
+        """No hook had a verified checkpoint to roll back to."""
+        self.stopped(result)
+        return NonFiniteError(
+            f"step {result.step}: {result.anomaly}; train.guard.policy={action} found no "
+            "verified checkpoint to roll back to (it needs checkpoint.enabled=true and a "
+            "save before the anomaly); not retrying a numeric failure"
+        )
+
     def stopped(self, result: StepResult) -> None:
         self._event(result, "stop")
 
@@ -205,90 +214,6 @@ class NumericGuard:
             self.window.losses.extend(state.get("losses", []))
         for key in ("skipped_steps", "rollbacks", "skipped_samples"):
             setattr(self, key, max(getattr(self, key), int(state.get(key, 0))))
-
-
-def answer_anomaly(trainer: Trainer, result: StepResult) -> bool:
-    """Apply train.guard's policy to a step with an anomaly (every rank alike); False: the
-    step was rolled back and never reaches ``after_step``."""
-    guard = trainer.guard
-    action = guard.action(result)
-    if action in ("rollback", "replay"):
-        _roll_back(trainer, result, skip_data=action == "rollback")
-        return False
-    if action == "skip":
-        guard.skipped(result, trainer.parts.plan.global_batch_size)
-        if trainer.env.rank == 0:
-            log.warning(
-                "guard: step %d: %s; update skipped (%d skipped in this run)",
-                result.step,
-                result.anomaly,
-                guard.skipped_steps,
-            )
-    else:
-        guard.stopped(result)
-    for hook in trainer.hooks:
-        hook.on_anomaly(trainer, result, action)
-    if action == "stop":
-        raise guard.stop_error(result)
-    return True
-
-
-def _roll_back(trainer: Trainer, result: StepResult, skip_data: bool) -> None:
-    """A hook restores the newest verified checkpoint in place, then (``skip_data``) the data
-    cursor moves past every batch since it, the bad one included. The jump is in the next
-    checkpoint's consumed_samples, so a later resume continues exactly. Without it the same
-    batches are trained again: a replay, exactly what a resume from that checkpoint does."""
-    action = "rollback" if skip_data else "replay"
-    guard, state = trainer.guard, trainer.state
-    bad_cursor = state.consumed_samples, state.consumed_tokens
-    # megatron's scheduler.load_state_dict adds the saved step count to the live one.
-    trainer.parts.scheduler.num_steps = 0
-    restored = next(
-        (s for hook in trainer.hooks if (s := hook.roll_back(trainer, result.step)) is not None),
-        None,
-    )
-    if restored is None:
-        guard.stopped(result)
-        raise NonFiniteError(
-            f"step {result.step}: {result.anomaly}; train.guard.policy={action} found no "
-            "verified checkpoint to roll back to (it needs checkpoint.enabled=true and a "
-            "save before the anomaly); not retrying a numeric failure"
-        )
-    state = trainer.state  # the restore replaced it
-    window = (state.consumed_samples, state.consumed_samples)
-    if skip_data:
-        _check_data_left(trainer, bad_cursor[0], restored)
-        window = (state.consumed_samples, bad_cursor[0])
-        state.consumed_samples, state.consumed_tokens = bad_cursor
-    guard.rolled_back(result, restored, window, action)
-    if trainer.env.rank == 0:
-        log.warning(
-            "guard: step %d: %s; %s to step %d, data cursor %d -> %d samples (%d/%d rollbacks)",
-            result.step,
-            result.anomaly,
-            "rolled back" if skip_data else "replaying from",
-            restored,
-            window[0],
-            window[1],
-            guard.rollbacks,
-            guard.cfg.max_rollbacks,
-        )
-    for hook in trainer.hooks:
-        hook.on_anomaly(trainer, result, action)
-
-
-def _check_data_left(trainer: Trainer, cursor: int, restored: int) -> None:
-    """The training split holds train_steps x global batch samples (a single corpus: whole
-    epochs); the samples skipped must leave enough for the steps still to train."""
-    batch = trainer.parts.plan.global_batch_size
-    needed = cursor + (trainer.run.train.train_steps - restored) * batch
-    have = len(trainer.parts.dataset)
-    if needed > have:
-        raise NonFiniteError(
-            f"train.guard.policy=rollback to step {restored} skips the training data to sample "
-            f"{cursor}, and the remaining steps need samples up to {needed}; the training "
-            f"split has {have}. Not retrying a numeric failure"
-        )
 
 
 def _json_float(value: float) -> float | str:

@@ -2,8 +2,10 @@
 
 Every method is a no-op, so a disabled feature costs nothing. A feature that needs to know about
 something another component does gets an event here (e.g. ``on_checkpoint_begin``) instead of
-patching that component; features that need to change the loop call the Trainer's methods
-(``request_stop``, ``resume_from``, ``checkpointing``) instead of writing its fields.
+patching that component. Hooks see the Trainer through :class:`pretrain.train.view.TrainerView`
+and change the loop only through its methods (``request_stop``, ``checkpointing``, ...). A hook
+with state of its own sets ``state_key``: its ``state_dict()`` rides in every checkpoint and
+comes back through ``load_state_dict`` on restore (torchtitan's Stateful).
 
 Hook providers are found through the ``mcore_recipes.train_hooks`` entry-point group
 (pyproject.toml), so the core never imports the packages built on top of it.
@@ -14,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from recipes import ConfigError
 
@@ -22,7 +24,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from pretrain.platform.distributed import DistEnv
-    from pretrain.train.trainer import Trainer
+    from pretrain.train.view import TrainerView
     from recipes.schema import RunConfig
 
 HOOK_PROVIDERS = "mcore_recipes.train_hooks"
@@ -57,66 +59,77 @@ class EvalResult:
 class TrainHook:
     """Base hook: every method is a no-op, so disabled features cost nothing."""
 
+    # Set by a hook whose state must survive a restart: the name it is saved under.
+    state_key: str | None = None
+
+    def state_dict(self) -> Any:
+        """This hook's state for the checkpoint (JSON-serialisable), when ``state_key`` is set."""
+        return None
+
+    def load_state_dict(self, state: Any) -> None:
+        """The state this hook saved, from the checkpoint being restored (before
+        ``on_resumed``); not called when the checkpoint holds none under ``state_key``."""
+
     def configure(self, run: RunConfig, dp: int) -> RunConfig:
         """Before the model is built (after process groups exist); may adjust the config."""
         return run
 
-    def on_start(self, trainer: Trainer) -> None:
+    def on_start(self, trainer: TrainerView) -> None:
         pass
 
-    def before_step(self, trainer: Trainer) -> None:
+    def before_step(self, trainer: TrainerView) -> None:
         pass
 
-    def after_step(self, trainer: Trainer, result: StepResult) -> None:
+    def after_step(self, trainer: TrainerView, result: StepResult) -> None:
         pass
 
-    def wants_stop(self, trainer: Trainer) -> bool:
+    def wants_stop(self, trainer: TrainerView) -> bool:
         """Asked on every rank in each step, after its backward pass and before its optimizer
         step: if any rank answers True, every rank's StepResult has ``stop_asked`` set. Ranks
         agree on it in the step's loss all-reduce, so asking costs no collective of its own."""
         return False
 
-    def on_checkpoint_begin(self, trainer: Trainer, what: str) -> None:
+    def on_checkpoint_begin(self, trainer: TrainerView, what: str) -> None:
         """Checkpoint work starts (``what``: "save", "commit", "final save", "local save"...);
         it may block for much longer than a step. Not nested: one begin, then one end."""
 
-    def on_checkpoint_phase(self, trainer: Trainer, phase: str) -> None:
+    def on_checkpoint_phase(self, trainer: TrainerView, phase: str) -> None:
         """Inside announced checkpoint work, a new phase starts (``"commit"``: the shards are
         written, the collective commit begins), so a watchdog can time it on its own: the wait
         for a slow background writer before it must not eat the commit's budget."""
 
-    def on_checkpoint_end(self, trainer: Trainer, what: str) -> None:
+    def on_checkpoint_end(self, trainer: TrainerView, what: str) -> None:
         """The checkpoint work that ``on_checkpoint_begin`` announced is over (or failed)."""
 
-    def on_eval_begin(self, trainer: Trainer, split: str) -> None:
+    def on_eval_begin(self, trainer: TrainerView, split: str) -> None:
         """A validation (or test) pass starts; forward only, it may take several steps' time."""
 
-    def on_eval_end(self, trainer: Trainer, result: EvalResult) -> None:
+    def on_eval_end(self, trainer: TrainerView, result: EvalResult) -> None:
         """The pass ``on_eval_begin`` announced is over; its mean loss is the same on every rank."""
 
-    def on_resumed(self, trainer: Trainer, load_s: float) -> None:
+    def on_resumed(self, trainer: TrainerView, load_s: float) -> None:
         """The loop continues from a restored checkpoint that took ``load_s`` to load."""
 
-    def roll_back(self, trainer: Trainer, bad_step: int) -> int | None:
+    def roll_back(self, trainer: TrainerView, bad_step: int) -> int | None:
         """``train.guard.policy=rollback``, on every rank at once: restore the newest verified
         checkpoint older than ``bad_step`` in place and return its step; None: this hook keeps
         no checkpoints (the next hook is asked; if none restores, the run stops)."""
         return None
 
-    def on_anomaly(self, trainer: Trainer, result: StepResult, action: str) -> None:
+    def on_anomaly(self, trainer: TrainerView, result: StepResult, action: str) -> None:
         """The numeric guard acted on ``result.step`` (``result.anomaly`` says why): "skip"
         (its update was dropped; ``after_step`` follows as usual), "rollback" or "replay"
         (done: the loop continues after ``trainer.state.step``, past the skipped data or on the
         same data, and ``after_step`` never sees this step) or "stop" (the run fails next)."""
 
-    def on_report(self, trainer: Trainer, scalars: dict[str, float], step: int) -> None:
+    def on_report(self, trainer: TrainerView, scalars: dict[str, float], step: int) -> None:
         """Another hook has run-level scalars for the run's reports (TensorBoard, W&B), e.g.
         the goodput ledger at the end; sent with ``Trainer.report``."""
 
-    def on_end(self, trainer: Trainer) -> None:
+    def on_end(self, trainer: TrainerView) -> None:
         pass
 
-    def on_exception(self, trainer: Trainer | None, exc: BaseException) -> None:
+    def on_exception(self, trainer: TrainerView | None, exc: BaseException) -> None:
         """The run failed (``trainer`` is None when it failed before the model was built)."""
 
     def close(self) -> None:

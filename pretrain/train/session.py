@@ -9,12 +9,13 @@ from pathlib import Path
 from pretrain.context import exit_codes
 from pretrain.context.failures import Failure, classify
 from pretrain.context.run_dir import RunDir
-from pretrain.platform.distributed import broadcast_object, init_distributed, shutdown
+from pretrain.platform.distributed import DistEnv, broadcast_object, init_distributed, shutdown
 from pretrain.platform.logs import setup_logging
 from pretrain.platform.rng import make_deterministic
 from pretrain.train.hooks import TrainHook, build_hooks
 from pretrain.train.reporting import reporting_hooks
 from pretrain.train.trainer import Trainer
+from pretrain.train.view import TrainerView
 from recipes import ConfigError, RunConfig, to_yaml
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,14 @@ def train(run: RunConfig, device: str, dp: int) -> int:
         _close_all(hooks)
     shutdown()
     return code
+
+
+def build_trainer(
+    run: RunConfig, env: DistEnv, dp: int, run_dir: Path, hooks: list[TrainHook] | None = None
+) -> TrainerView:
+    """A Trainer for tools that drive it themselves (benchmarks, checkpoint import): they get
+    the view, not the class (only pretrain.train imports the Trainer)."""
+    return Trainer(run, env, dp, run_dir, hooks)
 
 
 def _make_run_dir(run_dir: Path) -> str | None:

@@ -10,7 +10,7 @@ import os
 import random
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pretrain.context.failures import NonFiniteError
 from pretrain.context.run_dir import RunDir, append_jsonl
 from pretrain.data import dataset as data
 from pretrain.data.tokenizer import build_tokenizer
@@ -28,38 +29,16 @@ from pretrain.platform.compat import fix_uninitialised_tp_attributes
 from pretrain.platform.distributed import DistEnv, init_model_parallel
 from pretrain.train.evaluate import eval_loss, params_synced
 from pretrain.train.fault_injection import FaultInjector
-from pretrain.train.guard import NumericGuard, answer_anomaly, nonfinite_grads
+from pretrain.train.guard import NumericGuard, nonfinite_grads
 from pretrain.train.hooks import EvalResult, StepResult, TrainHook
 from pretrain.train.progress import Progress
 from pretrain.train.schedule import run_schedule
+from pretrain.train.view import Components, TrainState
 from recipes import ConfigError
 from recipes.schema import RunConfig
 from recipes.validate import num_microbatches
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainState:
-    """Loop position saved with every checkpoint."""
-
-    step: int = 0
-    consumed_samples: int = 0
-    consumed_tokens: int = 0
-
-
-@dataclass
-class Components:
-    tcfg: Any
-    chunks: list[Any]
-    ddp: list[Any]
-    optimizer: Any
-    scheduler: Any
-    dataset: Any
-    tokenizer: Any
-    plan: data.BatchPlan
-    padded_vocab: int
-    eval_data: dict[str, Any]  # held-out splits by name ("valid", "test"); empty: no eval
 
 
 def seed_everything(seed: int) -> None:
@@ -125,7 +104,7 @@ def build_components(run: RunConfig, env: DistEnv, dp: int, run_dir: Path) -> Co
     )
     cache = Path(run.data.cache_dir) if run.data.cache_dir else RunDir(run_dir).data_cache_dir
     train, valid, test = data.build_datasets(
-        run.data, tokenizer, run.model.seq_length, split_sizes(run, plan), cache
+        run.data, tokenizer, run.model.seq_length, data.split_sizes(run, plan), cache
     )
     eval_data = {name: split for name, split in (("valid", valid), ("test", test)) if split}
     log.info(
@@ -140,14 +119,6 @@ def build_components(run: RunConfig, env: DistEnv, dp: int, run_dir: Path) -> Co
     return Components(
         tcfg, chunks, ddp, optimizer, scheduler, train, tokenizer, plan, padded, eval_data
     )
-
-
-def split_sizes(run: RunConfig, plan: data.BatchPlan) -> list[int]:
-    """Samples per split: the whole training run; eval_iters global batches to validate on
-    (and to test on at the end, when data.split gives the test split any weight)."""
-    per_eval = run.train.eval_iters * plan.global_batch_size if run.train.eval_interval else 0
-    test = per_eval if run.data.split_weights[2] > 0 else 0
-    return [run.train.train_steps * plan.global_batch_size, per_eval, test]
 
 
 def _have_te() -> bool:
@@ -215,19 +186,57 @@ class Trainer:
             log.info("stop requested at step %d (exit %d): %s", self.state.step, exit_code, reason)
         self.stop_requested, self.exit_code = True, exit_code
 
-    def resume_from(self, state: TrainState, load_s: float | None = None) -> None:
-        """Continue from a restored loop position (a checkpoint's train state); ``load_s``:
-        how long the restore took (hooks see it in ``on_resumed``)."""
-        self.state = state
+    def state_dict(self) -> dict[str, Any]:
+        """The loop state a checkpoint carries beside the shards (train_state.json): the loop
+        position, the schedule, the numeric guard's window and totals, and each stateful hook's
+        state under its ``state_key`` (torchtitan's ``states``, Megatron-Bridge's user state)."""
+        state = self.state
+        return {
+            "step": state.step,
+            "consumed_samples": state.consumed_samples,
+            "consumed_tokens": state.consumed_tokens,
+            "microbatch_position": 0,  # saves happen at step boundaries only
+            "global_batch_size": self.parts.plan.global_batch_size,
+            "lr": self.lr,
+            "scheduler": self.parts.scheduler.state_dict(),
+            "grad_scaler": None,  # bf16/fp32 train without loss scaling
+            "data_cursor": {
+                "consumed_samples": state.consumed_samples,
+                "shuffle_seed": self.run.data.seed,
+            },
+            "guard": self.guard.state_dict(),
+            "hooks": {h.state_key: h.state_dict() for h in self.hooks if h.state_key},
+        }
+
+    def load_state_dict(self, record: dict[str, Any], load_s: float | None = None) -> None:
+        """Continue from a checkpoint's ``state_dict``: the loop position, the guard, every
+        stateful hook found in it. The scheduler's state is the checkpointer's to load (the
+        resume policy decides whether the checkpoint's schedule is kept). ``load_s``: how long
+        the restore took; hooks see it in ``on_resumed``."""
+        self.guard.load_state_dict(record.get("guard"))
+        saved = record.get("hooks") or {}
+        for hook in self.hooks:
+            if hook.state_key and hook.state_key in saved:
+                hook.load_state_dict(saved[hook.state_key])
+        self.state = TrainState(
+            record["step"], record["consumed_samples"], record["consumed_tokens"]
+        )
         if load_s is not None:
             for hook in self.hooks:
                 hook.on_resumed(self, load_s)
 
-    def resume_from_record(self, record: dict[str, Any], load_s: float | None = None) -> None:
-        """``resume_from`` a checkpoint's train-state record, the numeric guard's state too."""
-        self.guard.load_state_dict(record.get("guard"))
-        state = TrainState(record["step"], record["consumed_samples"], record["consumed_tokens"])
-        self.resume_from(state, load_s)
+    def guard_record(self) -> dict[str, Any]:
+        return self.guard.record()
+
+    def run_steps(self, n: int, hooks: list[TrainHook] | None = None) -> None:
+        """``n`` more steps of the product loop (before_step hooks, faults, the step, its log,
+        after_step hooks), with ``hooks`` in place of the run's for these steps if given."""
+        own = self.hooks
+        self.hooks = own if hooks is None else hooks
+        try:
+            self._loop(until=self.state.step + n)
+        finally:
+            self.hooks = own
 
     def _progress(self) -> Progress:
         plan, train = self.parts.plan, self.run.train
@@ -322,8 +331,8 @@ class Trainer:
         restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
         log.info("run summary: checkpoint work this attempt: %s; restarts %s", saves, restarts)
 
-    def _loop(self) -> None:
-        while self.state.step < self.run.train.train_steps:
+    def _loop(self, until: int | None = None) -> None:
+        while self.state.step < (until or self.run.train.train_steps):
             for hook in self.hooks:
                 hook.before_step(self)
             if self.stop_requested:
@@ -331,7 +340,7 @@ class Trainer:
             self.faults.before_step(self.state.step + 1)
             result = self.train_step()
             self._log(result)
-            if result.anomaly is not None and not answer_anomaly(self, result):
+            if result.anomaly is not None and not self._answer_anomaly(result):
                 continue  # rolled back: the loop goes on from the restored step
             for hook in self.hooks:
                 hook.after_step(self, result)
@@ -393,6 +402,81 @@ class Trainer:
         # The norm megatron would have clipped with (collective; every rank skips alike).
         self.parts.optimizer.prepare_grads()
         return float(self.parts.optimizer.get_grad_norm())
+
+    def _answer_anomaly(self, result: StepResult) -> bool:
+        """Carry out train.guard's action for a step with an anomaly (every rank alike);
+        False: the step was rolled back and never reaches ``after_step``."""
+        guard = self.guard
+        action = guard.action(result)
+        if action in ("rollback", "replay"):
+            self._roll_back(result, skip_data=action == "rollback")
+            return False
+        if action == "skip":
+            guard.skipped(result, self.parts.plan.global_batch_size)
+            if self.env.rank == 0:
+                log.warning(
+                    "guard: step %d: %s; update skipped (%d skipped in this run)",
+                    result.step,
+                    result.anomaly,
+                    guard.skipped_steps,
+                )
+        else:
+            guard.stopped(result)
+        for hook in self.hooks:
+            hook.on_anomaly(self, result, action)
+        if action == "stop":
+            raise guard.stop_error(result)
+        return True
+
+    def _roll_back(self, result: StepResult, skip_data: bool) -> None:
+        """A hook restores the newest verified checkpoint in place, then (``skip_data``) the
+        data cursor moves past every batch since it, the bad one included. The jump is in the
+        next checkpoint's consumed_samples, so a later resume continues exactly. Without it the
+        same batches are trained again: a replay, what a resume from that checkpoint does."""
+        action = "rollback" if skip_data else "replay"
+        bad_cursor = self.state.consumed_samples, self.state.consumed_tokens
+        # megatron's scheduler.load_state_dict adds the saved step count to the live one.
+        self.parts.scheduler.num_steps = 0
+        restored = next(
+            (s for hook in self.hooks if (s := hook.roll_back(self, result.step)) is not None),
+            None,
+        )
+        if restored is None:
+            raise self.guard.roll_back_error(result, action)
+        state = self.state  # the restore replaced it
+        window = (state.consumed_samples, state.consumed_samples)
+        if skip_data:
+            self._check_data_left(bad_cursor[0], restored)
+            window = (state.consumed_samples, bad_cursor[0])
+            state.consumed_samples, state.consumed_tokens = bad_cursor
+        self.guard.rolled_back(result, restored, window, action)
+        if self.env.rank == 0:
+            log.warning(
+                "guard: step %d: %s; %s to step %d, data cursor %d -> %d samples (%d/%d rollbacks)",
+                result.step,
+                result.anomaly,
+                "rolled back" if skip_data else "replaying from",
+                restored,
+                window[0],
+                window[1],
+                self.guard.rollbacks,
+                self.guard.cfg.max_rollbacks,
+            )
+        for hook in self.hooks:
+            hook.on_anomaly(self, result, action)
+
+    def _check_data_left(self, cursor: int, restored: int) -> None:
+        """The training split holds train_steps x global batch samples (a single corpus: whole
+        epochs); the samples skipped must leave enough for the steps still to train."""
+        batch = self.parts.plan.global_batch_size
+        needed = cursor + (self.run.train.train_steps - restored) * batch
+        have = len(self.parts.dataset)
+        if needed > have:
+            raise NonFiniteError(
+                f"train.guard.policy=rollback to step {restored} skips the training data to "
+                f"sample {cursor}, and the remaining steps need samples up to {needed}; the "
+                f"training split has {have}. Not retrying a numeric failure"
+            )
 
     def _reduce_loss(self, losses: list[dict]) -> tuple[float, bool, bool]:
         """Mean loss over microbatches and DP ranks, whether any rank's hook wants to stop,

@@ -68,7 +68,8 @@ from resiliency.storage.tokenizer_copy import copy_tokenizer, tokenizer_record
 from resiliency.storage.verify import verify_step_dir
 
 if TYPE_CHECKING:
-    from pretrain.train.trainer import Trainer
+    from pretrain.train.view import TrainerView
+    from recipes.schema import CheckpointConfig
 
 log = logging.getLogger(__name__)
 MODEL_DIR = "model"
@@ -109,7 +110,7 @@ class SaveStats:
 class Checkpointer:
     def __init__(
         self,
-        trainer: "Trainer",
+        trainer: "TrainerView",
         layout: RunLayout,
         attempt: int,
         faults: FaultInjector,
@@ -117,8 +118,10 @@ class Checkpointer:
         weights_only: bool = False,
         fence: RunLease | None = None,
         rejected_at_restore: frozenset[int] = frozenset(),
+        cfg: CheckpointConfig | None = None,
     ) -> None:
-        """``writer_queue``: a spawned writer already started (by the checkpoint hook, before
+        """``cfg``: its own checkpoint section (default: the run's).
+        ``writer_queue``: a spawned writer already started (by the checkpoint hook, before
         the model was built); used if async saves stage into shared memory, else closed.
         ``weights_only``: saves hold no optimizer state (python -m resiliency.hf import).
         ``fence``: rank 0's run lease; every publish, set-aside and retention delete holds it,
@@ -128,7 +131,7 @@ class Checkpointer:
         self.trainer, self.layout, self.attempt = trainer, layout, attempt
         self.fence, self.rejected_at_restore = fence, rejected_at_restore
         self.faults = faults  # train.fault's points inside the save protocol (tests, drill)
-        self.cfg = trainer.run.checkpoint
+        self.cfg = cfg or trainer.run.checkpoint
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.pending: PendingSave | None = None
         self.queue: Any = None
@@ -165,7 +168,7 @@ class Checkpointer:
             request = self._write_shards(tmp)
             state_io.save_rank_state(tmp, self.rank, self._rank_state())
             if self.rank == 0:
-                state_io.write_train_state(tmp, state_io.train_state_record(self.trainer))
+                state_io.write_train_state(tmp, self.trainer.state_dict())
                 copy_tokenizer(tmp, self.trainer.run.data.tokenizer_path)
         except SAVE_ERRORS as exc:
             self._abort(tmp, exc)
@@ -602,7 +605,7 @@ class Checkpointer:
         self.lr_scaling = scaling or self.lr_scaling
         trainer.parts.scheduler.load_state_dict(train_state["scheduler"])
         load_s = None if started is None else time.perf_counter() - started
-        trainer.resume_from_record(train_state, load_s=load_s)
+        trainer.load_state_dict(train_state, load_s=load_s)
         if rank_state is not None:
             state_io.restore_rng(rank_state, trainer.env.device)
         else:

@@ -40,7 +40,7 @@ from resiliency.storage.remote_preflight import RemotePreflightError, check_remo
 
 if TYPE_CHECKING:
     from pretrain.platform.distributed import DistEnv
-    from pretrain.train.trainer import Trainer
+    from pretrain.train.view import TrainerView
     from recipes.schema import RunConfig
     from resiliency.checkpoint.local.tier import LocalTier
     from resiliency.checkpoint.restore.resume_policy import ResumeDecision, reconcile
@@ -220,7 +220,7 @@ class CheckpointHook(TrainHook):
             run, model=dataclasses.replace(run.model, perform_initialization=False)
         )
 
-    def _confirm_plan(self, trainer: "Trainer") -> None:
+    def _confirm_plan(self, trainer: "TrainerView") -> None:
         """The chosen step was re-hashed while the model was built; when a file is bad, plan
         the next step and rebuild the model for it (uninitialised only if it has a step)."""
         rejected = self.rejected
@@ -244,7 +244,7 @@ class CheckpointHook(TrainHook):
             )
             trainer.rebuild(self._model_init_for_plan(self._reconcile(run)))
 
-    def on_start(self, trainer: "Trainer") -> None:
+    def on_start(self, trainer: "TrainerView") -> None:
         self._confirm_plan(trainer)
         checkpointer = Checkpointer(
             trainer,
@@ -288,7 +288,7 @@ class CheckpointHook(TrainHook):
             self.plan.step_dir, self.plan.manifest, self.plan.report.same_layout
         ), self.plan.tier
 
-    def before_step(self, trainer: "Trainer") -> None:
+    def before_step(self, trainer: "TrainerView") -> None:
         assert self.checkpointer is not None
         if self.checkpointer.pending is None:
             return
@@ -303,10 +303,10 @@ class CheckpointHook(TrainHook):
             return "local"
         return None
 
-    def wants_stop(self, trainer: "Trainer") -> bool:
+    def wants_stop(self, trainer: "TrainerView") -> bool:
         return self.ownership.lost is not None  # rank 0's heartbeat saw a takeover
 
-    def after_step(self, trainer: "Trainer", result: StepResult) -> None:
+    def after_step(self, trainer: "TrainerView", result: StepResult) -> None:
         assert self.checkpointer is not None
         if result.stop_asked and self._fenced(trainer):
             return
@@ -322,10 +322,10 @@ class CheckpointHook(TrainHook):
                 assert self.local is not None
                 self.local.save()
 
-    def _blocked_record(self, trainer: "Trainer") -> Path | None:
+    def _blocked_record(self, trainer: "TrainerView") -> Path | None:
         return self.layout.dir.checkpoint_metrics if trainer.env.rank == 0 else None
 
-    def _fenced(self, trainer: "Trainer") -> bool:
+    def _fenced(self, trainer: "TrainerView") -> bool:
         """A stop was voted: if it is because the lease was taken over, this attempt writes
         nothing more and leaves with exit 6, the new owner named."""
         lost = self.ownership.lost_everywhere()
@@ -335,7 +335,7 @@ class CheckpointHook(TrainHook):
         trainer.request_stop(exit_codes.LEASE_HELD, lost)
         return True
 
-    def _reserve_staging(self, trainer: "Trainer", step: int) -> None:
+    def _reserve_staging(self, trainer: "TrainerView", step: int) -> None:
         """Once per attempt, at the first step no save follows: the dry run that sizes the
         staging buffers is checkpoint work on the training thread, recorded as such."""
         assert self.checkpointer is not None
@@ -345,7 +345,7 @@ class CheckpointHook(TrainHook):
         with trainer.checkpointing("staging"), _blocked_time(record_to, "staging", step):
             self.checkpointer.reserve_staging()
 
-    def roll_back(self, trainer: "Trainer", bad_step: int) -> int | None:
+    def roll_back(self, trainer: "TrainerView", bad_step: int) -> int | None:
         """train.guard.policy=rollback|replay: restore, in place, the newest persistent step
         older than ``bad_step`` that verifies (re-hashed unless checkpoint.full_verify is off);
         local-tier steps after it belong to the abandoned trajectory and are dropped."""
@@ -360,7 +360,7 @@ class CheckpointHook(TrainHook):
                 self.local.discard_after(step)
         return step
 
-    def _rollback_plan(self, trainer: "Trainer", bad_step: int) -> "RestorePlan | None":
+    def _rollback_plan(self, trainer: "TrainerView", bad_step: int) -> "RestorePlan | None":
         rejected: dict[int, str] = {}
         vocab = trainer.parts.tokenizer.vocab_size
         while True:
@@ -376,12 +376,12 @@ class CheckpointHook(TrainHook):
             rejected[step] = problem
             log.warning("rollback: step %d rejected: %s", step, problem)
 
-    def on_anomaly(self, trainer: "Trainer", result: StepResult, action: str) -> None:
+    def on_anomaly(self, trainer: "TrainerView", result: StepResult, action: str) -> None:
         """The guard's run totals and this attempt's events go into the attempt record."""
         status = self.ownership.info.get("status", "running")
         self.ownership.record(status, guard=trainer.guard.record())
 
-    def save_now(self, trainer: "Trainer") -> None:
+    def save_now(self, trainer: "TrainerView") -> None:
         """Persist the current step unless it is already published (planned exits)."""
         assert self.checkpointer is not None
         with trainer.checkpointing("final save"):
@@ -398,7 +398,7 @@ class CheckpointHook(TrainHook):
             checkpointer.save()
             checkpointer.finalize(blocking=True)
 
-    def on_end(self, trainer: "Trainer") -> None:
+    def on_end(self, trainer: "TrainerView") -> None:
         if self.fenced is not None:  # another owner holds the run: no final save
             log.error("run stopped, nothing saved: %s", self.fenced)
             self.ownership.record("fenced", step=trainer.state.step, exit_code=trainer.exit_code)
@@ -408,7 +408,7 @@ class CheckpointHook(TrainHook):
         status = "preempted" if trainer.exit_code == exit_codes.REQUEUE else "finished"
         self.ownership.record(status, step=trainer.state.step, exit_code=trainer.exit_code)
 
-    def on_exception(self, trainer: "Trainer | None", exc: BaseException) -> None:
+    def on_exception(self, trainer: "TrainerView | None", exc: BaseException) -> None:
         failure = classify(exc)
         step = trainer.state.step if trainer is not None else None
         self.ownership.record(

@@ -45,22 +45,3 @@ def write_train_state(step_dir: Path, state: dict[str, Any]) -> None:
 
 def read_train_state(step_dir: Path) -> dict[str, Any]:
     return json.loads((step_dir / TRAIN_STATE_NAME).read_text())
-
-
-def train_state_record(trainer: Any) -> dict[str, Any]:
-    """The loop state a checkpoint carries beside the shards (train_state.json)."""
-    return {
-        "step": trainer.state.step,
-        "consumed_samples": trainer.state.consumed_samples,
-        "consumed_tokens": trainer.state.consumed_tokens,
-        "microbatch_position": 0,  # saves happen at step boundaries only
-        "global_batch_size": trainer.parts.plan.global_batch_size,
-        "lr": trainer.lr,
-        "scheduler": trainer.parts.scheduler.state_dict(),
-        "grad_scaler": None,  # bf16/fp32 train without loss scaling
-        "data_cursor": {
-            "consumed_samples": trainer.state.consumed_samples,
-            "shuffle_seed": trainer.run.data.seed,
-        },
-        "guard": trainer.guard.state_dict(),  # train.guard: loss window and run totals
-    }

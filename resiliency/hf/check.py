@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from pretrain.context.run_dir import RunDir, iter_jsonl
 from pretrain.data import dataset as data
-from pretrain.train.trainer import split_sizes
+from pretrain.data.dataset import split_sizes
 from resiliency.hf.export import VerifiedStep, step_tokenizer
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from pretrain.data.tokenizer import build_tokenizer
 from pretrain.platform.distributed import init_distributed
-from pretrain.train.trainer import Trainer
+from pretrain.train.session import build_trainer
 from recipes import ConfigError, RunConfig, load_config
 from resiliency.checkpoint.checkpointer import Checkpointer
 from resiliency.checkpoint.state_dict import model_state_dict
@@ -126,7 +126,7 @@ def import_hf(hf_dir: Path, overrides: list[str]) -> Path:
         )
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    trainer = Trainer(run, init_distributed("cpu"), 1, layout.run_dir, [])
+    trainer = build_trainer(run, init_distributed("cpu"), 1, layout.run_dir)
     tensors = from_hf(hf_tensors, run.model, trainer.parts.padded_vocab)
     filled = load_global_tensors(trainer.parts.chunks, tensors)
     log.info("import: %d tensors of %s into %d shards of %s", len(tensors), hf_dir, filled,

@@ -31,7 +31,7 @@ from resiliency.storage.layout import atomic_write_json
 
 if TYPE_CHECKING:
     from pretrain.platform.distributed import DistEnv
-    from pretrain.train.trainer import Trainer
+    from pretrain.train.view import TrainerView
     from resiliency.checkpoint.hook import CheckpointHook
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class AttemptEvidenceHook(TrainHook):
         self.times["configure_at"] = time.time()
         return run
 
-    def on_start(self, trainer: "Trainer") -> None:
+    def on_start(self, trainer: "TrainerView") -> None:
         self.times["load_started_at"] = time.time()
         gathered: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(
@@ -99,17 +99,17 @@ class AttemptEvidenceHook(TrainHook):
         )
         self.ranks = gathered
 
-    def before_step(self, trainer: "Trainer") -> None:
+    def before_step(self, trainer: "TrainerView") -> None:
         self.times.setdefault("first_step_started_at", time.time())
 
-    def after_step(self, trainer: "Trainer", result: StepResult) -> None:
+    def after_step(self, trainer: "TrainerView", result: StepResult) -> None:
         if "first_step_done_at" in self.times:
             return
         self.times["first_step_done_at"] = time.time()
         if self.env.rank == 0:
             self._record(recovered_from=self._recovered_from(trainer))
 
-    def on_exception(self, trainer: "Trainer | None", exc: BaseException) -> None:
+    def on_exception(self, trainer: "TrainerView | None", exc: BaseException) -> None:
         attempt = self.checkpoint.ownership.attempt
         if attempt < 0:
             return  # failed before an attempt id existed: nothing to attach the file to
@@ -142,7 +142,7 @@ class AttemptEvidenceHook(TrainHook):
             **extra,
         )
 
-    def _recovered_from(self, trainer: "Trainer") -> dict[str, Any] | None:
+    def _recovered_from(self, trainer: "TrainerView") -> dict[str, Any] | None:
         layout, attempt = self.checkpoint.layout, self.checkpoint.ownership.attempt
         earlier = [a for a in recorded_attempts(layout) if a < attempt]
         if not earlier:

@@ -41,7 +41,7 @@ from resiliency.storage.manifest import ManifestError, read_manifest
 if TYPE_CHECKING:
     from pretrain.platform.distributed import DistEnv
     from pretrain.train.hooks import EvalResult
-    from pretrain.train.trainer import Trainer
+    from pretrain.train.view import TrainerView
     from recipes.schema import FtConfig, RunConfig
     from recipes.tier_schema import RemoteCheckpointConfig
     from resiliency.checkpoint.hook import CheckpointHook
@@ -191,7 +191,7 @@ class FaultToleranceHook(TrainHook):
         self._open("setup")
         return run
 
-    def on_start(self, trainer: "Trainer") -> None:
+    def on_start(self, trainer: "TrainerView") -> None:
         if self.stacks is not None and self.checkpoint is not None:
             self.stacks.update(attempt=self.checkpoint.ownership.attempt)
         self.step = trainer.state.step
@@ -202,7 +202,7 @@ class FaultToleranceHook(TrainHook):
         self.timeouts.set_checkpoint_bytes(max(restore_bytes, params * BYTES_PER_PARAM))
         self._send(persist=False)
 
-    def before_step(self, trainer: "Trainer") -> None:
+    def before_step(self, trainer: "TrainerView") -> None:
         self.step = trainer.state.step + 1
         if self.heartbeats_only:
             self.client.send_heartbeat()
@@ -211,21 +211,21 @@ class FaultToleranceHook(TrainHook):
             self._close("setup", restored=self._restored())
         self._open("step")
 
-    def after_step(self, trainer: "Trainer", result: StepResult) -> None:
+    def after_step(self, trainer: "TrainerView", result: StepResult) -> None:
         if self.heartbeats_only:
             return
         self._close("step")
 
-    def on_anomaly(self, trainer: "Trainer", result: StepResult, action: str) -> None:
+    def on_anomaly(self, trainer: "TrainerView", result: StepResult, action: str) -> None:
         # A rolled-back step never reaches after_step: its section ends here.
         if action in ("rollback", "replay") and not self.heartbeats_only and "step" in self.open:
             self._close("step", observe=False)
 
-    def on_end(self, trainer: "Trainer") -> None:
+    def on_end(self, trainer: "TrainerView") -> None:
         if trainer.exit_code in exit_codes.DO_NOT_RETRY:
             self._request_shutdown(f"planned exit {trainer.exit_code}")
 
-    def on_exception(self, trainer: "Trainer | None", exc: BaseException) -> None:
+    def on_exception(self, trainer: "TrainerView | None", exc: BaseException) -> None:
         self.failed = True  # the liveness file stays: evidence for the hang's post-mortem
         failure = classify(exc)
         if not failure.retryable:
@@ -261,12 +261,12 @@ class FaultToleranceHook(TrainHook):
             self.timeouts.observe(section, now - opened, restored=restored)
             self._send()
 
-    def on_checkpoint_begin(self, trainer: "Trainer", what: str) -> None:
+    def on_checkpoint_begin(self, trainer: "TrainerView", what: str) -> None:
         # Saves happen inside other sections (after a step, before one for an async commit,
         # in the preemption hook, at the end); checkpointing has its own timeout.
         self._enter("checkpointing")
 
-    def on_checkpoint_phase(self, trainer: "Trainer", phase: str) -> None:
+    def on_checkpoint_phase(self, trainer: "TrainerView", phase: str) -> None:
         # The commit gets a full timeout of its own: a rank that stops in it must stall long
         # enough to be named, however long the wait on its writer before it took.
         if "checkpointing" in self.open and not self.heartbeats_only:
@@ -274,13 +274,13 @@ class FaultToleranceHook(TrainHook):
             self.idle_since = None  # not time out of section: the work goes on
             self._open("checkpointing")
 
-    def on_checkpoint_end(self, trainer: "Trainer", what: str) -> None:
+    def on_checkpoint_end(self, trainer: "TrainerView", what: str) -> None:
         self._leave("checkpointing")
 
-    def on_eval_begin(self, trainer: "Trainer", split: str) -> None:
+    def on_eval_begin(self, trainer: "TrainerView", split: str) -> None:
         self._enter("eval")
 
-    def on_eval_end(self, trainer: "Trainer", result: "EvalResult") -> None:
+    def on_eval_end(self, trainer: "TrainerView", result: "EvalResult") -> None:
         self._leave("eval")
 
     def _enter(self, section: str) -> None:

@@ -30,7 +30,7 @@ from resiliency.storage.attempts import recorded_attempts
 from resiliency.storage.layout import RunLayout
 
 if TYPE_CHECKING:
-    from pretrain.train.trainer import Trainer
+    from pretrain.train.view import TrainerView
     from recipes.schema import MetricsConfig
     from resiliency.checkpoint.hook import CheckpointHook
     from resiliency.monitor.evidence import AttemptEvidenceHook
@@ -149,7 +149,7 @@ class MetricsHook(TrainHook):
         self.server: Any = None
         self.history_done = False
 
-    def on_start(self, trainer: "Trainer") -> None:
+    def on_start(self, trainer: "TrainerView") -> None:
         if self.cfg.http_port:
             self.server, _ = _serve(self.cfg.http_port, self.m.registry)
             log.info("metrics: serving on port %d", self.cfg.http_port)
@@ -158,7 +158,7 @@ class MetricsHook(TrainHook):
         if started is not None and self._checkpointer() and self._checkpointer().restored_step:
             self.m.labels(self.m.load_duration).observe(time.time() - started)
 
-    def after_step(self, trainer: "Trainer", result: StepResult) -> None:
+    def after_step(self, trainer: "TrainerView", result: StepResult) -> None:
         if not self.history_done:
             self._count_history(trainer)  # after the evidence hook's first-step record
         self.step_times.append(result.step_time_s)
@@ -166,12 +166,12 @@ class MetricsHook(TrainHook):
         if saved or result.step % self.cfg.write_interval_steps == 0:
             self.write_or_warn()
 
-    def on_end(self, trainer: "Trainer") -> None:
+    def on_end(self, trainer: "TrainerView") -> None:
         self._update(trainer, trainer.state.step)
         self._update_goodput(trainer)
         self.write_or_warn()
 
-    def _update_goodput(self, trainer: "Trainer") -> None:
+    def _update_goodput(self, trainer: "TrainerView") -> None:
         """The ledger across every attempt so far (read from the run's own files; the
         current attempt's end is not recorded yet, so it counts up to its last step), as
         gauges and as the run's goodput/* scalars (TensorBoard, W&B)."""
@@ -184,7 +184,7 @@ class MetricsHook(TrainHook):
         scalars = {f"goodput/{c}_s": v for c, v in ledger.seconds.items()}
         trainer.report({"goodput/ratio": ledger.goodput, **scalars}, trainer.state.step)
 
-    def on_exception(self, trainer: "Trainer | None", exc: BaseException) -> None:
+    def on_exception(self, trainer: "TrainerView | None", exc: BaseException) -> None:
         if trainer is None:
             return  # failed before owning the run (e.g. lease held): the file is not ours
         self.write_or_warn()
@@ -222,7 +222,7 @@ class MetricsHook(TrainHook):
             return self.checkpoint.ownership.info.get("start_time", time.time())
         return time.time()
 
-    def _update(self, trainer: "Trainer", step: int) -> bool:
+    def _update(self, trainer: "TrainerView", step: int) -> bool:
         m = self.m
         m.labels(m.step).set(step)
         mean = sum(self.step_times) / len(self.step_times) if self.step_times else 0.0
@@ -262,7 +262,7 @@ class MetricsHook(TrainHook):
         for rank, score in report.individual.items():
             self.m.labels(self.m.individual, rank=rank).set(score)
 
-    def _count_history(self, trainer: "Trainer") -> None:
+    def _count_history(self, trainer: "TrainerView") -> None:
         """Restarts and losses of the earlier attempts of this run (records + this recovery)."""
         self.history_done = True
         if self.checkpoint is None:

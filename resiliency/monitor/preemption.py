@@ -20,7 +20,8 @@ from pretrain.context import exit_codes
 from pretrain.train.hooks import TrainHook
 
 if TYPE_CHECKING:
-    from pretrain.train.trainer import StepResult, Trainer
+    from pretrain.train.hooks import StepResult
+    from pretrain.train.view import TrainerView
     from resiliency.checkpoint.hook import CheckpointHook
 
 log = logging.getLogger(__name__)
@@ -33,17 +34,17 @@ class PreemptionHook(TrainHook):
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
 
-    def on_start(self, trainer: "Trainer") -> None:
+    def on_start(self, trainer: "TrainerView") -> None:
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.received = signum
 
-    def wants_stop(self, trainer: "Trainer") -> bool:
+    def wants_stop(self, trainer: "TrainerView") -> bool:
         return self.received is not None
 
-    def after_step(self, trainer: "Trainer", result: "StepResult") -> None:
+    def after_step(self, trainer: "TrainerView", result: "StepResult") -> None:
         # The last step ends the run anyway (and on_end saves it): nothing to requeue. A stop
         # another hook already decided (a lease taken over: exit 6) saves nothing either.
         if not result.stop_asked or trainer.stop_requested:

@@ -34,7 +34,7 @@ from pretrain.train.hooks import StepResult, TrainHook
 
 if TYPE_CHECKING:
     from pretrain.platform.distributed import DistEnv
-    from pretrain.train.trainer import Trainer
+    from pretrain.train.view import TrainerView
     from recipes.schema import StragglerConfig
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class StragglerHook(TrainHook):
         self.detector: Any = None
         self.first_step = 1
 
-    def on_start(self, trainer: "Trainer") -> None:
+    def on_start(self, trainer: "TrainerView") -> None:
         nvrx_straggler_on_cpu(self.env.device)
 
         self.detector = nvrx_straggler().Detector
@@ -100,14 +100,14 @@ class StragglerHook(TrainHook):
         )
         self.first_step = trainer.state.step + 1
 
-    def before_step(self, trainer: "Trainer") -> None:
+    def before_step(self, trainer: "TrainerView") -> None:
         if trainer.state.step + 1 >= self.first_step + self.cfg.warmup_steps:
             self.section = self.detector.detection_section(
                 SECTION, profile_cuda=self.env.device == "cuda"
             )
             self.section.__enter__()
 
-    def after_step(self, trainer: "Trainer", result: StepResult) -> None:
+    def after_step(self, trainer: "TrainerView", result: StepResult) -> None:
         if self.section is not None:
             self.section.__exit__(None, None, None)
             self.section = None
@@ -115,7 +115,7 @@ class StragglerHook(TrainHook):
         if self.timed_steps and result.step % self.cfg.report_interval == 0:
             self._report(trainer, result.step)
 
-    def _report(self, trainer: "Trainer", step: int) -> None:
+    def _report(self, trainer: "TrainerView", step: int) -> None:
         report = self.detector.generate_report()  # collective
         found = 0
         if self.env.rank == 0:

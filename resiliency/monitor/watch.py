@@ -20,7 +20,7 @@ from pretrain.context.run_dir import RunDir, last_by_step
 from pretrain.train.hooks import StepResult, TrainHook
 
 if TYPE_CHECKING:
-    from pretrain.train.trainer import Trainer
+    from pretrain.train.view import TrainerView
     from recipes.schema import WatchConfig
     from resiliency.checkpoint.hook import CheckpointHook
 
@@ -62,7 +62,7 @@ class PostRestoreWatchHook(TrainHook):
         self.findings: list[str] = []
         self.checked = 0
 
-    def on_start(self, trainer: "Trainer") -> None:
+    def on_start(self, trainer: "TrainerView") -> None:
         checkpointer = self.checkpoint.checkpointer
         restored = checkpointer.restored_step if checkpointer is not None else None
         if restored is None:
@@ -72,7 +72,7 @@ class PostRestoreWatchHook(TrainHook):
         if self.history:
             self.restored, self.until = restored, restored + self.cfg.steps
 
-    def after_step(self, trainer: "Trainer", result: StepResult) -> None:
+    def after_step(self, trainer: "TrainerView", result: StepResult) -> None:
         if result.step > self.until or result.skipped:  # train.guard dropped that update
             return
         reference = self.history.get(result.step) or self.history[max(self.history)]
@@ -91,14 +91,14 @@ class PostRestoreWatchHook(TrainHook):
         if result.step == self.until:
             self._finish()
 
-    def on_anomaly(self, trainer: "Trainer", result: StepResult, action: str) -> None:
+    def on_anomaly(self, trainer: "TrainerView", result: StepResult, action: str) -> None:
         # After a rollback (train.guard) the run leaves the logged trajectory on purpose.
         if action == "rollback" and self.until >= 0:
             if self.checked:
                 self._finish()
             self.until = -1
 
-    def on_end(self, trainer: "Trainer") -> None:
+    def on_end(self, trainer: "TrainerView") -> None:
         if self.checked and trainer.state.step < self.until:
             self._finish()
 

@@ -15,14 +15,14 @@ def build_trainer() -> tuple[argparse.Namespace, Any]:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     from pretrain.platform.distributed import init_distributed, launch_env
-    from pretrain.train.trainer import Trainer
+    from pretrain.train.session import build_trainer
     from recipes import load_config
     from recipes.validate import validate_runtime
 
     run = load_config(args.overrides)
     dp = validate_runtime(run, launch_env()[1], "cpu")
     env = init_distributed("cpu")
-    return args, Trainer(run, env, dp, Path(run.output_dir) / run.run_id, [])
+    return args, build_trainer(run, env, dp, Path(run.output_dir) / run.run_id)
 
 
 def gather_to(out: str, mine: dict[str, Any]) -> None:

@@ -22,7 +22,7 @@ from resiliency.checkpoint.state_dict import sharded_training_state
 from resiliency.storage.signing import key_from_env
 
 if TYPE_CHECKING:
-    from pretrain.train.trainer import Trainer
+    from pretrain.train.view import TrainerView
     from recipes.schema import LocalCheckpointConfig
     from resiliency.checkpoint.checkpointer import Checkpointer
 
@@ -79,7 +79,7 @@ def rank_state_object(data: Any) -> Any:
 
 class LocalTier:
     def __init__(
-        self, cfg: "LocalCheckpointConfig", trainer: "Trainer", checkpointer: "Checkpointer"
+        self, cfg: "LocalCheckpointConfig", trainer: "TrainerView", checkpointer: "Checkpointer"
     ) -> None:
         self.cfg, self.trainer, self.checkpointer = cfg, trainer, checkpointer
         run, world = trainer.run, dist.get_world_size()
@@ -200,7 +200,7 @@ class LocalTier:
         step = self.trainer.state.step
         self.checkpointer.check_fence(f"local-tier save of step {step}")
         sharded = sharded_training_state(self.trainer.parts, LOCAL_OPTIM_FORMAT)
-        sharded["train_state"] = state_io.train_state_record(self.checkpointer.trainer)
+        sharded["train_state"] = self.checkpointer.trainer.state_dict()
         sharded["rank_state"] = rank_state_object(state_io.capture_rng(self.trainer.env.device))
         tasd, _ = MCoreTensorAwareStateDict.from_state_dict(sharded, algo=ALGO)
         self.manager.save(tasd, step, is_async=False)
