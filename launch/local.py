@@ -46,8 +46,8 @@ from launch.common import (
 )
 from launch.retry_policy import STOP, Decision, decide, newest_attempt, read_outcome
 from pretrain.context import exit_codes
-from resiliency.health import describe, preflight
 from resiliency.monitor.fault_tolerance import write_launcher_config
+from resiliency.monitor.health import describe, preflight
 from resiliency.monitor.postmortem import LauncherEvents, finalize_attempts
 from resiliency.storage.attempts import recorded_attempts
 from resiliency.storage.layout import RunLayout

@@ -25,7 +25,7 @@ from typing import Any
 
 from launch.requeues import append_ledger, excluded_so_far, failures_used, plan_exclusion
 from pretrain.context import exit_codes
-from resiliency.health import unhealthy_nodes
+from resiliency.monitor.health import unhealthy_nodes
 from resiliency.storage.attempts import recorded_attempts
 from resiliency.storage.layout import RunLayout
 

@@ -12,9 +12,12 @@ from resiliency.checkpoint.hook import CheckpointHook
 from resiliency.monitor.evidence import AttemptEvidenceHook
 from resiliency.monitor.fault_tolerance import FaultToleranceHook, under_ft_launcher
 from resiliency.monitor.metrics import MetricsHook
+from resiliency.monitor.ownership import OwnershipEndHook, OwnershipHook
 from resiliency.monitor.preemption import PreemptionHook
 from resiliency.monitor.straggler import StragglerHook
 from resiliency.monitor.watch import PostRestoreWatchHook
+from resiliency.run_context import RunContext
+from resiliency.storage.layout import RunLayout
 
 if TYPE_CHECKING:
     from pretrain.platform.distributed import DistEnv
@@ -22,23 +25,24 @@ if TYPE_CHECKING:
 
 
 def build_hooks(run: RunConfig, env: DistEnv, run_dir: Path) -> list[TrainHook]:
-    """The run's resiliency hooks, in order.
+    """The run's resiliency hooks, in order; all of them share one run context.
 
-    In front, the evidence and FT hooks: their ``configure`` runs before the checkpoint hook's
-    lease and restore planning (the FT "setup" section and the startup clock must already run
-    then). Behind, the observers: they read what the checkpoint hook restored and saved.
+    In front, the evidence and FT hooks: their ``configure`` runs before the lease and the
+    restore planning (the FT "setup" section and the startup clock must already run then);
+    then the ownership hook takes the lease and claims the attempt, so the checkpoint hook
+    plans its restore under it. Behind, the observers: they read what was restored and saved.
+    Last, the ownership end hook: the attempt's end status after the final save, the lease
+    released after every other hook closed.
     """
     cfg = run.resiliency
-    checkpoint = CheckpointHook(run, env, run_dir) if run.checkpoint.enabled else None
-    evidence = (
-        AttemptEvidenceHook(env, run_dir, checkpoint, cfg.ft.check_interval_s)
-        if checkpoint is not None
-        else None
-    )
-    front: list[TrainHook] = [evidence] if evidence is not None else []
+    ctx = RunContext(RunLayout(run_dir.parent, run.run_id), run.checkpoint.lease_timeout_s)
+    evidence = AttemptEvidenceHook(env, run_dir, ctx, cfg.ft.check_interval_s)
+    front: list[TrainHook] = [evidence]
     if under_ft_launcher():
-        remote = run.checkpoint.remote if checkpoint is not None and run.checkpoint.resume else None
-        front.append(FaultToleranceHook(cfg.ft, env, run_dir, checkpoint, remote))
+        remote = run.checkpoint.remote if run.checkpoint.enabled and run.checkpoint.resume else None
+        front.append(FaultToleranceHook(cfg.ft, env, run_dir, ctx, remote))
+    front.append(OwnershipHook(ctx, env))
+    checkpoint = CheckpointHook(run, env, ctx) if run.checkpoint.enabled else None
     middle: list[TrainHook] = []
     if checkpoint is not None:
         middle.append(checkpoint)
@@ -49,7 +53,7 @@ def build_hooks(run: RunConfig, env: DistEnv, run_dir: Path) -> list[TrainHook]:
     if straggler is not None:
         back.append(straggler)
     if cfg.metrics.enabled and env.rank == 0:
-        back.append(MetricsHook(cfg.metrics, run.run_id, run_dir, checkpoint, evidence, straggler))
+        back.append(MetricsHook(cfg.metrics, run.run_id, ctx, checkpoint, evidence, straggler))
     if checkpoint is not None and cfg.watch.steps:
-        back.append(PostRestoreWatchHook(cfg.watch, env.rank, run_dir, checkpoint))
-    return front + middle + back
+        back.append(PostRestoreWatchHook(cfg.watch, env.rank, run_dir, ctx))
+    return front + middle + back + [OwnershipEndHook(ctx)]

@@ -118,7 +118,7 @@ class _FakeRankMonitor:
 def test_fault_tolerance_gives_checkpoint_work_its_own_section(tmp_path: Path) -> None:
     """A save inside a step's section pauses it, runs under "checkpointing" (its own, longer
     timeout) and resumes it; the checkpoint hook is never patched for this."""
-    hook = FaultToleranceHook(FtConfig(), ENV, tmp_path, checkpoint=None)
+    hook = FaultToleranceHook(FtConfig(), ENV, tmp_path, ctx=None)
     hook.client = monitor = _FakeRankMonitor()
     trainer = _bare_trainer([hook])
     hook.before_step(trainer)
@@ -138,7 +138,7 @@ def test_a_commit_phase_restarts_the_checkpointing_section(tmp_path: Path) -> No
     """The wait on a slow background writer and the collective commit after it are timed
     apart: a rank that stops in the commit gets a full timeout, so it stalls long enough to be
     named. Outside checkpoint work the phase is ignored."""
-    hook = FaultToleranceHook(FtConfig(), ENV, tmp_path, checkpoint=None)
+    hook = FaultToleranceHook(FtConfig(), ENV, tmp_path, ctx=None)
     hook.client = monitor = _FakeRankMonitor()
     trainer = _bare_trainer([hook])
     trainer.checkpoint_phase("commit")
@@ -171,3 +171,59 @@ def test_no_command_hops_layers_by_exec() -> None:
     ):
         proc = subprocess.run([sys.executable, *old], cwd=REPO, capture_output=True, text=True)
         assert proc.returncode == 2 and new in proc.stderr, proc.stderr
+
+
+class _Counter(TrainHook):
+    """A hook with state of its own: how many steps it saw, carried across restarts."""
+
+    state_key = "counter"
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self.resumed_with: float | None = None
+
+    def state_dict(self) -> dict:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen = state["seen"]
+
+    def on_resumed(self, trainer: Any, load_s: float) -> None:
+        self.resumed_with = load_s
+
+
+def test_a_hook_keeps_its_own_state_in_the_checkpoint_record(tmp_path: Path) -> None:
+    """What the checkpointer writes (train_state.json) is the Trainer's state_dict: a stateful
+    hook's entry goes out with it and comes back into a new process's hook before on_resumed."""
+    from pretrain.train.guard import NumericGuard
+    from recipes.guard_schema import GuardConfig
+    from resiliency.checkpoint.rank_state import read_train_state, write_train_state
+
+    saver = _Counter()
+    saver.seen = 7
+    trainer = _bare_trainer([saver, _Recorder()])
+    trainer.state = SimpleNamespace(step=4, consumed_samples=32, consumed_tokens=2048)
+    trainer.guard = NumericGuard(GuardConfig())
+    trainer.parts = SimpleNamespace(
+        plan=SimpleNamespace(global_batch_size=8),
+        scheduler=SimpleNamespace(state_dict=lambda: {"num_steps": 32}),
+        optimizer=SimpleNamespace(param_groups=[{"lr": 1e-3}]),
+    )
+    trainer.run = SimpleNamespace(data=SimpleNamespace(seed=3))
+    write_train_state(tmp_path, trainer.state_dict())
+
+    restored = _Counter()
+    fresh = _bare_trainer([restored])
+    fresh.guard = NumericGuard(GuardConfig())
+    fresh.load_state_dict(read_train_state(tmp_path), load_s=1.5)
+    assert (restored.seen, restored.resumed_with) == (7, 1.5)
+    assert (fresh.state.step, fresh.state.consumed_samples, fresh.state.consumed_tokens) == (
+        4,
+        32,
+        2048,
+    )
+    untouched = _Counter()  # a checkpoint saved without this hook's state leaves it as built
+    later = _bare_trainer([untouched])
+    later.guard = NumericGuard(GuardConfig())
+    later.load_state_dict({**read_train_state(tmp_path), "hooks": {}})
+    assert untouched.seen == 0

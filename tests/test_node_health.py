@@ -14,7 +14,7 @@ import pytest
 from launch.requeues import append_ledger, excluded_so_far, failures_used, plan_exclusion
 from launch.retry_policy import FAILURE, PLANNED, REQUEUE, decide
 from recipes import ConfigError, load_config, to_yaml
-from resiliency.health import check_node, read_reports, unhealthy_nodes
+from resiliency.monitor.health import check_node, read_reports, unhealthy_nodes
 from tests.helpers import REPO
 
 
@@ -63,7 +63,15 @@ def test_cli_writes_the_report_and_exits_1_when_unhealthy(tmp_path: Path) -> Non
     out = tmp_path / "health"
     env = {**os.environ, "SLURMD_NODENAME": "node7"}
     proc = subprocess.run(
-        [sys.executable, "-m", "resiliency.health", "--config", str(config), "--out", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "resiliency.monitor.health",
+            "--config",
+            str(config),
+            "--out",
+            str(out),
+        ],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -195,7 +195,7 @@ def test_dry_run_renders_a_valid_script(stdlib_corpus: str, tmp_path: Path) -> N
         f"CONFIG={run_dir}/launch-config.yaml",
         f"{BIN}/python -m launch.retry_policy",
         "--cpus-per-task=1 --kill-on-bad-exit=1 --wait=60",
-        "-m resiliency.health --config",
+        "-m resiliency.monitor.health --config",
         "MAX_REQUEUES=5",
         "scontrol show hostnames",
         "NodeAddr=",
@@ -326,7 +326,7 @@ def test_render_gpus_container_and_ft_launcher(stdlib_corpus: str, tmp_path: Pat
     assert "\nexport MCORE_RECIPES_CODE_COMMIT=" in dev
     # every step runs in the container: health check, training, and the retry policy
     assert "--no-container-mount-home python -m launch.retry_policy" in script
-    assert "--no-container-mount-home python -m resiliency.health" in " ".join(
+    assert "--no-container-mount-home python -m resiliency.monitor.health" in " ".join(
         script.replace("\\\n", " ").split()
     )
     assert "export MCORE_RECIPES_IMAGE_DIGEST=nvcr.io/nvidia/pytorch:25.01-py3" in script

@@ -37,8 +37,8 @@ from launch.torchrun import LAUNCHERS, SIGNAL_BASE, Outcome, run_launcher
 from pretrain.context import exit_codes
 from pretrain.platform.logs import setup_logging
 from recipes.load import load_config_file
-from resiliency.health import describe, preflight
 from resiliency.monitor.fault_tolerance import write_launcher_config
+from resiliency.monitor.health import describe, preflight
 from resiliency.storage.layout import atomic_write_json
 
 log = logging.getLogger(__name__)

@@ -290,7 +290,7 @@ def _env(
     values.update(rank_env(run))
     values.update({str(key): str(value) for key, value in k8s.env.items()})
     env: list[dict[str, Any]] = [{"name": key, "value": value} for key, value in values.items()]
-    # The node's name for its health report (resiliency.health): the pod name changes with
+    # The node's name for its health report (resiliency.monitor.health): the pod name changes with
     # every recreation, the node is what an operator cordons.
     node = {"fieldRef": {"fieldPath": "spec.nodeName"}}
     return [*env, {"name": "MCORE_RECIPES_NODE", "valueFrom": node}]

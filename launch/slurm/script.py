@@ -367,7 +367,7 @@ echo "[$(date +%T)] job $SLURM_JOB_ID restart $RESTART on $SLURM_JOB_NODELIST;" 
 # is left out of the requeued job. Where the python runs: the host venv, or the container.
 policy() { @@{policy_runner} -m launch.retry_policy "$@"; }
 health() {
-    srun @@{health_srun_args} @@{health_runner} -m resiliency.health --config "$CONFIG" \
+    srun @@{health_srun_args} @@{health_runner} -m resiliency.monitor.health --config "$CONFIG" \
         --cpus @@{cpus} --out "$1"
 }
 HEALTH_DIR="$RUN_DIR/health/$SLURM_JOB_ID-$RESTART"

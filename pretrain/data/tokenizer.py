@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import functools
 import os
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -326,3 +327,16 @@ def build_tokenizer(kind: str, path: str | None = None, eod_token: str | None = 
     if eod_token is not None:
         raise TokenizerError(f"eod_token is only supported for tokenizer.json, not {path!r}")
     return _library_tokenizer(kind, path)
+
+
+def run_tokenizer(kind: str, path: str | None) -> Tokenizer:
+    """A run's tokenizer (``data.tokenizer``, ``data.tokenizer_path``), built once per process:
+    the restore planning needs its vocabulary before the Trainer builds the model with it.
+    Keyed on the file's modification time too, so a replaced file is read anew."""
+    stamp = os.stat(path).st_mtime_ns if path and os.path.exists(path) else None
+    return _cached_tokenizer(kind, path, stamp)
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_tokenizer(kind: str, path: str | None, stamp: int | None) -> Tokenizer:
+    return build_tokenizer(kind, path)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from pretrain.context.failures import NonFiniteError
 from pretrain.context.run_dir import RunDir, append_jsonl
 from pretrain.data import dataset as data
-from pretrain.data.tokenizer import build_tokenizer
+from pretrain.data.tokenizer import run_tokenizer
 from pretrain.model import flops
 from pretrain.model import gpt as model_lib
 from pretrain.model import optimizer as optim
@@ -65,7 +65,7 @@ def build_components(run: RunConfig, env: DistEnv, dp: int, run_dir: Path) -> Co
     from megatron.core import parallel_state as ps
 
     bf16 = run.train.precision == "bf16" or (run.train.precision == "auto" and env.device == "cuda")
-    tokenizer = build_tokenizer(run.data.tokenizer, run.data.tokenizer_path)
+    tokenizer = run_tokenizer(run.data.tokenizer, run.data.tokenizer_path)
     if run.data.vocab_size not in (None, tokenizer.vocab_size):
         raise ConfigError(
             f"data.vocab_size={run.data.vocab_size}, but the tokenizer "

@@ -1,40 +1,30 @@
-"""The checkpoint hook: the run's lease and attempt, restore at start, saves on schedule and at
-planned exits. Other features read what it restored and saved; none of them patches it."""
+"""The checkpoint hook: restore at start, saves on schedule and at planned exits, all under the
+run's lease (the run context, which the ownership hooks take and release). Other features read
+what it restored (``RunContext.restored_step``) and saved; none of them patches it."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pretrain.context import exit_codes
-from pretrain.context.failures import classify
 from pretrain.context.run_dir import append_jsonl
-from pretrain.data.tokenizer import build_tokenizer
+from pretrain.data.tokenizer import run_tokenizer
 from pretrain.platform.compat import vpp_tied_embedding_save_problem
-from pretrain.platform.distributed import broadcast_object, probe_ranks
+from pretrain.platform.distributed import broadcast_object
 from pretrain.train.hooks import StepResult, TrainHook
 from recipes import ConfigError
 from resiliency.checkpoint.checkpointer import Checkpointer
 from resiliency.checkpoint.local.tier import LocalTier
-from resiliency.checkpoint.restore.plan import plan_restore
+from resiliency.checkpoint.restore.plan import RestorePlan, plan_restore
 from resiliency.checkpoint.restore.resume_policy import ResumeDecision, reconcile
 from resiliency.checkpoint.write.async_writer import SpawnedWriterQueue
 from resiliency.checkpoint.write.shard_writer import writer_checksums
-from resiliency.health import HEALTH_DIR_ENV, read_reports
-from resiliency.storage.attempts import (
-    TERMINAL_STATUSES,
-    claim_attempt,
-    ensure_run_record,
-    write_attempt_record,
-)
-from resiliency.storage.layout import RunLayout
-from resiliency.storage.lease import LeaseHeldError, LeaseLostError, RunLease, process_identity
 from resiliency.storage.object_retry import ObjectStoreUnavailable
 from resiliency.storage.remote_preflight import RemotePreflightError, check_remote
 
@@ -42,98 +32,32 @@ if TYPE_CHECKING:
     from pretrain.platform.distributed import DistEnv
     from pretrain.train.view import TrainerView
     from recipes.schema import RunConfig
-    from resiliency.checkpoint.local.tier import LocalTier
-    from resiliency.checkpoint.restore.resume_policy import ResumeDecision, reconcile
-from resiliency.checkpoint.restore.plan import RestorePlan
+    from resiliency.run_context import RunContext
 
 log = logging.getLogger(__name__)
-
-
-class RunOwnership:
-    """Rank 0 holds the run's single-writer lease and claims an attempt id for all ranks.
-
-    The lease's generation fences every write a restore would see (``fence``); when the
-    heartbeat finds the lease taken over, ``lost`` says by whom and the hook stops the run at
-    the next step boundary with exit 6."""
-
-    def __init__(self, layout: RunLayout, lease_timeout_s: float) -> None:
-        self.layout, self.timeout_s = layout, lease_timeout_s
-        self.lease: RunLease | None = None
-        self.attempt = -1
-        self.info: dict[str, Any] = {}
-
-    @property
-    def fence(self) -> RunLease | None:
-        """Rank 0's lease, which every publish, latest.json move and delete holds."""
-        return self.lease
-
-    @property
-    def lost(self) -> LeaseLostError | None:
-        return self.lease.lost if self.lease is not None else None
-
-    def acquire(self, rank: int, world_size: int) -> int:
-        error, attempt = None, -1
-        if rank == 0:
-            try:
-                self.info = {
-                    "status": "starting",
-                    "world_size": world_size,
-                    "start_time": time.time(),
-                    **process_identity(),
-                }
-                attempt = self.attempt = claim_attempt(self.layout, self.info)
-                self.lease = RunLease(self.layout, attempt, self.timeout_s)
-                self.lease.acquire()
-                self.lease.start_heartbeat()
-                self.record("starting", lease_generation=self.lease.generation)
-                ensure_run_record(self.layout, attempt)
-            except LeaseHeldError as exc:
-                error = str(exc)
-        error, self.attempt = broadcast_object((error, attempt))
-        if error:
-            raise LeaseHeldError(error)
-        return self.attempt
-
-    def lost_everywhere(self) -> str | None:
-        """Collective: rank 0's word on whether the lease was taken over (why, or None)."""
-        lost = self.lost
-        return broadcast_object(str(lost) if lost is not None else None)
-
-    def record(self, status: str, **extra: Any) -> None:
-        """Update this attempt's record (rank 0); earlier fields are kept."""
-        if self.lease is None:
-            return
-        self.info.update(status=status, **extra)
-        if status in TERMINAL_STATUSES:
-            self.info["end_time"] = time.time()
-        write_attempt_record(self.layout, self.attempt, self.info)
-
-    def release(self) -> None:
-        if self.lease is not None:
-            self.lease.release()
-            self.lease = None
 
 
 class CheckpointHook(TrainHook):
     """Restore at start, save every ``save_interval`` steps and at the end, publish async saves."""
 
-    def __init__(self, run: "RunConfig", env: "DistEnv", run_dir: Path) -> None:
+    def __init__(self, run: "RunConfig", env: "DistEnv", ctx: "RunContext") -> None:
         self.cfg = run.checkpoint
         self.env = env
-        self.layout = RunLayout(run_dir.parent, run.run_id)
-        self.ownership = RunOwnership(self.layout, self.cfg.lease_timeout_s)
+        self.ctx = ctx
+        self.layout = ctx.layout
         self.checkpointer: Checkpointer | None = None
         self.plan: "RestorePlan | None" = None
         self.initialise = True  # the run's own model.perform_initialization
         self.local: "LocalTier | None" = None
         self.decision: ResumeDecision | None = None  # config differences from the checkpoint
-        self.health: dict[str, Any] | None = None  # the startup probe and node reports
         self.writer_queue: SpawnedWriterQueue | None = None  # async saves' writer, started early
         self.fenced: str | None = None  # the lease was taken over: why (every rank)
         self.rejected: dict[int, str] = {}  # steps this attempt's restore refused, and why
+        self.dp = 1  # data-parallel size, known at configure
 
     def configure(self, run: "RunConfig", dp: int) -> "RunConfig":
-        """Take the run's lease, then pick and validate the step to restore (nothing loaded)."""
+        """Under the run's lease (taken by the ownership hook just before), pick and validate
+        the step to restore (nothing loaded)."""
         problem = vpp_tied_embedding_save_problem(
             run.parallel.vpp,
             run.model.share_embeddings_and_output_weights,
@@ -142,21 +66,31 @@ class CheckpointHook(TrainHook):
         )
         if problem:
             raise ConfigError(problem)
-        self.health = self._probe(run)
         self._check_remote(run.run_id)
-        self.ownership.acquire(self.env.rank, self.env.world_size)
         if self.cfg.async_save and self.cfg.staging_buffers:
             # Spawned now, its start-up (an interpreter importing torch and megatron-core,
             # seconds) overlaps the model build and the restore, not the first steps' saves.
             self.writer_queue = SpawnedWriterQueue(writer_checksums().reports)
             self.writer_queue.writer.start()
         self.initialise = run.model.perform_initialization
+        self.dp = dp
         if self.cfg.resume:
-            vocab = build_tokenizer(run.data.tokenizer, run.data.tokenizer_path).vocab_size
-            run, self.plan = plan_restore(
-                run, self.layout, self.env.world_size, dp, vocab, None, self.ownership.attempt
-            )
-        return self._model_init_for_plan(self._reconcile(run))
+            run, self.plan = self._plan_restore(run, self.rejected)
+        run = self._model_init_for_plan(self._reconcile(run))
+        self.cfg = run.checkpoint  # one generation: the section the run trains with
+        return run
+
+    def _plan_restore(
+        self, run: "RunConfig", rejected: dict[int, str], for_attempt: bool = True
+    ) -> "tuple[RunConfig, RestorePlan | None]":
+        """The newest step to restore that is none of ``rejected`` (the only call of
+        plan_restore): at start and after a failed re-hash for this attempt (which may
+        download a remote step for it), or for a rollback."""
+        vocab = run_tokenizer(run.data.tokenizer, run.data.tokenizer_path).vocab_size
+        attempt = self.ctx.attempt if for_attempt else 0
+        return plan_restore(
+            run, self.layout, self.env.world_size, self.dp, vocab, rejected, attempt
+        )
 
     def _check_remote(self, run_id: str) -> None:
         """checkpoint.remote: rank 0 probes the object store (credentials, bucket, conditional
@@ -173,16 +107,6 @@ class CheckpointHook(TrainHook):
         error = broadcast_object(error)
         if error is not None:
             raise error
-
-    @staticmethod
-    def _probe(run: "RunConfig") -> dict[str, Any] | None:
-        """Every rank answers one timed collective before the lease and the restore; the
-        launcher's node reports (if it ran the check) go into the attempt record with it."""
-        if not run.resiliency.health.enabled:
-            return None
-        probe = probe_ranks(run.resiliency.health.allreduce_timeout_s)
-        reports = os.environ.get(HEALTH_DIR_ENV)
-        return {**probe, "nodes": read_reports(Path(reports)) if reports else None}
 
     def _reconcile(self, run: "RunConfig") -> "RunConfig":
         """Judge this launch's config against the one the chosen step was saved with: refuse,
@@ -232,16 +156,7 @@ class CheckpointHook(TrainHook):
                 self.plan.manifest.step,
                 problem,
             )
-            vocab = trainer.parts.tokenizer.vocab_size
-            run, self.plan = plan_restore(
-                trainer.run,
-                self.layout,
-                self.env.world_size,
-                trainer.dp,
-                vocab,
-                rejected,
-                self.ownership.attempt,
-            )
+            run, self.plan = self._plan_restore(trainer.run, rejected)
             trainer.rebuild(self._model_init_for_plan(self._reconcile(run)))
 
     def on_start(self, trainer: "TrainerView") -> None:
@@ -249,10 +164,10 @@ class CheckpointHook(TrainHook):
         checkpointer = Checkpointer(
             trainer,
             self.layout,
-            self.ownership.attempt,
+            self.ctx.attempt,
             trainer.faults,
             self.writer_queue,
-            fence=self.ownership.fence,
+            fence=self.ctx.fence,
             rejected_at_restore=frozenset(self.rejected),
         )
         self.writer_queue = None  # the checkpointer's now
@@ -262,15 +177,14 @@ class CheckpointHook(TrainHook):
         restored, tier = self._restore(checkpointer)
         if self.local is not None:
             self.local.discard_after(restored or 0)
-        self.ownership.record(
-            "running",
+        self.ctx.restored_step = restored
+        self.ctx.update(
             restored_step=restored,
             restored_tier=tier,
             topology_changed=bool(self.plan and not self.plan.report.same_layout),
             lr_scaling=checkpointer.lr_scaling,
             local_dir=self.cfg.local.dir if self.local else None,
             config_changes=self.decision.record() if self.decision else None,
-            health=self.health,
             corpus_changes=self.plan.corpus_changes if self.plan else None,
         )
 
@@ -303,9 +217,6 @@ class CheckpointHook(TrainHook):
             return "local"
         return None
 
-    def wants_stop(self, trainer: "TrainerView") -> bool:
-        return self.ownership.lost is not None  # rank 0's heartbeat saw a takeover
-
     def after_step(self, trainer: "TrainerView", result: StepResult) -> None:
         assert self.checkpointer is not None
         if result.stop_asked and self._fenced(trainer):
@@ -328,7 +239,7 @@ class CheckpointHook(TrainHook):
     def _fenced(self, trainer: "TrainerView") -> bool:
         """A stop was voted: if it is because the lease was taken over, this attempt writes
         nothing more and leaves with exit 6, the new owner named."""
-        lost = self.ownership.lost_everywhere()
+        lost = self.ctx.lost_everywhere()
         if lost is None:
             return False
         self.fenced = lost
@@ -362,11 +273,8 @@ class CheckpointHook(TrainHook):
 
     def _rollback_plan(self, trainer: "TrainerView", bad_step: int) -> "RestorePlan | None":
         rejected: dict[int, str] = {}
-        vocab = trainer.parts.tokenizer.vocab_size
         while True:
-            _, plan = plan_restore(
-                trainer.run, self.layout, self.env.world_size, trainer.dp, vocab, rejected
-            )
+            _, plan = self._plan_restore(trainer.run, rejected, for_attempt=False)
             if plan is None:
                 return None
             step = plan.manifest.step
@@ -375,11 +283,6 @@ class CheckpointHook(TrainHook):
                 return plan
             rejected[step] = problem
             log.warning("rollback: step %d rejected: %s", step, problem)
-
-    def on_anomaly(self, trainer: "TrainerView", result: StepResult, action: str) -> None:
-        """The guard's run totals and this attempt's events go into the attempt record."""
-        status = self.ownership.info.get("status", "running")
-        self.ownership.record(status, guard=trainer.guard.record())
 
     def save_now(self, trainer: "TrainerView") -> None:
         """Persist the current step unless it is already published (planned exits)."""
@@ -401,28 +304,15 @@ class CheckpointHook(TrainHook):
     def on_end(self, trainer: "TrainerView") -> None:
         if self.fenced is not None:  # another owner holds the run: no final save
             log.error("run stopped, nothing saved: %s", self.fenced)
-            self.ownership.record("fenced", step=trainer.state.step, exit_code=trainer.exit_code)
+            self.ctx.record("fenced", step=trainer.state.step, exit_code=trainer.exit_code)
             return
-        # A planned exit always leaves a persistent checkpoint of the final state.
+        # A planned exit always leaves a persistent checkpoint of the final state (the
+        # ownership end hook, after this one, records the attempt as finished or preempted).
         self.save_now(trainer)
-        status = "preempted" if trainer.exit_code == exit_codes.REQUEUE else "finished"
-        self.ownership.record(status, step=trainer.state.step, exit_code=trainer.exit_code)
-
-    def on_exception(self, trainer: "TrainerView | None", exc: BaseException) -> None:
-        failure = classify(exc)
-        step = trainer.state.step if trainer is not None else None
-        self.ownership.record(
-            "fenced" if failure.kind == "lease" else "failed",
-            step=step,
-            exit_code=failure.exit_code,
-            failure_class=failure.kind,
-            error=failure.message[:2000],
-        )
 
     def close(self) -> None:
         if self.checkpointer is not None:
             self.checkpointer.close()
-        self.ownership.release()
 
 
 def _due(interval: int | None, step: int) -> bool:

@@ -32,7 +32,7 @@ from resiliency.storage.layout import atomic_write_json
 if TYPE_CHECKING:
     from pretrain.platform.distributed import DistEnv
     from pretrain.train.view import TrainerView
-    from resiliency.checkpoint.hook import CheckpointHook
+    from resiliency.run_context import RunContext
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +79,10 @@ class AttemptEvidenceHook(TrainHook):
         self,
         env: "DistEnv",
         run_dir: Path,
-        checkpoint: "CheckpointHook",
+        ctx: "RunContext",
         lost_peer_grace_s: float = 0.0,
     ) -> None:
-        self.env, self.run_dir, self.checkpoint = env, run_dir, checkpoint
+        self.env, self.run_dir, self.ctx = env, run_dir, ctx
         self.lost_peer_grace_s = lost_peer_grace_s
         self.times: dict[str, float] = {"process_start": psutil.Process().create_time()}
         self.ranks: list[dict[str, Any]] = []
@@ -110,11 +110,11 @@ class AttemptEvidenceHook(TrainHook):
             self._record(recovered_from=self._recovered_from(trainer))
 
     def on_exception(self, trainer: "TrainerView | None", exc: BaseException) -> None:
-        attempt = self.checkpoint.ownership.attempt
+        attempt = self.ctx.attempt
         if attempt < 0:
             return  # failed before an attempt id existed: nothing to attach the file to
         step = trainer.state.step if trainer is not None else None
-        path = failure_path(self.checkpoint.layout, attempt, self.env.rank)
+        path = failure_path(self.ctx.layout, attempt, self.env.rank)
         try:
             body = write_failure_file(path, self.env.rank, exc, step)
         except OSError as err:
@@ -132,10 +132,8 @@ class AttemptEvidenceHook(TrainHook):
             self._record()
 
     def _record(self, **extra: Any) -> None:
-        ownership = self.checkpoint.ownership
         hosts = sorted({r["host"] for r in self.ranks})
-        ownership.record(
-            ownership.info.get("status", "running"),
+        self.ctx.update(
             ranks=self.ranks,
             hosts=hosts,
             startup=dict(self.times),
@@ -143,16 +141,14 @@ class AttemptEvidenceHook(TrainHook):
         )
 
     def _recovered_from(self, trainer: "TrainerView") -> dict[str, Any] | None:
-        layout, attempt = self.checkpoint.layout, self.checkpoint.ownership.attempt
+        layout, attempt = self.ctx.layout, self.ctx.attempt
         earlier = [a for a in recorded_attempts(layout) if a < attempt]
         if not earlier:
             return None
         previous = read_record(layout, earlier[-1])
-        start = self.checkpoint.ownership.info.get("start_time", time.time())
+        start = self.ctx.info.get("start_time", time.time())
         last = last_step_between(self.run_dir, previous.get("start_time", 0.0), start)
-        restored = (
-            self.checkpoint.checkpointer.restored_step if self.checkpoint.checkpointer else None
-        )
+        restored = self.ctx.restored_step
         lost = lost_steps(last, restored)
         return {
             "attempt": earlier[-1],

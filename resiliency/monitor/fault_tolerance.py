@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from pretrain.train.view import TrainerView
     from recipes.schema import FtConfig, RunConfig
     from recipes.tier_schema import RemoteCheckpointConfig
-    from resiliency.checkpoint.hook import CheckpointHook
+    from resiliency.run_context import RunContext
 
 log = logging.getLogger(__name__)
 LAUNCHER_CONFIG_FILE = "ft_launcher.yaml"
@@ -145,10 +145,10 @@ class FaultToleranceHook(TrainHook):
         cfg: "FtConfig",
         env: "DistEnv",
         run_dir: Path,
-        checkpoint: "CheckpointHook | None",
+        ctx: "RunContext | None",
         remote: "RemoteCheckpointConfig | None" = None,
     ) -> None:
-        self.cfg, self.env, self.run_dir, self.checkpoint = cfg, env, run_dir, checkpoint
+        self.cfg, self.env, self.run_dir, self.ctx = cfg, env, run_dir, ctx
         self.remote = remote  # checkpoint.remote: a restore may download its newest step
         self.client: Any = None
         self.open: dict[str, float] = {}  # open section -> when it opened
@@ -192,8 +192,8 @@ class FaultToleranceHook(TrainHook):
         return run
 
     def on_start(self, trainer: "TrainerView") -> None:
-        if self.stacks is not None and self.checkpoint is not None:
-            self.stacks.update(attempt=self.checkpoint.ownership.attempt)
+        if self.stacks is not None and self.ctx is not None:
+            self.stacks.update(attempt=self.ctx.attempt)
         self.step = trainer.state.step
         if self.heartbeats_only:
             return
@@ -304,8 +304,7 @@ class FaultToleranceHook(TrainHook):
         self.paused = []
 
     def _restored(self) -> bool:
-        checkpointer = self.checkpoint.checkpointer if self.checkpoint is not None else None
-        return checkpointer is not None and checkpointer.restored_step is not None
+        return self.ctx is not None and self.ctx.restored_step is not None
 
     # -- timeouts
     def _send(self, persist: bool = True) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
@@ -27,7 +26,6 @@ from pretrain.train.hooks import StepResult, TrainHook
 from resiliency.monitor.goodput import build_ledger
 from resiliency.monitor.postmortem import read_record
 from resiliency.storage.attempts import recorded_attempts
-from resiliency.storage.layout import RunLayout
 
 if TYPE_CHECKING:
     from pretrain.train.view import TrainerView
@@ -35,6 +33,7 @@ if TYPE_CHECKING:
     from resiliency.checkpoint.hook import CheckpointHook
     from resiliency.monitor.evidence import AttemptEvidenceHook
     from resiliency.monitor.straggler import StragglerHook
+    from resiliency.run_context import RunContext
 
 log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.prom"
@@ -136,13 +135,15 @@ class MetricsHook(TrainHook):
         self,
         cfg: "MetricsConfig",
         run_id: str,
-        run_dir: Path,
+        ctx: "RunContext",
         checkpoint: "CheckpointHook | None",
         evidence: "AttemptEvidenceHook | None",
         straggler: "StragglerHook | None",
     ) -> None:
-        self.cfg, self.path = cfg, RunLayout.from_run_dir(run_dir).metrics_dir / METRICS_FILE
-        self.checkpoint, self.evidence, self.straggler = checkpoint, evidence, straggler
+        """``checkpoint``: read for its save statistics only."""
+        self.cfg, self.path = cfg, ctx.layout.metrics_dir / METRICS_FILE
+        self.ctx, self.checkpoint = ctx, checkpoint
+        self.evidence, self.straggler = evidence, straggler
         self.m = RunMetrics(run_id)
         self.step_times: list[float] = []
         self.saves_seen = 0
@@ -155,7 +156,7 @@ class MetricsHook(TrainHook):
             log.info("metrics: serving on port %d", self.cfg.http_port)
         self.m.labels(self.m.last_success).set(self._last_success_fallback())
         started = self.evidence.times.get("load_started_at") if self.evidence else None
-        if started is not None and self._checkpointer() and self._checkpointer().restored_step:
+        if started is not None and self.ctx.restored_step:
             self.m.labels(self.m.load_duration).observe(time.time() - started)
 
     def after_step(self, trainer: "TrainerView", result: StepResult) -> None:
@@ -213,14 +214,11 @@ class MetricsHook(TrainHook):
     def _last_success_fallback(self) -> float:
         # Before this attempt's first save, the newest committed one is the restored step (its
         # dir's mtime) or, on a fresh run, none: count the age from the attempt's start.
-        checkpointer = self._checkpointer()
-        if checkpointer is not None and checkpointer.restored_step is not None:
-            step_dir = self.checkpoint.layout.step_dir(checkpointer.restored_step)
+        if self.ctx.restored_step is not None:
+            step_dir = self.ctx.layout.step_dir(self.ctx.restored_step)
             if step_dir.exists():
                 return step_dir.stat().st_mtime
-        if self.checkpoint is not None:
-            return self.checkpoint.ownership.info.get("start_time", time.time())
-        return time.time()
+        return self.ctx.info.get("start_time", time.time())
 
     def _update(self, trainer: "TrainerView", step: int) -> bool:
         m = self.m
@@ -265,11 +263,9 @@ class MetricsHook(TrainHook):
     def _count_history(self, trainer: "TrainerView") -> None:
         """Restarts and losses of the earlier attempts of this run (records + this recovery)."""
         self.history_done = True
-        if self.checkpoint is None:
-            return
-        layout, attempt = self.checkpoint.layout, self.checkpoint.ownership.attempt
+        layout, attempt = self.ctx.layout, self.ctx.attempt
         earlier = [a for a in recorded_attempts(layout) if a < attempt]
-        recovered = self.checkpoint.ownership.info.get("recovered_from") or {}
+        recovered = self.ctx.info.get("recovered_from") or {}
         steps = tokens = 0
         for previous in earlier:
             record = read_record(layout, previous)

@@ -22,7 +22,7 @@ from pretrain.train.hooks import StepResult, TrainHook
 if TYPE_CHECKING:
     from pretrain.train.view import TrainerView
     from recipes.schema import WatchConfig
-    from resiliency.checkpoint.hook import CheckpointHook
+    from resiliency.run_context import RunContext
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +52,8 @@ def jumps(result: StepResult, reference: dict[str, Any], cfg: "WatchConfig") -> 
 
 
 class PostRestoreWatchHook(TrainHook):
-    def __init__(
-        self, cfg: "WatchConfig", rank: int, run_dir: Path, checkpoint: "CheckpointHook"
-    ) -> None:
-        self.cfg, self.rank, self.run_dir, self.checkpoint = cfg, rank, run_dir, checkpoint
+    def __init__(self, cfg: "WatchConfig", rank: int, run_dir: Path, ctx: "RunContext") -> None:
+        self.cfg, self.rank, self.run_dir, self.ctx = cfg, rank, run_dir, ctx
         self.history: dict[int, dict[str, Any]] = {}
         self.restored = -1
         self.until = -1
@@ -63,8 +61,7 @@ class PostRestoreWatchHook(TrainHook):
         self.checked = 0
 
     def on_start(self, trainer: "TrainerView") -> None:
-        checkpointer = self.checkpoint.checkpointer
-        restored = checkpointer.restored_step if checkpointer is not None else None
+        restored = self.ctx.restored_step
         if restored is None:
             return
         # Read before this attempt logs anything: every record here predates the failure.
@@ -115,5 +112,4 @@ class PostRestoreWatchHook(TrainHook):
                 "post-restore watch: %d steps match the pre-failure loss and grad norm",
                 self.checked,
             )
-        ownership = self.checkpoint.ownership
-        ownership.record(ownership.info.get("status", "running"), post_restore_watch=verdict)
+        self.ctx.update(post_restore_watch=verdict)

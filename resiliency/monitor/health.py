@@ -1,6 +1,6 @@
 """Node health: checks run on every node before training and after every restart.
 
-``python -m resiliency.health --config CONFIG --out DIR`` (the Slurm script runs it once per
+``python -m resiliency.monitor.health --config CONFIG --out DIR`` (the Slurm script runs it once per
 node with ``srun`` before the training step) checks free space in the checkpoint and local-tier
 dirs, the size of ``/dev/shm``, the GPUs (``nvidia-smi``, where CUDA exists), the CPUs this
 task may use, and an optional site script; it writes ``DIR/<node>.json`` and exits 0 when the
@@ -182,7 +182,7 @@ def preflight(run: RunConfig, directory: Path) -> NodeReport | None:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m resiliency.health", description=__doc__.splitlines()[0]
+        prog="python -m resiliency.monitor.health", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--config", required=True, type=Path, help="the run's pinned config")
     parser.add_argument("--out", required=True, type=Path, help="dir for <node>.json")
