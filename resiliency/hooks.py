@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pretrain.train.hooks import TrainHook
-from resiliency.checkpoint.hook import CheckpointHook
+from resiliency.checkpoint.hook import CheckpointHook, CheckpointPreflight
 from resiliency.monitor.evidence import AttemptEvidenceHook
 from resiliency.monitor.fault_tolerance import FaultToleranceHook, under_ft_launcher
 from resiliency.monitor.metrics import MetricsHook
@@ -41,6 +41,8 @@ def build_hooks(run: RunConfig, env: DistEnv, run_dir: Path) -> list[TrainHook]:
     if under_ft_launcher():
         remote = run.checkpoint.remote if run.checkpoint.enabled and run.checkpoint.resume else None
         front.append(FaultToleranceHook(cfg.ft, env, run_dir, ctx, remote))
+    if run.checkpoint.enabled:  # no-model checks of the checkpoint settings, before the lease
+        front.append(CheckpointPreflight(run.checkpoint, env))
     front.append(OwnershipHook(ctx, env))
     checkpoint = CheckpointHook(run, env, ctx) if run.checkpoint.enabled else None
     middle: list[TrainHook] = []

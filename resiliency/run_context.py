@@ -37,6 +37,7 @@ class RunContext:
         self.attempt = -1
         self.info: dict[str, Any] = {}
         self.restored_step: int | None = None  # set by the checkpoint hook once restored
+        self.fenced: str | None = None  # the lease was taken over: by whom (every rank)
 
     @property
     def fence(self) -> RunLease | None:

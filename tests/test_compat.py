@@ -208,7 +208,7 @@ def test_fixes_are_version_gated() -> None:
 
 
 def test_this_stack_applies_what_it_needs() -> None:
-    code = "from pretrain import compat; print(','.join(compat.apply()))"
+    code = "from pretrain.platform import compat; print(','.join(compat.apply()))"
     out = subprocess.run(
         [sys.executable, "-c", code],
         cwd=REPO,

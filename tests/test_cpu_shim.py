@@ -83,7 +83,7 @@ def test_unneeded_patches_are_not_applied(tiny_overrides: list[str], tmp_path: P
     unneeded = [p.name for p in cpu_shim.PATCHES if p.name not in cpu_shim.needed()]
     if not unneeded:
         pytest.skip(f"every patch is needed on megatron-core {compat.mcore_version()}")
-    code = "from pretrain import cpu_shim; print(','.join(cpu_shim.apply()))"
+    code = "from pretrain.platform import cpu_shim; print(','.join(cpu_shim.apply()))"
     applied = (
         subprocess.run(
             [sys.executable, "-c", code],

@@ -42,11 +42,21 @@ def trained(tmp_path_factory: pytest.TempPathFactory, tiny_overrides: list[str])
     run_pretrain(1, [*base, "run_id=tp1-no-eval", "parallel.tp=1"])
     for name, overrides in LAYOUTS.items():
         run_pretrain(2, [*base, f"run_id={name}", *overrides, *EVAL])
+    results["attempts"] = sorted((root / "tp1" / "attempts").glob("attempt-*.json"))
     for name in ["tp1", "tp1-no-eval", *LAYOUTS]:
         results[name] = losses(root / name)
         if name != "tp1-no-eval":
             results[f"{name}-eval"] = eval_losses(root / name)
     return results
+
+
+def test_a_run_without_checkpoints_still_records_its_attempt(trained: dict) -> None:
+    """checkpoint.enabled=false: the attempt record is the run context's, not the checkpoint
+    hook's, so it is there, finished at the last step."""
+    (path,) = trained["attempts"]
+    record = json.loads(path.read_text())
+    assert (record["status"], record["step"], record["exit_code"]) == ("finished", 10, 0)
+    assert [r["rank"] for r in record["ranks"]] == [0]
 
 
 def test_validation_moves_no_training_state(trained: dict) -> None:

@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pretrain.context import exit_codes
 from pretrain.context.run_dir import append_jsonl
 from pretrain.data.tokenizer import run_tokenizer
 from pretrain.platform.compat import vpp_tied_embedding_save_problem
@@ -31,10 +30,47 @@ from resiliency.storage.remote_preflight import RemotePreflightError, check_remo
 if TYPE_CHECKING:
     from pretrain.platform.distributed import DistEnv
     from pretrain.train.view import TrainerView
-    from recipes.schema import RunConfig
+    from recipes.schema import CheckpointConfig, RunConfig
     from resiliency.run_context import RunContext
 
 log = logging.getLogger(__name__)
+
+
+class CheckpointPreflight(TrainHook):
+    """Checks of the checkpoint settings that need no model, before the run's lease is taken
+    (so a refused launch leaves no attempt): a layout whose saves megatron-core cannot write,
+    and checkpoint.remote's object store (credentials, bucket, conditional writes)."""
+
+    def __init__(self, cfg: "CheckpointConfig", env: "DistEnv") -> None:
+        self.cfg, self.env = cfg, env
+
+    def configure(self, run: "RunConfig", dp: int) -> "RunConfig":
+        problem = vpp_tied_embedding_save_problem(
+            run.parallel.vpp,
+            run.model.share_embeddings_and_output_weights,
+            run.optimizer.use_distributed_optimizer,
+            self.cfg.optim_format,
+        )
+        if problem:
+            raise ConfigError(problem)
+        self._check_remote(run.run_id)
+        return run
+
+    def _check_remote(self, run_id: str) -> None:
+        """checkpoint.remote: rank 0 probes the object store (credentials, bucket, conditional
+        writes; remote_preflight.py); every rank raises what it found, before any model is
+        built: exit 2, or 1 when the store is out (retried)."""
+        if not self.cfg.remote.enabled:
+            return
+        error: Exception | None = None
+        if self.env.rank == 0:
+            try:
+                check_remote(self.cfg.remote, run_id, at_launch=False)
+            except (RemotePreflightError, ObjectStoreUnavailable) as exc:
+                error = exc
+        error = broadcast_object(error)
+        if error is not None:
+            raise error
 
 
 class CheckpointHook(TrainHook):
@@ -51,22 +87,12 @@ class CheckpointHook(TrainHook):
         self.local: "LocalTier | None" = None
         self.decision: ResumeDecision | None = None  # config differences from the checkpoint
         self.writer_queue: SpawnedWriterQueue | None = None  # async saves' writer, started early
-        self.fenced: str | None = None  # the lease was taken over: why (every rank)
         self.rejected: dict[int, str] = {}  # steps this attempt's restore refused, and why
         self.dp = 1  # data-parallel size, known at configure
 
     def configure(self, run: "RunConfig", dp: int) -> "RunConfig":
         """Under the run's lease (taken by the ownership hook just before), pick and validate
         the step to restore (nothing loaded)."""
-        problem = vpp_tied_embedding_save_problem(
-            run.parallel.vpp,
-            run.model.share_embeddings_and_output_weights,
-            run.optimizer.use_distributed_optimizer,
-            self.cfg.optim_format,
-        )
-        if problem:
-            raise ConfigError(problem)
-        self._check_remote(run.run_id)
         if self.cfg.async_save and self.cfg.staging_buffers:
             # Spawned now, its start-up (an interpreter importing torch and megatron-core,
             # seconds) overlaps the model build and the restore, not the first steps' saves.
@@ -91,22 +117,6 @@ class CheckpointHook(TrainHook):
         return plan_restore(
             run, self.layout, self.env.world_size, self.dp, vocab, rejected, attempt
         )
-
-    def _check_remote(self, run_id: str) -> None:
-        """checkpoint.remote: rank 0 probes the object store (credentials, bucket, conditional
-        writes; remote_preflight.py) before the lease and the restore; every rank raises what
-        it found, before any model is built: exit 2, or 1 when the store is out (retried)."""
-        if not self.cfg.remote.enabled:
-            return
-        error: Exception | None = None
-        if self.env.rank == 0:
-            try:
-                check_remote(self.cfg.remote, run_id, at_launch=False)
-            except (RemotePreflightError, ObjectStoreUnavailable) as exc:
-                error = exc
-        error = broadcast_object(error)
-        if error is not None:
-            raise error
 
     def _reconcile(self, run: "RunConfig") -> "RunConfig":
         """Judge this launch's config against the one the chosen step was saved with: refuse,
@@ -219,7 +229,7 @@ class CheckpointHook(TrainHook):
 
     def after_step(self, trainer: "TrainerView", result: StepResult) -> None:
         assert self.checkpointer is not None
-        if result.stop_asked and self._fenced(trainer):
+        if self.ctx.fenced is not None:  # the lease was taken over: write nothing more
             return
         tier = self.tier_due(result.step)
         if tier is None:
@@ -235,16 +245,6 @@ class CheckpointHook(TrainHook):
 
     def _blocked_record(self, trainer: "TrainerView") -> Path | None:
         return self.layout.dir.checkpoint_metrics if trainer.env.rank == 0 else None
-
-    def _fenced(self, trainer: "TrainerView") -> bool:
-        """A stop was voted: if it is because the lease was taken over, this attempt writes
-        nothing more and leaves with exit 6, the new owner named."""
-        lost = self.ctx.lost_everywhere()
-        if lost is None:
-            return False
-        self.fenced = lost
-        trainer.request_stop(exit_codes.LEASE_HELD, lost)
-        return True
 
     def _reserve_staging(self, trainer: "TrainerView", step: int) -> None:
         """Once per attempt, at the first step no save follows: the dry run that sizes the
@@ -302,9 +302,8 @@ class CheckpointHook(TrainHook):
             checkpointer.finalize(blocking=True)
 
     def on_end(self, trainer: "TrainerView") -> None:
-        if self.fenced is not None:  # another owner holds the run: no final save
-            log.error("run stopped, nothing saved: %s", self.fenced)
-            self.ctx.record("fenced", step=trainer.state.step, exit_code=trainer.exit_code)
+        if self.ctx.fenced is not None:  # another owner holds the run: no final save
+            log.error("run stopped, nothing saved: %s", self.ctx.fenced)
             return
         # A planned exit always leaves a persistent checkpoint of the final state (the
         # ownership end hook, after this one, records the attempt as finished or preempted).

@@ -48,6 +48,17 @@ class OwnershipHook(TrainHook):
     def wants_stop(self, trainer: TrainerView) -> bool:
         return self.ctx.lost is not None  # rank 0's heartbeat saw a takeover
 
+    def after_step(self, trainer: TrainerView, result: StepResult) -> None:
+        """A stop was voted: if it is because the lease was taken over, this attempt writes
+        nothing more (the hooks after this one read ``ctx.fenced``) and leaves with exit 6,
+        the new owner named."""
+        if not result.stop_asked or self.ctx.fenced is not None:
+            return
+        lost = self.ctx.lost_everywhere()  # collective: every rank voted alike
+        if lost is not None:
+            self.ctx.fenced = lost
+            trainer.request_stop(exit_codes.LEASE_HELD, lost)
+
     def on_anomaly(self, trainer: TrainerView, result: StepResult, action: str) -> None:
         """The guard's run totals and this attempt's events go into the attempt record."""
         self.ctx.update(guard=trainer.guard_record())
@@ -71,9 +82,14 @@ class OwnershipEndHook(TrainHook):
         self.ctx = ctx
 
     def on_end(self, trainer: TrainerView) -> None:
-        if self.ctx.ended:  # fenced: the checkpoint hook said so, and saved nothing
+        if self.ctx.ended:
             return
-        status = "preempted" if trainer.exit_code == exit_codes.REQUEUE else "finished"
+        if self.ctx.fenced is not None:
+            status = "fenced"
+        elif trainer.exit_code == exit_codes.REQUEUE:
+            status = "preempted"
+        else:
+            status = "finished"
         self.ctx.record(status, step=trainer.state.step, exit_code=trainer.exit_code)
 
     def close(self) -> None:
