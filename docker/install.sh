@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install mcore-recipes (not editable) into a Python that already has torch: the Dockerfile's
-# one install step, and what tests/test_image.py runs in a fresh venv where Docker is absent.
+# one install step, and what tests/integration/test_image.py runs in a fresh venv where Docker is absent.
 #   docker/install.sh [CODE_COMMIT]      (PYTHON=... picks the interpreter; default python)
 # The base image's own builds of torch and Transformer Engine are kept: NGC's torch is a
 # pre-release build (2.6.0a0+...) that pip would otherwise "upgrade" from PyPI to a CPU wheel.

@@ -13,8 +13,8 @@ import inspect
 import re
 from dataclasses import dataclass
 
+from recipes.config.run import RunConfig
 from recipes.load import CONF_DIR, is_group, type_name
-from recipes.schema import RunConfig
 
 _FIRST_SENTENCE = re.compile(r"(?<!e\.g)(?<!i\.e)\.\s")  # one line per key
 _FIELD_LINE = re.compile(r"^\s+(\w+):\s*[^=]+?(=.*?)?(#\s*(?P<comment>.*))?$")

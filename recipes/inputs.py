@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from recipes.checks import ConfigError
-from recipes.schema import RunConfig
+from recipes.config.run import RunConfig
 
 
 class DataInputError(ConfigError):

@@ -19,8 +19,9 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from recipes.checks import ConfigError
+from recipes.config.run import RunConfig
 from recipes.megatron_names import megatron_hint
-from recipes.schema import ConfigError, RunConfig
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 SCHEMA_NAME = "run_schema"

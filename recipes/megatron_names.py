@@ -3,7 +3,7 @@
 Users arrive with ``--tensor-model-parallel-size`` or Bridge's
 ``model.tensor_model_parallel_size`` in their fingers; an unknown key whose last part is one of
 these names gets "that is parallel.tp here" instead of a fuzzy match. Each entry is tested
-to name a real key (tests/test_config_hints.py).
+to name a real key (tests/unit/recipes/test_config_hints.py).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ import dataclasses
 import secrets
 import time
 
-from recipes.schema import ConfigError, RunConfig
+from recipes.checks import ConfigError
+from recipes.config.run import RunConfig
 
 
 def resolve_device(requested: str, cuda_available: bool) -> str:

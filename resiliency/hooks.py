@@ -21,7 +21,7 @@ from resiliency.storage.layout import RunLayout
 
 if TYPE_CHECKING:
     from pretrain.platform.distributed import DistEnv
-    from recipes.schema import RunConfig
+    from recipes.config.run import RunConfig
 
 
 def build_hooks(run: RunConfig, env: DistEnv, run_dir: Path) -> list[TrainHook]:

@@ -4,6 +4,7 @@ accessors into a rendered PyTorchJob."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from launch.k8s import cli as k8s
 from launch.k8s.schema import (
     CRD_FILE,
 )
+from resiliency.storage.manifest import code_commit
 from tests.helpers import REPO
 
 pytest.importorskip("jsonschema", reason="the k8s extra validates manifests with jsonschema")
@@ -76,10 +78,13 @@ GPT = RECIPES["gpt_125m"]
 
 
 @pytest.fixture(autouse=True)
-def stable_env(monkeypatch: pytest.MonkeyPatch) -> None:
+def stable_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv("MCORE_RECIPES_CODE_COMMIT", COMMIT)
     monkeypatch.setenv(k8s.SUBMISSION_ENV, "test")
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    code_commit.cache_clear()  # once per process: an earlier test may have asked git already
+    yield
+    code_commit.cache_clear()
 
 
 def cli(argv: list[str]) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 
 from pretrain.context.run_dir import RunDir
 from recipes import ConfigError, RunConfig
-from recipes.schema import K8sConfig
+from recipes.config.launch import K8sConfig
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import yaml
 from launch.common import LaunchPlan, rank_env, uploader_args
 from launch.k8s.pod import CONFIG_FILE, check_pod, pod_spec, remote_env_from
 from recipes import ConfigError, RunConfig, to_yaml
-from recipes.schema import K8sConfig
+from recipes.config.launch import K8sConfig
 
 API_VERSION, KIND = "kubeflow.org/v1", "PyTorchJob"
 LABEL = "mcore-recipes/"

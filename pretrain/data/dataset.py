@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
-from recipes.schema import DataConfig, RunConfig
+from recipes.config.data import DataConfig
+
+from recipes.config.run import RunConfig
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from pretrain.context.exit_codes import CONFIG_ERROR, DATA
 
 EOD_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
 PAD_CANDIDATES = ("<pad>", "[PAD]", "<|pad|>")
-# The same kinds as recipes.schema.DataConfig accepts for data.tokenizer.
+# The same kinds as recipes.config.data.DataConfig accepts for data.tokenizer.
 TOKENIZER_KINDS = ("byte", "huggingface", "sentencepiece", "tiktoken")
 # What tokenizer_path holds for each kind, for messages.
 TOKENIZER_FILES = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from recipes import ConfigError
-from recipes.schema import ModelConfig
+from recipes.config.model import ModelConfig
 
 
 def padded_vocab_size(model: ModelConfig, vocab_size: int, tp: int) -> int:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from pretrain.model.gpt import build_chunks, padded_vocab_size, transformer_config
 from pretrain.platform.compat import fix_uninitialised_tp_attributes
 from recipes import RunConfig
-from recipes.schema import ParallelConfig
+from recipes.config.parallel import ParallelConfig
 
 KINDS = ("embedding", "output", "experts", "dense")
 

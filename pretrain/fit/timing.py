@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pretrain.data.vocab import padded_vocab_size
 from pretrain.model.flops import flops_per_step
 from recipes import ConfigError, RunConfig
+from recipes.config.model import ModelConfig
 from recipes.gpus import GPUS, find_gpu, known_gpus
-from recipes.schema import ModelConfig
 
 DEFAULT_MFU = 0.40  # what large Megatron-LM pretraining runs report on H100 (35-45 %)
 # A job's start before its first step (imports, rendezvous, model build, restore read): an

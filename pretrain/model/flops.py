@@ -9,8 +9,8 @@ counted (model FLOPs, not hardware FLOPs), so MFU compares across recompute sett
 
 from __future__ import annotations
 
+from recipes.config.model import ModelConfig
 from recipes.gpus import device_peak_tflops
-from recipes.schema import ModelConfig
 
 
 def flops_per_step(model: ModelConfig, global_batch_size: int, padded_vocab: int) -> float:

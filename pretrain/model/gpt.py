@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from pretrain.data.vocab import padded_vocab_size  # noqa: F401 - re-exported for the model
-from recipes.schema import ModelConfig, ParallelConfig, PerfConfig
+from recipes.config.model import ModelConfig
+from recipes.config.parallel import ParallelConfig
+from recipes.config.perf import PerfConfig
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from recipes.schema import OptimizerConfig, PerfConfig, SchedulerConfig
+from recipes.config.optim import OptimizerConfig, SchedulerConfig
+from recipes.config.perf import PerfConfig
 
 
 def build_optimizer(

@@ -6,7 +6,7 @@ else is refused unread: statically by ``python -m resiliency verify`` and the re
 restricted loads). Measured by saving real checkpoints on both stacks (TP=2, PP=2, DP=2 with the
 distributed optimizer, MoE EP=2; ``fully_reshardable`` and ``dp_reshardable``; the node-local
 tier; two saves per run, sync and async) and listing every GLOBAL of their pickles:
-tests/test_safe_load.py re-measures it on each stack.
+tests/integration/test_safe_load.py re-measures it on each stack.
 Torch-free (stdlib only): the storage layer, which loads no torch, imports it.
 """
 

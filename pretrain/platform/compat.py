@@ -4,10 +4,10 @@ F-I live on the torch.optim.Adam path (no Apex / Transformer Engine), taken on C
 box without Apex or TE; J is in dist_checkpointing's async writer; K is a refused configuration;
 L is in the tensor-parallel layers of a model built without initialisation (restores).
 Each fix names the bug and the megatron-core versions it bites (``Fix.affected``: version
-prefixes, measured by running tests/test_compat.py with the fix left out via
+prefixes, measured by running tests/integration/test_compat.py with the fix left out via
 ``MCORE_RECIPES_COMPAT_SKIP=F,G``); a version not listed gets no fix. Re-measure before adding
 a release: a supported version (``SUPPORTED_MCORE``) missing from a fix's list is a measured
-"not needed there", proven by tests/test_compat.py.
+"not needed there", proven by tests/integration/test_compat.py.
 
 F-I patch megatron's DistributedOptimizer class and are applied by :func:`apply` (table
 ``FIXES``); J-L need objects of the run and are applied where those exist (table
@@ -60,7 +60,8 @@ SKIP_ENV = "MCORE_RECIPES_COMPAT_SKIP"
 MCORE_0_16 = "0.16."  # Python 3.11 leg: megatron-core 0.16.1
 MCORE_0_19 = "0.19."  # Python 3.12 leg: megatron-core 0.19.2
 SUPPORTED_MCORE = (MCORE_0_16, MCORE_0_19)
-# Measured on 0.16.1 and on 0.19.2: tests/test_compat.py shows the bug without the fix on both legs.
+# Measured on 0.16.1 and on 0.19.2: tests/integration/test_compat.py shows the bug without the fix
+# on both legs.
 BOTH = (MCORE_0_16, MCORE_0_19)
 
 
@@ -477,7 +478,7 @@ class SafeLoad:
     to the allow-list (``MCORE_RECIPES_COMPAT_SKIP`` leaves it out, as for the fixes)."""
 
     name: str
-    unsafe: str  # what the load does without it (measured: tests/test_safe_load.py)
+    unsafe: str  # what the load does without it (measured: tests/integration/test_safe_load.py)
     apply: Callable[[], None]
     affected: tuple[str, ...]  # megatron-core version prefixes measured to load this way
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from pretrain.platform import compat, cpu_shim
-from recipes.schema import ParallelConfig
+from recipes.config.parallel import ParallelConfig
 
 log = logging.getLogger(__name__)
 

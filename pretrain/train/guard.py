@@ -33,7 +33,7 @@ from pretrain.context.failures import NonFiniteError
 
 if TYPE_CHECKING:
     from pretrain.train.hooks import StepResult
-    from recipes.guard_schema import GuardConfig
+    from recipes.config.train import GuardConfig
 
 log = logging.getLogger(__name__)
 

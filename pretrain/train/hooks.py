@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from pretrain.platform.distributed import DistEnv
     from pretrain.train.view import TrainerView
-    from recipes.schema import RunConfig
+    from recipes.config.run import RunConfig
 
 HOOK_PROVIDERS = "mcore_recipes.train_hooks"
 

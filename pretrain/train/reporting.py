@@ -23,7 +23,8 @@ from pretrain.train.hooks import EvalResult, StepResult, TrainHook
 
 if TYPE_CHECKING:
     from pretrain.train.trainer import Trainer
-    from recipes.schema import LoggingConfig, RunConfig
+    from recipes.config.logging import LoggingConfig
+    from recipes.config.run import RunConfig
 
 log = logging.getLogger(__name__)
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"

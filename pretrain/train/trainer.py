@@ -35,7 +35,7 @@ from pretrain.train.progress import Progress
 from pretrain.train.schedule import run_schedule
 from pretrain.train.view import Components, TrainState
 from recipes import ConfigError
-from recipes.schema import RunConfig
+from recipes.config.run import RunConfig
 from recipes.validate import num_microbatches
 
 log = logging.getLogger(__name__)

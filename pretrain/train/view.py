@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from pretrain.data.dataset import BatchPlan
     from pretrain.platform.distributed import DistEnv
     from pretrain.train.fault_injection import FaultInjector
-    from recipes.schema import RunConfig
+    from recipes.config.run import RunConfig
 
 
 @dataclass

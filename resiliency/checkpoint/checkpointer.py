@@ -69,7 +69,7 @@ from resiliency.storage.verify import verify_step_dir
 
 if TYPE_CHECKING:
     from pretrain.train.view import TrainerView
-    from recipes.schema import CheckpointConfig
+    from recipes.config.checkpoint import CheckpointConfig
 
 log = logging.getLogger(__name__)
 MODEL_DIR = "model"

@@ -30,7 +30,8 @@ from resiliency.storage.remote_preflight import RemotePreflightError, check_remo
 if TYPE_CHECKING:
     from pretrain.platform.distributed import DistEnv
     from pretrain.train.view import TrainerView
-    from recipes.schema import CheckpointConfig, RunConfig
+    from recipes.config.checkpoint import CheckpointConfig
+    from recipes.config.run import RunConfig
     from resiliency.run_context import RunContext
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from recipes.schema import CheckpointConfig
+from recipes.config.checkpoint import CheckpointConfig
 from resiliency.storage.layout import RunLayout
 from resiliency.storage.manifest import ManifestError, read_manifest
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from recipes import ConfigError
-from recipes.schema import ModelConfig
+from recipes.config.model import ModelConfig
 
 LAYERS = "decoder.layers."
 EMBEDDING = "embedding.word_embeddings.weight"

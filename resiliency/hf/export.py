@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 
 from pretrain.data.tokenizer import Tokenizer, build_tokenizer
 from recipes import ConfigError
+from recipes.config.run import RunConfig
 from recipes.load import load_config_dict
-from recipes.schema import RunConfig
 from resiliency.checkpoint.checkpointer import MODEL_DIR
 from resiliency.hf.convert import hf_config, to_hf
 from resiliency.hf.tokenizer_files import write_tokenizer_dir

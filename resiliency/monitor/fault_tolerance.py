@@ -42,8 +42,9 @@ if TYPE_CHECKING:
     from pretrain.platform.distributed import DistEnv
     from pretrain.train.hooks import EvalResult
     from pretrain.train.view import TrainerView
-    from recipes.schema import FtConfig, RunConfig
-    from recipes.tier_schema import RemoteCheckpointConfig
+    from recipes.config.checkpoint import RemoteCheckpointConfig
+    from recipes.config.resiliency import FtConfig
+    from recipes.config.run import RunConfig
     from resiliency.run_context import RunContext
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from recipes import RunConfig
-from recipes.health_schema import HealthConfig
+from recipes.config.resiliency import HealthConfig
 from recipes.inputs import existing_ancestor
 from recipes.load import load_config_file
 

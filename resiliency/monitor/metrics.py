@@ -29,7 +29,7 @@ from resiliency.storage.attempts import recorded_attempts
 
 if TYPE_CHECKING:
     from pretrain.train.view import TrainerView
-    from recipes.schema import MetricsConfig
+    from recipes.config.resiliency import MetricsConfig
     from resiliency.checkpoint.hook import CheckpointHook
     from resiliency.monitor.evidence import AttemptEvidenceHook
     from resiliency.monitor.straggler import StragglerHook

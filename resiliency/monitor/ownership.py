@@ -23,7 +23,7 @@ from resiliency.monitor.health import HEALTH_DIR_ENV, read_reports
 if TYPE_CHECKING:
     from pretrain.platform.distributed import DistEnv
     from pretrain.train.view import TrainerView
-    from recipes.schema import RunConfig
+    from recipes.config.run import RunConfig
     from resiliency.run_context import RunContext
 
 log = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ from pretrain.train.hooks import StepResult, TrainHook
 if TYPE_CHECKING:
     from pretrain.platform.distributed import DistEnv
     from pretrain.train.view import TrainerView
-    from recipes.schema import StragglerConfig
+    from recipes.config.resiliency import StragglerConfig
 
 log = logging.getLogger(__name__)
 SECTION = "step"

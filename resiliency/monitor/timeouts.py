@@ -22,7 +22,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from recipes.schema import FtConfig
+    from recipes.config.resiliency import FtConfig
 
 SECTIONS = ("setup", "step", "eval", "checkpointing")
 OUT_OF_SECTION = "out_of_section"

@@ -21,7 +21,7 @@ from pretrain.train.hooks import StepResult, TrainHook
 
 if TYPE_CHECKING:
     from pretrain.train.view import TrainerView
-    from recipes.schema import WatchConfig
+    from recipes.config.resiliency import WatchConfig
     from resiliency.run_context import RunContext
 
 log = logging.getLogger(__name__)

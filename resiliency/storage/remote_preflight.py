@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from pretrain.context import exit_codes
 from pretrain.context.failures import ClassifiedError
-from recipes.tier_schema import RemoteCheckpointConfig
+from recipes.config.checkpoint import RemoteCheckpointConfig
 from resiliency.storage.object_retry import ObjectStoreAccessError, ObjectStoreUnavailable
 from resiliency.storage.object_store import ObjectStore, PreconditionFailed
 

@@ -23,7 +23,7 @@ from resiliency.storage.signing import key_from_env
 
 if TYPE_CHECKING:
     from pretrain.train.view import TrainerView
-    from recipes.schema import LocalCheckpointConfig
+    from recipes.config.checkpoint import LocalCheckpointConfig
     from resiliency.checkpoint.checkpointer import Checkpointer
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,8 @@ from pretrain.context.run_dir import RunDir
 from pretrain.platform.distributed import broadcast_object
 from pretrain.train.fault_injection import FaultInjector
 from recipes import ConfigError
-from recipes.schema import RemoteCheckpointConfig, RunConfig
+from recipes.config.checkpoint import RemoteCheckpointConfig
+from recipes.config.run import RunConfig
 from resiliency.checkpoint.restore.topology import (
     Target,
     TopologyRefusedError,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from recipes.schema import OptimizerConfig
+from recipes.config.optim import OptimizerConfig
 from resiliency.checkpoint.restore.topology import scale_lr
 
 log = logging.getLogger(__name__)

@@ -59,7 +59,7 @@ RULES: tuple[tuple[str, KeyClass], ...] = (
     # What an anomaly does from now on; data already skipped is in the saved cursor.
     ("train.guard.", "free"),
     ("train.device", "free"),
-    # Validation and reporting move no training state (tests/test_training.py).
+    # Validation and reporting move no training state (tests/integration/test_training.py).
     ("train.eval_interval", "free"),
     ("train.eval_iters", "free"),
     ("train.peak_tflops", "free"),
@@ -67,7 +67,7 @@ RULES: tuple[tuple[str, KeyClass], ...] = (
     # Which kernels compute the same math (bitwise reproducibility), not what is trained.
     ("train.deterministic", "free"),
     # FP8 changes the numerics like train.precision does; the other knobs trade memory or
-    # overlap for time and train the same losses (tests/test_perf_knobs.py).
+    # overlap for time and train the same losses (tests/integration/test_perf_knobs.py).
     ("perf.fp8", "must_match"),
     ("perf.fp8_recipe", "must_match"),
     ("perf.", "free"),

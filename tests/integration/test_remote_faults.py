@@ -1,0 +1,286 @@
+"""The object-store tier through a flaky network: a real S3 server (SeaweedFS) behind a
+fault-injecting TCP proxy (tests/fault_proxy.py) that refuses, resets, truncates, answers 503
+or strips conditional headers, switched from the test while the code under test runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from bench.s3_server import S3Server
+from pretrain.context import exit_codes
+from recipes.config.checkpoint import RemoteCheckpointConfig
+from resiliency.monitor.fault_tolerance import newest_rank_bytes
+from resiliency.storage.layout import RunLayout
+from resiliency.storage.object_store import ObjectStore
+from resiliency.storage.remote import (
+    committed_remote_steps,
+    fetch_newest,
+    read_latest,
+    step_prefix,
+    upload_run,
+    verify_remote_step,
+)
+from resiliency.storage.synthetic import write_random_step, write_synthetic_step
+from tests.fault_proxy import FaultProxy
+from tests.helpers import REPO, losses, run_pretrain
+
+MIB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def credentials(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process's own clients (the direct and the flaky store) use the server's keys."""
+    for key, value in s3.env.items():
+        monkeypatch.setenv(key, value)
+
+
+@pytest.fixture()
+def prefix() -> str:
+    return f"f-{uuid.uuid4().hex[:8]}"
+
+
+def _env(s3: S3Server, endpoint: str) -> dict[str, str]:
+    return {**s3.env, "AWS_ENDPOINT_URL": endpoint}
+
+
+@pytest.mark.parametrize(
+    "mode, params",
+    [
+        ("http_503", {"count": 3}),
+        ("reset", {"after_bytes": 64 << 10, "count": 2}),
+        ("truncate", {"after_bytes": 100 << 10, "count": 2, "min_body": MIB}),
+    ],
+)
+def test_a_flaky_fetch_is_retried_not_rejected(
+    s3: S3Server, proxy: FaultProxy, prefix: str, tmp_path: Path, mode: str, params: dict
+) -> None:
+    """503s, connections reset mid-body and bodies cut short: the newest step still comes."""
+    direct = ObjectStore(s3.url(prefix), s3.endpoint_url, workers=2)
+    layout = RunLayout(tmp_path / "shared", "run")
+    for step in (2, 4):
+        write_random_step(layout, step, files=2, size=2 * MIB)
+    upload_run(direct, layout, workers=2, keep_last=3)
+    flaky = ObjectStore(s3.url(prefix), proxy.endpoint_url, workers=2, retry_budget_s=30)
+    proxy.set_mode(mode, **params)
+    fresh = RunLayout(tmp_path / "new-cluster", "run")
+    fetched = fetch_newest(flaky, fresh, attempt=1, workers=2)
+    assert fetched == fresh.step_dir(4)
+    assert proxy.faults_injected >= params["count"], proxy.faults_injected
+
+
+def test_retention_racing_the_uploader_and_a_corrupt_step_do_not_block_newer_steps(
+    s3: S3Server, proxy: FaultProxy, prefix: str, tmp_path: Path
+) -> None:
+    layout = RunLayout(tmp_path, "run")
+    write_synthetic_step(layout, 2)
+    write_random_step(layout, 4, files=24, size=64 << 10)
+    for step in (6, 8):
+        write_synthetic_step(layout, step)
+    target = next(layout.step_dir(2).rglob("*.distcp"))  # bit rot, not re-sealed
+    data = bytearray(target.read_bytes())
+    data[0] ^= 0xFF
+    target.write_bytes(bytes(data))
+    direct = ObjectStore(s3.url(prefix), s3.endpoint_url)
+    slow = ObjectStore(s3.url(prefix), proxy.endpoint_url, workers=2)
+    proxy.set_mode("delay", seconds=0.2)  # step 4 takes seconds to go up
+
+    def local_retention() -> None:  # deletes step 4 once its upload is under way
+        deadline = time.monotonic() + 60
+        while not list(direct.list(step_prefix("run", 4))) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        shutil.rmtree(layout.step_dir(4))
+
+    racer = threading.Thread(target=local_retention)
+    racer.start()
+    result = upload_run(slow, layout, workers=2, keep_last=2)
+    racer.join()
+    skipped = dict(result.skipped)
+    assert sorted(skipped) == [2, 4], result.skipped
+    assert "does not verify" in skipped[2]
+    assert "deleted by local retention during its upload" in skipped[4]
+    assert committed_remote_steps(direct, "run") == [6, 8]
+    proxy.set_mode("pass")
+    again = subprocess.run(
+        [sys.executable, "-m", "resiliency", "upload", str(layout.run_dir), "--to", direct.url],
+        cwd=REPO, env={**os.environ, **s3.env}, text=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stdout + again.stderr  # step 8, the newest, is there
+    assert "skipped step 2" in again.stdout and "newest remote committed step: 8" in again.stdout
+
+
+def _launch(overrides: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "launch", "local", "--nproc=2", *overrides]
+    full = {**os.environ, **env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(cmd, cwd=REPO, env=full, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_launch_local_uploads_each_step_and_rides_out_an_outage(
+    s3: S3Server, proxy: FaultProxy, prefix: str, tiny_overrides: list[str], tmp_path: Path
+) -> None:
+    """A fresh run: each step is on the remote tier within a follow interval of its publish
+    (checked while training); a 15 s outage from step 15 on; the job ends with its newest
+    step committed remotely."""
+    interval, url = 1.0, s3.url(prefix)
+    overrides = [*tiny_overrides, f"output_dir={tmp_path}", "run_id=run", "train.train_steps=40",
+                 "checkpoint.save_interval=5", f"checkpoint.remote.url={url}",
+                 f"checkpoint.remote.follow_interval_s={interval:g}",
+                 "checkpoint.remote.retry_budget_s=60"]  # fmt: skip
+    layout = RunLayout(tmp_path, "run")
+    direct = ObjectStore(url, s3.endpoint_url)
+    job = _launch(overrides, _env(s3, proxy.endpoint_url))
+    lines: list[str] = []  # drained as it comes: a full pipe would stall the launcher
+    reader = threading.Thread(target=lambda: lines.extend(job.stdout or []), daemon=True)
+    reader.start()
+    published: dict[int, float] = {}
+    remote: dict[int, float] = {}
+    outage_at: float | None = None
+    outage_over = False
+    while job.poll() is None:
+        now = time.monotonic()
+        for step in layout.published_steps() if layout.steps_dir.is_dir() else []:
+            published.setdefault(step, now)
+        for step in committed_remote_steps(direct, "run"):
+            remote.setdefault(step, now)
+        # From step 15 on, once the steps before it went up (or were given their chance).
+        settled = 10 in remote or (10 in published and now - published[10] > interval + 3.0)
+        if outage_at is None and 15 in published and settled:
+            proxy.set_mode("refuse")
+            outage_at = now
+        if outage_at is not None and not outage_over and now - outage_at > 15:
+            proxy.set_mode("pass")
+            outage_over = True
+        time.sleep(0.1)
+    proxy.set_mode("pass")
+    reader.join(timeout=10)
+    output = "".join(lines)
+    assert job.returncode == 0, output[-4000:]
+    assert outage_at is not None, output[-2000:]
+    for step in (5, 10):  # published before the outage: up within a follow interval
+        assert step in remote, (step, remote, published)
+        assert remote[step] - published[step] <= interval + 3.0, (step, remote, published)
+    assert committed_remote_steps(direct, "run")[-1] == 40
+    assert verify_remote_step(direct, "run", 40, full=True).ok  # every byte, downloaded
+    assert "newest remote committed step: 40" in output
+    assert "object store:" in output and "retry" in output  # the outage was seen and retried
+    metrics = (layout.metrics_dir / "remote.prom").read_text()
+    assert 'checkpoint_remote_last_committed_step{run_id="run"} 40.0' in metrics
+    assert 'checkpoint_remote_lag_steps{run_id="run"} 0.0' in metrics
+
+
+@pytest.mark.slow
+def test_a_restore_through_503s_and_resets_resumes_exactly(
+    s3: S3Server, proxy: FaultProxy, prefix: str, tiny_overrides: list[str], tmp_path: Path
+) -> None:
+    """The run dir is lost; the relaunch first meets a dead object store (exit 1, nothing
+    older restored), then 503s and resets while it fetches: it restores the newest remote step
+    and trains on bit-identically to an uninterrupted run."""
+    url = s3.url(prefix)
+    common = [*tiny_overrides, "checkpoint.save_interval=5", f"checkpoint.remote.url={url}"]
+    reference = tmp_path / "reference"
+    run_pretrain(2, [*common, f"output_dir={reference}", "run_id=ref"], env=s3.env)
+    shared = tmp_path / "shared"
+    run = [*common, f"output_dir={shared}", "run_id=run"]
+    crashed = run_pretrain(2, [*run, "train.fault=kill@8"], env=s3.env, check=False)
+    assert crashed.returncode != 0
+    upload = subprocess.run([sys.executable, "-m", "resiliency", "upload", str(shared / "run")],
+                            cwd=REPO, env={**os.environ, **s3.env}, text=True,
+                            capture_output=True, timeout=120)  # fmt: skip
+    assert upload.returncode == 0, upload.stdout + upload.stderr
+    shutil.rmtree(shared / "run")  # the shared file system is gone
+
+    flaky = _env(s3, proxy.endpoint_url)
+    proxy.set_mode("refuse")
+    out = run_pretrain(2, [*run, "checkpoint.remote.retry_budget_s=3"], env=flaky, check=False)
+    assert out.returncode == exit_codes.INFRASTRUCTURE, out.stderr[-3000:]
+    assert "ObjectStoreUnavailable" in out.stderr and "retry_budget_s" in out.stderr
+    assert "training failed (infrastructure, exit 1, retryable)" in out.stderr
+    assert not (shared / "run" / "steps").exists() or not RunLayout(shared, "run").published_steps()
+
+    spent = proxy.faults_injected + 4  # the counter runs on across modes
+    proxy.set_mode("http_503", count=4)
+
+    def then_resets() -> None:  # once the 503s are spent, reset connections twice
+        deadline = time.monotonic() + 120
+        while proxy.faults_injected < spent and time.monotonic() < deadline:
+            time.sleep(0.02)
+        proxy.set_mode("reset", after_bytes=4096, count=2)
+
+    switcher = threading.Thread(target=then_resets, daemon=True)
+    switcher.start()
+    resumed = run_pretrain(2, run, env=flaky)
+    switcher.join(timeout=5)
+    assert "fetched step 5 from s3://" in resumed.stderr
+    retries = [line for line in resumed.stderr.splitlines() if "object store:" in line]
+    assert retries and proxy.faults_injected >= spent + 2  # both kinds were met and retried
+    # The refused launch stopped before taking the lease: it left no attempt record.
+    record = json.loads((shared / "run" / "attempts" / "attempt-01.json").read_text())
+    assert (record["restored_step"], record["restored_tier"]) == (5, "remote")
+    assert losses(shared / "run") == losses(reference / "ref")[5:]
+
+
+def test_the_preflight_refuses_before_any_rank(
+    s3: S3Server, proxy: FaultProxy, prefix: str, tiny_overrides: list[str], tmp_path: Path
+) -> None:
+    """Wrong credentials, a missing bucket, a server that ignores conditional writes: one
+    line, exit 2, and no rank ever started (no attempt record)."""
+    base = [*tiny_overrides, f"output_dir={tmp_path}", "run_id=run"]
+    cases = [
+        ([f"checkpoint.remote.url={s3.url(prefix)}"],
+         {**s3.env, "AWS_SECRET_ACCESS_KEY": "not-the-secret"}, "access refused"),
+        ([f"checkpoint.remote.url=s3://no-such-bucket-{prefix}/x"], s3.env,
+         "the bucket does not exist"),
+        ([f"checkpoint.remote.url={s3.url(prefix)}"], _env(s3, proxy.endpoint_url),
+         "ignores conditional writes"),
+    ]  # fmt: skip
+    proxy.set_mode("strip_conditional", secret_key=s3.env["AWS_SECRET_ACCESS_KEY"])  # re-signs
+    for extra, env, line in cases:
+        job = _launch([*base, *extra], env)
+        output, _ = job.communicate(timeout=120)
+        assert job.returncode == exit_codes.CONFIG_ERROR, output[-3000:]
+        assert line in output and "Traceback" not in output, output[-3000:]
+        assert not (tmp_path / "run" / "attempts").exists()
+
+
+def test_the_setup_timeout_of_a_remote_restore_counts_its_download(
+    s3: S3Server, prefix: str, tmp_path: Path
+) -> None:
+    """Under ft_launcher, with no local step, the setup section must allow for downloading
+    the newest remote step (rank 0 fetches it whole), not only the shared tier's bytes."""
+    layout = RunLayout(tmp_path / "shared", "run")
+    write_random_step(layout, 3, files=2, size=MIB)
+    direct = ObjectStore(s3.url(prefix), s3.endpoint_url)
+    upload_run(direct, layout, workers=2, keep_last=2)
+    fresh = tmp_path / "new-cluster" / "run"
+    remote = RemoteCheckpointConfig(url=s3.url(prefix), endpoint_url=s3.endpoint_url)
+    assert newest_rank_bytes(fresh, 4, remote) == (2 * MIB + 2 * MIB // 4, True)
+    assert newest_rank_bytes(fresh, 4) == (0, False)  # without the tier: a fresh start
+
+
+def test_retention_counts_only_steps_that_verify_remotely_and_ignores_a_garbage_latest(
+    s3: S3Server, prefix: str, tmp_path: Path
+) -> None:
+    layout = RunLayout(tmp_path, "run")
+    store = ObjectStore(s3.url(prefix), s3.endpoint_url)
+    for step in (2, 4, 6):
+        write_synthetic_step(layout, step)
+    upload_run(store, layout, workers=2, keep_last=3)
+    store.delete(step_prefix("run", 6) + "model/__0_0.distcp")  # committed, no longer whole
+    store.client.put_object(Bucket=store.bucket, Key=store.key("run/latest.json"),
+                            Body=b"{not json")  # fmt: skip
+    write_synthetic_step(layout, 8)
+    result = upload_run(store, layout, workers=2, keep_last=2)
+    # Newest two that verify: 8 and 4; 6 is kept too (newer than 4), only 2 goes.
+    assert result.deleted == [2] and result.committed == [4, 6, 8]
+    assert read_latest(store, "run") == 8  # the garbage hint was replaced
