@@ -162,12 +162,13 @@ def mode_save(args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
     from resiliency.checkpoint.checkpointer import Checkpointer
+    from resiliency.run_context import RunContext
     from resiliency.storage.layout import RunLayout
 
     trainer, env, _ = _setup(args.overrides, with_hooks=False)
     layout = RunLayout(trainer.run_dir.parent, trainer.run.run_id)
     layout.steps_dir.mkdir(parents=True, exist_ok=True)
-    ckpt = Checkpointer(trainer, layout, attempt=1, faults=trainer.faults)
+    ckpt = Checkpointer(trainer, RunContext.unowned(layout, 1), faults=trainer.faults)
     trainer.train_step()  # optimizer state exists from here on
     rank, world = env.rank, env.world_size
     out: dict[str, Any] = {"sync": [], "async": []}
@@ -207,7 +208,7 @@ def mode_save(args: argparse.Namespace) -> dict[str, Any]:
     # its first save is what every attempt pays once, reported apart from the steady state.
     ckpt.close()
     async_cfg = replace(trainer.run.checkpoint, async_save=True)
-    ckpt = Checkpointer(trainer, layout, attempt=2, faults=trainer.faults, cfg=async_cfg)
+    ckpt = Checkpointer(trainer, RunContext.unowned(layout, 2), trainer.faults, cfg=async_cfg)
     src = torch.empty(share, dtype=torch.uint8).random_(0, 255)
     dst = torch.empty_like(src)
     memcpy(dst, src)  # fault the pages in

@@ -39,6 +39,14 @@ class RunContext:
         self.restored_step: int | None = None  # set by the checkpoint hook once restored
         self.fenced: str | None = None  # the lease was taken over: by whom (every rank)
 
+    @classmethod
+    def unowned(cls, layout: RunLayout, attempt: int) -> RunContext:
+        """A context for a tool that takes no lease of its own here (checkpoint import holds
+        one around its save; benchmarks write to a scratch run): a fixed attempt, no fence."""
+        ctx = cls(layout, lease_timeout_s=0.0)
+        ctx.attempt = attempt
+        return ctx
+
     @property
     def fence(self) -> RunLease | None:
         """Rank 0's lease, which every publish, latest.json move and delete holds."""

@@ -118,6 +118,9 @@ class TrainerView(Protocol):
     def guard_record(self) -> dict[str, Any]:
         """The numeric guard's totals and this attempt's events, for the attempt record."""
 
+    def train_step(self) -> Any:
+        """One training step without hooks, faults or logging (a StepResult): benchmarks."""
+
     def run_steps(self, n: int, hooks: list[Any] | None = None) -> None:
         """Run ``n`` more steps of the loop (with ``hooks``, TrainHook objects, instead of the
         run's, if given): how benchmarks drive the product loop without touching its fields.

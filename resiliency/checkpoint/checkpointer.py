@@ -46,7 +46,7 @@ from resiliency.checkpoint.write.staging import (
 )
 from resiliency.storage.checksum import describe_files, describe_written, share_of
 from resiliency.storage.corpus import index_files
-from resiliency.storage.layout import RunLayout, payload_files
+from resiliency.storage.layout import payload_files
 from resiliency.storage.lease import LeaseLostError, RunLease
 from resiliency.storage.manifest import (
     Manifest,
@@ -70,6 +70,7 @@ from resiliency.storage.verify import verify_step_dir
 if TYPE_CHECKING:
     from pretrain.train.view import TrainerView
     from recipes.config.checkpoint import CheckpointConfig
+    from resiliency.run_context import RunContext
 
 log = logging.getLogger(__name__)
 MODEL_DIR = "model"
@@ -111,25 +112,25 @@ class Checkpointer:
     def __init__(
         self,
         trainer: "TrainerView",
-        layout: RunLayout,
-        attempt: int,
+        ctx: "RunContext",
         faults: FaultInjector,
         writer_queue: SpawnedWriterQueue | None = None,
         weights_only: bool = False,
-        fence: RunLease | None = None,
         rejected_at_restore: frozenset[int] = frozenset(),
         cfg: CheckpointConfig | None = None,
     ) -> None:
-        """``cfg``: its own checkpoint section (default: the run's).
+        """What it saves and restores: the model chunks, optimizer, scheduler and loop state
+        ``trainer`` (the view) holds. ``ctx``: the run's layout, this attempt, and rank 0's run
+        lease, which every publish, set-aside and retention delete holds (nothing is written
+        once another owner took the run over). ``faults``: train.fault's points inside the save
+        protocol. ``cfg``: its own checkpoint section (default: the run's).
         ``writer_queue``: a spawned writer already started (by the checkpoint hook, before
         the model was built); used if async saves stage into shared memory, else closed.
         ``weights_only``: saves hold no optimizer state (python -m resiliency.hf import).
-        ``fence``: rank 0's run lease; every publish, set-aside and retention delete holds it,
-        so nothing is written once another owner took the run over.
         ``rejected_at_restore``: published steps this attempt's restore refused (a re-hash
         that failed, maybe only on an I/O error): one reached again is set aside, not kept."""
-        self.trainer, self.layout, self.attempt = trainer, layout, attempt
-        self.fence, self.rejected_at_restore = fence, rejected_at_restore
+        self.trainer, self.layout, self.attempt = trainer, ctx.layout, ctx.attempt
+        self.fence, self.rejected_at_restore = ctx.fence, rejected_at_restore
         self.faults = faults  # train.fault's points inside the save protocol (tests, drill)
         self.cfg = cfg or trainer.run.checkpoint
         self.rank, self.world = dist.get_rank(), dist.get_world_size()

@@ -174,11 +174,9 @@ class CheckpointHook(TrainHook):
         self._confirm_plan(trainer)
         checkpointer = Checkpointer(
             trainer,
-            self.layout,
-            self.ctx.attempt,
+            self.ctx,
             trainer.faults,
             self.writer_queue,
-            fence=self.ctx.fence,
             rejected_at_restore=frozenset(self.rejected),
         )
         self.writer_queue = None  # the checkpointer's now

@@ -26,6 +26,7 @@ from recipes import ConfigError, RunConfig, load_config
 from resiliency.checkpoint.checkpointer import Checkpointer
 from resiliency.checkpoint.state_dict import model_state_dict
 from resiliency.hf.convert import from_hf, model_fields_from_hf, normalised_keys
+from resiliency.run_context import RunContext
 from resiliency.storage.layout import RunLayout
 from resiliency.storage.lease import RunLease
 
@@ -133,9 +134,8 @@ def import_hf(hf_dir: Path, overrides: list[str]) -> Path:
              run.model.name)  # fmt: skip
     layout.run_dir.mkdir(parents=True, exist_ok=True)
     with RunLease(layout, IMPORT_ATTEMPT, timeout_s=60.0):
-        checkpointer = Checkpointer(
-            trainer, layout, IMPORT_ATTEMPT, trainer.faults, weights_only=True
-        )
+        ctx = RunContext.unowned(layout, IMPORT_ATTEMPT)
+        checkpointer = Checkpointer(trainer, ctx, trainer.faults, weights_only=True)
         checkpointer.save()
         checkpointer.close()
     return layout.step_dir(0)
