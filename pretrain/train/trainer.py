@@ -332,7 +332,8 @@ class Trainer:
         log.info("run summary: checkpoint work this attempt: %s; restarts %s", saves, restarts)
 
     def _loop(self, until: int | None = None) -> None:
-        while self.state.step < (until or self.run.train.train_steps):
+        last = self.run.train.train_steps if until is None else until
+        while self.state.step < last:
             for hook in self.hooks:
                 hook.before_step(self)
             if self.stop_requested:
