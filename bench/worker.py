@@ -408,6 +408,8 @@ def _time_hooks(hooks: list[Any]) -> dict[str, float]:
 class _Stamp:
     """A no-op hook that notes when each framework step (hooks included) ended."""
 
+    state_key = None  # no state to save (found before __getattr__'s catch-all)
+
     def __init__(self, stamps: list[float]) -> None:
         self.stamps = stamps
 

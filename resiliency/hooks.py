@@ -31,8 +31,9 @@ def build_hooks(run: RunConfig, env: DistEnv, run_dir: Path) -> list[TrainHook]:
     restore planning (the FT "setup" section and the startup clock must already run then);
     then the ownership hook takes the lease and claims the attempt, so the checkpoint hook
     plans its restore under it. Behind, the observers: they read what was restored and saved.
-    Last, the ownership end hook: the attempt's end status after the final save, the lease
-    released after every other hook closed.
+    Between them, the ownership end hook: the attempt's end status after the final save (so
+    the observers' end-of-run goodput counts it), the lease released after the checkpointer
+    closed.
     """
     cfg = run.resiliency
     ctx = RunContext(RunLayout(run_dir.parent, run.run_id), run.checkpoint.lease_timeout_s)
@@ -58,4 +59,4 @@ def build_hooks(run: RunConfig, env: DistEnv, run_dir: Path) -> list[TrainHook]:
         back.append(MetricsHook(cfg.metrics, run.run_id, ctx, checkpoint, evidence, straggler))
     if checkpoint is not None and cfg.watch.steps:
         back.append(PostRestoreWatchHook(cfg.watch, env.rank, run_dir, ctx))
-    return front + middle + back + [OwnershipEndHook(ctx)]
+    return front + middle + [OwnershipEndHook(ctx)] + back

@@ -332,9 +332,18 @@ def build_tokenizer(kind: str, path: str | None = None, eod_token: str | None = 
 def run_tokenizer(kind: str, path: str | None) -> Tokenizer:
     """A run's tokenizer (``data.tokenizer``, ``data.tokenizer_path``), built once per process:
     the restore planning needs its vocabulary before the Trainer builds the model with it.
-    Keyed on the file's modification time too, so a replaced file is read anew."""
-    stamp = os.stat(path).st_mtime_ns if path and os.path.exists(path) else None
-    return _cached_tokenizer(kind, path, stamp)
+    Keyed on the newest modification time of the file (or of a directory's files), so a
+    replaced or rewritten file is read anew."""
+    return _cached_tokenizer(kind, path, _newest_mtime(path))
+
+
+def _newest_mtime(path: str | None) -> int | None:
+    if not path or not os.path.exists(path):
+        return None
+    if not os.path.isdir(path):
+        return os.stat(path).st_mtime_ns
+    with os.scandir(path) as entries:
+        return max([os.stat(path).st_mtime_ns, *(e.stat().st_mtime_ns for e in entries)])
 
 
 @functools.lru_cache(maxsize=4)

@@ -63,7 +63,9 @@ class TrainHook:
     state_key: str | None = None
 
     def state_dict(self) -> Any:
-        """This hook's state for the checkpoint (JSON-serialisable), when ``state_key`` is set."""
+        """This hook's state for the checkpoint (JSON-serialisable), when ``state_key`` is set.
+        It must be the same on every rank and need no collective: rank 0's copy is saved
+        (train_state.json) and every rank gets it back on restore."""
         return None
 
     def load_state_dict(self, state: Any) -> None:

@@ -1,8 +1,8 @@
 """The run's ownership as hooks: take the lease and claim the attempt before anything reads the
-run dir, record how the attempt went, and let go last.
+run dir, record how the attempt went, and let go once the checkpointer is done.
 
-Two hooks share one :class:`RunContext`, because taking and letting go sit at opposite ends of
-the hook list: :class:`OwnershipHook` runs before the checkpoint hook (its restore planning
+Two hooks share one :class:`RunContext`, because taking and letting go sit at different places
+in the hook list: :class:`OwnershipHook` runs before the checkpoint hook (its restore planning
 needs the attempt id under the lease), :class:`OwnershipEndHook` after it (the final save is
 published under the lease, and only then is the attempt "finished").
 """
@@ -75,8 +75,8 @@ class OwnershipHook(TrainHook):
 
 
 class OwnershipEndHook(TrainHook):
-    """The last hook: the attempt's end status once every other hook's ``on_end`` ran (the
-    final save included), and the lease released once every other hook closed."""
+    """After the checkpoint hook: the attempt's end status once its ``on_end`` ran (the final
+    save included), and the lease released once it closed (the checkpointer's last writes)."""
 
     def __init__(self, ctx: RunContext) -> None:
         self.ctx = ctx
