@@ -73,6 +73,11 @@ def _check_shrunk_layout(run: RunConfig, device: str) -> None:
             ) from None
 
 
+def worker_module(run: RunConfig) -> str:
+    """The module the launcher starts per rank: the trainer, or its standby worker."""
+    return "launch.standby.worker" if run.launch.standby else "pretrain"
+
+
 def rank_env(run: RunConfig) -> dict[str, str]:
     """Environment megatron-core expects on every rank for this layout.
 

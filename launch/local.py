@@ -42,10 +42,13 @@ from launch.common import (
     plan_launch,
     rank_env,
     uploader_args,
+    worker_module,
     write_resolved_config,
 )
 from launch.retry_policy import STOP, Decision, decide, newest_attempt, read_outcome
+from launch.standby.launch import Standby, standby_env
 from pretrain.context import exit_codes
+from pretrain.context.startup_clock import host_clock
 from resiliency.monitor.fault_tolerance import write_launcher_config
 from resiliency.monitor.health import describe, preflight
 from resiliency.monitor.postmortem import LauncherEvents, finalize_attempts
@@ -86,7 +89,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
 def launcher_command(plan: LaunchPlan, config: Path, restarts: int) -> list[str]:
     run, bin_dir = plan.run, Path(sys.executable).parent
     common = ["--standalone", f"--nproc-per-node={run.launch.nproc_per_node}"]
-    tail = ["-m", "pretrain", "--config", str(config)]
+    tail = ["-m", worker_module(run), "--config", str(config)]
     if run.launch.backend == "torchrun":
         return [str(bin_dir / "torchrun"), *common, "--max-restarts=0", *tail]
     ft = run.resiliency.ft
@@ -182,9 +185,12 @@ class LocalSupervisor:
     def run(self) -> int:
         uploader = Uploader(self.plan)
         uploader.start()
+        standby = Standby(self.plan.run_dir) if self.plan.run.launch.standby else None
         try:
             code = self._supervise()
         finally:
+            if standby is not None:
+                standby.stop()
             caught_up = uploader.finish()
         if code == exit_codes.OK and not caught_up:
             return exit_codes.REMOTE_BEHIND
@@ -246,7 +252,8 @@ class LocalSupervisor:
     def _launch(self, restarts: int) -> int:
         cmd = launcher_command(self.plan, self.config, restarts)
         log.info("launch local: %s", " ".join(cmd))
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **rank_env(self.plan.run)}
+        standby = standby_env(self.plan.run_dir) if self.plan.run.launch.standby else {}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **standby, **rank_env(self.plan.run)}
         started = time.time()
         with open(self.plan.run_dir / LOG_NAME, "a") as keep:
             self.child = subprocess.Popen(
@@ -262,7 +269,7 @@ class LocalSupervisor:
 
     def _pump(self, stream: IO[str], keep: IO[str]) -> None:
         for line in stream:
-            self.events.feed(line, time.time())
+            self.events.feed(line, time.time(), host_clock())
             sys.stderr.write(line)
             keep.write(line)
         sys.stderr.flush()

@@ -33,6 +33,7 @@ import sys
 from pathlib import Path
 from types import FrameType
 
+from launch.standby.launch import Standby, standby_env
 from launch.torchrun import LAUNCHERS, SIGNAL_BASE, Outcome, run_launcher
 from pretrain.context import exit_codes
 from pretrain.platform.logs import setup_logging
@@ -125,6 +126,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="directory on the shared volume for the retry counters",
     )
     parser.add_argument(
+        "--standby",
+        type=Path,
+        default=None,
+        metavar="RUN_DIR",
+        help="start the pod's standby server for RUN_DIR first (launch.standby)",
+    )
+    parser.add_argument(
         "launcher_args", nargs=argparse.REMAINDER, help="-- then the launcher's arguments"
     )
     args = parser.parse_args(argv)
@@ -172,10 +180,17 @@ def main(argv: list[str]) -> int:
     if not node_healthy(args.launcher_args, args.state_dir):
         budget.finish(counted=True)  # retried by the operator like any infrastructure failure
         return exit_codes.INFRASTRUCTURE
+    standby = None
+    if args.standby is not None:
+        os.environ.update(standby_env(args.standby))  # the workers find it by name
+        standby = Standby(args.standby)
     try:
         outcome = run_launcher(args.launcher, args.launcher_args)
     except _Stopped as exc:
         outcome = Outcome(-exc.sigval, planned=True)
+    finally:
+        if standby is not None:
+            standby.stop()
     code, counted = classify(outcome)
     if not budget.finish(counted) and code >= SIGNAL_BASE:
         log.error(

@@ -12,6 +12,7 @@ import posixpath
 from pathlib import Path
 from typing import Any
 
+from launch.common import worker_module
 from pretrain.context.run_dir import RunDir
 from recipes import ConfigError, RunConfig
 from recipes.config.launch import K8sConfig
@@ -192,9 +193,10 @@ def entry_command(run: RunConfig) -> list[str]:
         str(run.launch.k8s.backoff_limit),
         "--state-dir",
         state_dir,
+        *(["--standby", f"{run.output_dir}/{run.run_id}"] if run.launch.standby else []),
         "--",
         "-m",
-        "pretrain",
+        worker_module(run),
         "--config",
         f"{CONFIG_DIR}/{CONFIG_FILE}",
     ]

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
-from launch.common import rank_env, uploader_args
+from launch.common import rank_env, uploader_args, worker_module
+from launch.standby.protocol import SOCKET_ENV
+from launch.standby.protocol import address as standby_address
 from pretrain.context import exit_codes
 from recipes import ConfigError, RunConfig
 from resiliency.monitor.fault_tolerance import LAUNCHER_CONFIG_FILE
@@ -86,7 +88,9 @@ def render_sbatch(run: RunConfig, inputs: ScriptInputs) -> str:
         "srun_args": _srun_args(run, inputs),
         "launcher": _launcher(run, inputs),
         "nproc": str(launch.nproc_per_node),
+        "worker_module": worker_module(run),
         **_health_values(run, inputs),
+        **_standby_values(run, inputs),
         "uploader_start": _uploader_start(run, inputs),
         "remote_behind": str(exit_codes.REMOTE_BEHIND),
     }
@@ -105,6 +109,20 @@ def _uploader_start(run: RunConfig, inputs: ScriptInputs) -> str:
     return (
         f"UPLOAD=({runner} {quoted})\nFOLLOW_INTERVAL={interval}\nfollow_uploads &\nUPLOADER_PID=$!"
     )
+
+
+def _standby_values(run: RunConfig, inputs: ScriptInputs) -> dict[str, str]:
+    """launch.standby: each node's launcher task starts its node's standby server first (in
+    the step: it ends with the launcher); every process of the task finds it by name."""
+    if not run.launch.standby:
+        return {"standby_start": "", "standby_env": "# (launch.standby is off)"}
+    python = "python" if container_args(run, inputs) else _q(inputs.bin_dir / "python")
+    # Exported, not spliced into the task's single-quoted `bash -c` (quotes cannot nest).
+    return {
+        "standby_start": '"$MCORE_RECIPES_STANDBY_PYTHON" -m launch.standby.server "$RUN_DIR" & ',
+        "standby_env": f"export RUN_DIR MCORE_RECIPES_STANDBY_PYTHON={python}\n"
+        f"export {SOCKET_ENV}={_q(standby_address(inputs.run_dir))}",
+    }
 
 
 def _health_values(run: RunConfig, inputs: ScriptInputs) -> dict[str, str]:
@@ -340,6 +358,7 @@ exec > >(trap '' TERM INT; exec tee -a "$RUN_DIR/slurm/${SLURM_JOB_ID}-restart-$
 export MCORE_RECIPES_IMAGE_DIGEST=@@{image_digest}
 export OMP_NUM_THREADS=1
 export PYTHONUNBUFFERED=1
+@@{standby_env}
 @@{rank_env}
 # The launcher ignores TERM/USR1 (see "train"), so it must not install handlers for them
 # (torchrun reads PET_SIGNALS_TO_HANDLE; older releases TORCHELASTIC_SIGNALS_TO_HANDLE). When
@@ -414,10 +433,10 @@ if [ -z "$SIGNALED_BY" ] && [ "$HEALTHY" = 1 ]; then
     # signals and so do helper processes the ranks start early; the ranks install their own
     # handlers once training starts.
     srun @@{srun_args} \
-        bash -c 'trap "" TERM USR1; exec "$@"' launcher \
+        bash -c 'trap "" TERM USR1; @@{standby_start}exec "$@"' launcher \
         @@{launcher} --nnodes="$SLURM_NNODES" --nproc-per-node=@@{nproc} \
         --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \
-        -m pretrain --config "$CONFIG" &
+        -m @@{worker_module} --config "$CONFIG" &
     SRUN_PID=$!
     # A trapped signal interrupts `wait` while srun still runs: keep waiting until it ends.
     while :; do

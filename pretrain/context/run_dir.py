@@ -84,6 +84,11 @@ class RunDir:
         return self.path / "attempts"
 
     @property
+    def standby_exits_dir(self) -> Path:
+        """A standby server's record of each worker it reaped (``<host>.jsonl``)."""
+        return self.attempts_dir / "standby"
+
+    @property
     def lease_path(self) -> Path:
         return self.path / "LEASE"
 

@@ -6,7 +6,7 @@ import logging
 import os
 from pathlib import Path
 
-from pretrain.context import exit_codes
+from pretrain.context import exit_codes, startup_clock
 from pretrain.context.failures import Failure, classify
 from pretrain.context.run_dir import RunDir
 from pretrain.platform.distributed import DistEnv, broadcast_object, init_distributed, shutdown
@@ -30,6 +30,7 @@ def train(run: RunConfig, device: str, dp: int) -> int:
             "deterministic kernels on (train.deterministic); env set: %s", make_deterministic()
         )
     env = init_distributed(device)
+    startup_clock.mark("process_group")
     run_dir = Path(run.output_dir) / run.run_id
     problem = broadcast_object(_make_run_dir(run_dir) if env.rank == 0 else None)
     if problem is not None:
@@ -50,7 +51,9 @@ def train(run: RunConfig, device: str, dp: int) -> int:
             run = hook.configure(run, dp)
         if env.rank == 0:
             _write_config(run_dir, run)  # as trained: after restore planning adjusted it
+        startup_clock.mark("setup")
         trainer = Trainer(run, env, dp, run_dir, hooks)
+        startup_clock.mark("model_build")
         trainer.fit()
         code = trainer.exit_code
     except Exception as exc:  # noqa: BLE001 - every failure gets its class and exit code

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pretrain.context import startup_clock
 from pretrain.context.failures import NonFiniteError
 from pretrain.context.run_dir import RunDir, append_jsonl
 from pretrain.data import dataset as data
@@ -340,6 +341,7 @@ class Trainer:
                 return
             self.faults.before_step(self.state.step + 1)
             result = self.train_step()
+            startup_clock.mark("first_step")
             self._log(result)
             if result.anomaly is not None and not self._answer_anomaly(result):
                 continue  # rolled back: the loop goes on from the restored step

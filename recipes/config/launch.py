@@ -217,6 +217,9 @@ class LaunchConfig:
     nodes: int = 1  # nodes (one launcher each)
     nproc_per_node: int = 1  # ranks per node
     gpus_per_node: int = 0  # 0: CPU; else one GPU per rank
+    # A standby per node that has imported torch, megatron-core and the trainer and forks each
+    # worker the launcher starts (restarts skip the imports; docs/fault-tolerance.md)
+    standby: bool = False
     # The GPU the fit check plans for before a Slurm or Kubernetes submission (`python -m
     # pretrain --plan`): h100-80gb | h200-141gb | a100-80gb | a100-40gb | its memory in GiB.
     gpu: str = "h100-80gb"

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from pretrain.context import exit_codes
+from pretrain.context import exit_codes, startup_clock
 from pretrain.context.failures import ClassifiedError, classify
 from pretrain.data.dataset import dataset_fingerprint
 from pretrain.platform.compat import fix_orphaned_writer_manager
@@ -555,6 +555,7 @@ class Checkpointer:
         try:
             loaded = self._load_shards(step_dir / MODEL_DIR, manifest)
             rank_state = state_io.load_rank_state(step_dir, self.rank) if same_layout else None
+            startup_clock.mark("restore_read")
             self.apply_loaded(
                 loaded,
                 train_state,
@@ -623,6 +624,7 @@ class Checkpointer:
             trainer.state.consumed_samples,
         )
         self.restored_step, self.restored_tier = restored
+        startup_clock.mark("restore_load")
 
     def _load_shards(self, model_dir: Path, manifest: Manifest) -> dict[str, Any]:
         # megatron-core: imported after the CPU shim is applied (pretrain/platform/distributed.py)

@@ -9,6 +9,7 @@ from pathlib import Path
 from pretrain.context.run_dir import RunDir
 from resiliency.cli.base import EXIT_OK, EXIT_USAGE, Command
 from resiliency.monitor.goodput import build_ledger, format_ledger
+from resiliency.monitor.recovery import format_recovery, recoveries
 
 
 def _add_args(parser: argparse.ArgumentParser) -> None:
@@ -20,8 +21,13 @@ def cmd_goodput(args: argparse.Namespace) -> int:
     if not RunDir(args.run_dir).attempts_dir.is_dir():
         print(f"error: {args.run_dir} is not a run dir (no attempts/ in it)")
         return EXIT_USAGE
-    ledger = build_ledger(args.run_dir)
-    print(json.dumps(ledger.to_dict(), indent=1) if args.json else format_ledger(ledger))
+    ledger, faults = build_ledger(args.run_dir), recoveries(args.run_dir)
+    if args.json:
+        print(json.dumps({**ledger.to_dict(), "recoveries": faults}, indent=1))
+        return EXIT_OK
+    print(format_ledger(ledger))
+    for attempt, rto in faults.items():
+        print(format_recovery(attempt, rto))
     return EXIT_OK
 
 
@@ -31,6 +37,8 @@ COMMANDS = {
         _add_args,
         cmd_goodput,
         epilog="Categories: productive, lost (recomputed), checkpoint_save, evaluation, "
-        "startup, restore, downtime (between attempts), other; they add up to the wall time.",
+        "startup, restore, downtime (between attempts), other; they add up to the wall time. "
+        "Then, per fault, its recovery ledger: detection, teardown, spawn, imports, process "
+        "group, setup, model build, restore read and load, first step, and the work lost.",
     ),
 }

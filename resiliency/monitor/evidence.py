@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING, Any
 import psutil
 import torch.distributed as dist
 
+from pretrain.context import startup_clock
 from pretrain.context.failures import Failure, classify
+from pretrain.context.startup_clock import host_clock, host_identity
 from pretrain.train.hooks import StepResult, TrainHook
 from resiliency.monitor.postmortem import failure_path, last_step_between, lost_steps, read_record
 from resiliency.monitor.stacks import COLLECTIVE_MARKERS
@@ -59,6 +61,7 @@ def write_failure_file(path: Path, rank: int, exc: BaseException, step: int | No
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "time": time.time(),
+        "clock": host_clock(),
         "step": step,
         "failure_class": failure.kind,
         "exit_code": failure.exit_code,
@@ -137,6 +140,8 @@ class AttemptEvidenceHook(TrainHook):
             ranks=self.ranks,
             hosts=hosts,
             startup=dict(self.times),
+            # rank 0's start-up phases on its host's clock: the recovery ledger's second half
+            startup_clock={**host_identity(), "marks": startup_clock.marks()},
             **extra,
         )
 

@@ -12,10 +12,9 @@ A hang (a rank monitor fired, nobody raised) is attributed by :mod:`resiliency.m
 from liveness heartbeats and stacks; the record keeps its reasoning under ``hang``, and says
 ``"undetermined"`` where the evidence cannot tell.
 
-RTO of a failed attempt, from timestamps: detection (the failing rank's last progress -> the
-launcher notices; for a hang, its last heartbeat or section start), teardown
-(-> old group gone), restart (-> new trainer configured), init (-> restore starts), load
-(-> first step starts), first step.
+RTO of a failed attempt: the recovery ledger of :mod:`resiliency.monitor.recovery` (detection,
+teardown, spawn, imports, process group, setup, model build, restore read and load, first
+step, and the work lost), built from the launcher's log and the next attempt's own marks.
 """
 
 from __future__ import annotations
@@ -30,7 +29,15 @@ from typing import Any
 
 from pretrain.context import exit_codes
 from pretrain.context.run_dir import RunDir, iter_jsonl
+from pretrain.context.startup_clock import host_identity
 from resiliency.monitor.attribution import UNDETERMINED, attribute_hang, last_progress
+from resiliency.monitor.recovery import (
+    fault_moment,
+    reaped_ranks,
+    recovery_ledger,
+    save_in_flight,
+    wall_to_clock_offset,
+)
 from resiliency.monitor.stacks import STACKS_DIR, read_stack_dump
 from resiliency.storage.layout import RunLayout, atomic_write_json
 
@@ -93,8 +100,14 @@ class LauncherEvents:
     exits: list[dict[str, Any]] = field(default_factory=list)
     monitor_timeouts: list[dict[str, Any]] = field(default_factory=list)
     launches: list[list[float]] = field(default_factory=list)  # [start, end] per launcher run
+    # host clock - wall clock as the reader saw it (None: not read live; the ledger measures it)
+    clock_offset: float | None = None
+    host: dict[str, str] = field(default_factory=host_identity)  # the reader's host and boot
 
-    def feed(self, line: str, now: float) -> None:
+    def feed(self, line: str, now: float, clock: float | None = None) -> None:
+        """``now``: the wall time the line arrived; ``clock``: the host clock then."""
+        if clock is not None:
+            self.clock_offset = clock - now
         # The launcher's own stamp where the line has one: a reader that falls behind (a full
         # pipe downstream) must not move the events in time.
         now = _stamp(line) or now
@@ -193,6 +206,7 @@ def _from_failure_file(data: dict[str, Any]) -> dict[str, Any]:
         "cause": data.get("cause", data["failure_class"]),
         "victim": victim,
         "detail": data.get("message", "")[:500],
+        "clock": data.get("clock"),  # the rank's host clock when it failed
     }
 
 
@@ -270,6 +284,9 @@ def collect_evidence(
     by_rank = {
         rank: _from_exit(rank, event) for rank, event in rank_exits(record, events, window).items()
     }
+    for rank, event in reaped_ranks(layout.run_dir, record, window).items():
+        # The standby that forked the worker saw its end first-hand, before the launcher did.
+        by_rank[rank] = {**_from_exit(rank, event), "source": "standby"}
     for rank, dump in rank_stacks(layout, attempt, window).items():
         if dump.get("dumped"):
             by_rank[rank] = _from_stack(dump)
@@ -284,29 +301,35 @@ def _first_after(times: list[float], after: float, before: float) -> float | Non
 
 
 def recovery_times(
-    failure_at: float, window_end: float, events: LauncherEvents, startup: dict[str, float]
-) -> dict[str, float | None]:
-    detected = _first_after(events.detections, failure_at - 1.0, window_end)
+    layout: RunLayout,
+    record: dict[str, Any],
+    first: dict[str, Any],
+    following: dict[str, Any],
+    events: LauncherEvents,
+    window: tuple[float, float],
+) -> dict[str, Any]:
+    """The recovery ledger of ``first`` (the attempt's root failure), up to ``following``'s
+    first step: the launcher's moments from its log, the new rank 0's from its own marks."""
+    offset = events.clock_offset if events.clock_offset is not None else wall_to_clock_offset()
+    fault, source = fault_moment(layout.run_dir, first, record, offset)
+    ends = [end for _, end in events.launches]
+    detected = _first_after(events.detections, fault - offset - 1.0, window[1])
     if detected is None:
-        detected = _first_after([end for _, end in events.launches], failure_at, float("inf"))
-    teardown = None
+        detected = _first_after(ends, fault - offset, float("inf"))
+    if detected is not None and source.endswith("(wall clock)"):
+        # Only the launcher saw this death: it cannot have seen it before it happened.
+        fault = min(fault, detected + offset)
+    torn_down = None
     if detected is not None:
-        teardown = _first_after(
-            events.joins + [end for _, end in events.launches], detected, float("inf")
-        )
-    points = [
-        ("detection_s", failure_at, detected),
-        ("teardown_s", detected, teardown),
-        ("restart_s", teardown, startup.get("configure_at")),
-        ("init_s", startup.get("configure_at"), startup.get("load_started_at")),
-        ("load_s", startup.get("load_started_at"), startup.get("first_step_started_at")),
-        ("first_step_s", startup.get("first_step_started_at"), startup.get("first_step_done_at")),
-    ]
-    rto: dict[str, float | None] = {"failure_at": failure_at, "detected_at": detected}
-    for name, start, end in points:
-        rto[name] = None if start is None or end is None else round(max(0.0, end - start), 3)
-    done = startup.get("first_step_done_at")
-    rto["total_s"] = None if done is None else round(done - failure_at, 3)
+        torn_down = _first_after(events.joins + ends, detected, float("inf"))
+    rto = recovery_ledger(
+        (fault, source),
+        None if detected is None else detected + offset,
+        None if torn_down is None else torn_down + offset,
+        following,
+        events.host,
+    )
+    rto["failure_at"] = round(fault - offset, 3)  # wall clock, as every other record time
     return rto
 
 
@@ -352,7 +375,10 @@ def summarize(
         first = _hang_culprit(summary["hang"], dumps, evidence)
     summary.update(_failure_fields(record, first, evidence))
     if first is not None and following is not None:
-        summary["rto"] = recovery_times(first["time"], end, events, following.get("startup", {}))
+        rto = recovery_times(layout, record, first, following, events, (start, end))
+        flight = save_in_flight(layout.run_dir, (start, end), following.get("restored_step"))
+        rto["work_lost"] = {"steps": lost, "save_in_flight": flight}
+        summary["rto"] = rto
     return summary
 
 
@@ -401,6 +427,8 @@ def _exit_codes(
     clean = record.get("exit_code") if record.get("status") in ("finished", "preempted") else None
     codes: dict[str, Any] = {str(r["rank"]): clean for r in record.get("ranks", [])}
     codes.update({str(r): e["exit_code"] for r, e in rank_exits(record, events, window).items()})
+    reaped = reaped_ranks(layout.run_dir, record, window)
+    codes.update({str(r): e["exit_code"] for r, e in reaped.items()})
     codes.update({str(r): f["exit_code"] for r, f in rank_failures(layout, attempt).items()})
     return codes
 

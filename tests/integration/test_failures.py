@@ -141,7 +141,7 @@ def test_three_infrastructure_failures_exhaust_a_budget_of_two(
     for record in records:
         assert record["failure_class"] == "infrastructure" and record["first_failing_rank"] == 1
         assert record["exit_codes"]["1"] == -9 and record["failure_cause"] == "killed by SIGKILL"
-    assert records[0]["rto"]["restart_s"] is not None
+    assert records[0]["rto"]["spawn_s"] is not None
     assert "retry budget exhausted" in proc.stderr
 
 

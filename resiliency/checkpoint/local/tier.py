@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from pretrain.context import startup_clock
 from recipes import ConfigError
 from resiliency.checkpoint import rank_state as state_io
 from resiliency.checkpoint.local.store import VerifiedLocalManager, node_rank, ranks_per_node
@@ -156,6 +157,7 @@ class LocalTier:
         )
         sharded["rank_state"] = rank_state_object(None)
         loaded = tasd.to_state_dict(sharded, algo=ALGO)
+        startup_clock.mark("restore_read")
         self.checkpointer.apply_loaded(
             loaded,
             loaded["train_state"],

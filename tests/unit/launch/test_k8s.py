@@ -76,6 +76,18 @@ def test_rendered_job_validates_against_crd(recipe: str, tmp_path: Path) -> None
     assert container(job)["command"][-2:] == ["--config", "/etc/mcore-recipes/launch-config.yaml"]
 
 
+def test_standby_workers_render() -> None:
+    plan, rendered = k8s.render_run([*RECIPES["gpt_tiny"], *BASE, "launch.standby=true"])
+    command = container(rendered.job)["command"]
+    run_dir = command[command.index("--standby") + 1]  # the pod's view of the run dir
+    assert run_dir.endswith(f"/{plan.run.run_id}")
+    assert command[command.index("--state-dir") + 1] == f"{run_dir}/k8s/retries"
+    assert command[command.index("--") + 1 : command.index("--") + 3] == [
+        "-m",
+        "launch.standby.worker",
+    ]
+
+
 def test_optional_knobs_render() -> None:
     _, rendered = k8s.render_run(RECIPES["gpt_tiny"] + BASE)
     job = rendered.job

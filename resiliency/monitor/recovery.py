@@ -1,0 +1,186 @@
+"""The recovery ledger of one fault: where the time from the fault to the first step of the
+attempt that recovered from it went, phase by phase.
+
+Each boundary is a moment some process saw with its own eyes, on its host's clock
+(:mod:`pretrain.context.startup_clock`, ``CLOCK_BOOTTIME``), so the phases add up to the
+recovery's wall time because the boundaries meet, not because one phase is the remainder:
+
+- ``fault``: the failing worker's death as its parent reaped it (the standby server,
+  :mod:`launch.standby`), else the moment the failing rank recorded its own failure, else
+  the launcher's log line (then detection reads 0: nobody saw the death sooner);
+- ``detection``: -> the launcher logged the worker group failed (its log's stamp);
+- ``teardown``: -> the launcher began the next round (every old rank gone), or exited;
+- ``spawn``: -> the kernel started the new rank 0 (its standby worker where one was used);
+- then the new rank 0's own marks: imports, process group, setup, model build, restore read,
+  restore load, first step.
+
+A missing mark (no restore: nothing read) is a phase of 0 s named in ``absent``. The launcher's
+boundaries come from its log's wall-clock stamps, moved onto the host clock by the offset the
+reader measured as it read them; they are only comparable when rank 0 of the next attempt ran
+on the launcher's host and boot (else ``cross_host``: the launcher's phases are None).
+
+The work lost with the fault: the steps done after the checkpoint the next attempt restored,
+and the persistent save that was in flight (started, never committed).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from pretrain.context.run_dir import RunDir, read_jsonl
+from pretrain.context.startup_clock import PHASES as PROCESS_PHASES
+from pretrain.context.startup_clock import host_clock
+from resiliency.storage.attempts import read_attempt_record, recorded_attempts
+from resiliency.storage.layout import RunLayout
+
+LAUNCHER_PHASES = ("detection", "teardown", "spawn")
+PHASES = LAUNCHER_PHASES + PROCESS_PHASES
+
+
+def wall_to_clock_offset() -> float:
+    """host clock - wall clock, now (the same on this host until NTP steps the wall clock)."""
+    return host_clock() - time.time()
+
+
+def worker_exits(run_dir: Path, pids: set[int], window: tuple[float, float]) -> list[dict]:
+    """The standby servers' records of ``pids`` ending in the wall ``window``, first first."""
+    exits = [
+        e
+        for path in RunDir(run_dir).standby_exits_dir.glob("*.jsonl")
+        for e in read_jsonl(path)
+        if e.get("pid") in pids and window[0] <= e.get("wall", -1.0) <= window[1]
+    ]
+    return sorted(exits, key=lambda e: e["clock"])
+
+
+def reaped_ranks(
+    run_dir: Path, record: dict[str, Any], window: tuple[float, float]
+) -> dict[int, dict[str, Any]]:
+    """rank -> how its worker ended, as the standby that forked it saw (pids from the
+    attempt's rank inventory); the exit code is -N for a signal, as the launcher logs it."""
+    pid_rank = {r["pid"]: r["rank"] for r in record.get("ranks", [])}
+    found: dict[int, dict[str, Any]] = {}
+    for event in worker_exits(run_dir, set(pid_rank), window):
+        code = -event["signal"] if "signal" in event else event.get("exit_code")
+        found.setdefault(
+            pid_rank[event["pid"]], {**event, "time": event["wall"], "exit_code": code}
+        )
+    return found
+
+
+def fault_moment(
+    run_dir: Path, failure: dict[str, Any], record: dict[str, Any], offset: float
+) -> tuple[float, str]:
+    """(host clock, source) of the fault behind ``failure`` (postmortem's first failure)."""
+    begin = float(record.get("start_time", 0.0))
+    reaped = reaped_ranks(run_dir, record, (begin, failure["time"] + 60.0)).get(failure["rank"])
+    if reaped is not None and reaped["clock"] <= failure["time"] + offset + 1e-3:
+        return float(reaped["clock"]), "standby: the worker's parent reaped it"
+    if failure.get("clock") is not None:
+        return float(failure["clock"]), "the rank's own failure record"
+    return failure["time"] + offset, f"{failure['source']} (wall clock)"
+
+
+def _boundaries(
+    fault: float,
+    detected: float | None,
+    torn_down: float | None,
+    startup: dict[str, Any],
+) -> list[tuple[str, float | None]]:
+    marks = startup.get("marks", {})
+    ends: list[tuple[str, float | None]] = [
+        ("detection", detected),
+        ("teardown", torn_down),
+        ("spawn", marks.get("spawned")),
+    ]
+    return [("fault", fault), *ends, *((p, marks.get(p)) for p in PROCESS_PHASES)]
+
+
+def recovery_ledger(
+    fault: tuple[float, str],
+    detected: float | None,
+    torn_down: float | None,
+    following: dict[str, Any],
+    launcher_host: dict[str, str],
+) -> dict[str, Any]:
+    """The phases from ``fault`` to the first step of ``following`` (the next attempt's
+    record); ``detected``/``torn_down``: the launcher's moments on the host clock."""
+    clock = following.get("startup_clock") or {}
+    same_host = {k: clock.get(k) for k in launcher_host} == launcher_host
+    points = _boundaries(fault[0], detected, torn_down, clock)
+    seconds: dict[str, float | None] = {}
+    absent: list[str] = []
+    previous: float | None = fault[0]
+    for name, moment in points[1:]:
+        if name in LAUNCHER_PHASES and not same_host:
+            seconds[f"{name}_s"], previous = None, None
+            continue
+        if moment is None and name in ("restore_read", "restore_load"):
+            absent.append(name)
+            moment = previous
+        if moment is None or previous is None:
+            seconds[f"{name}_s"] = None
+        else:
+            seconds[f"{name}_s"] = round(moment - previous, 3)
+        previous = moment
+    done = clock.get("marks", {}).get("first_step")
+    return {
+        "clock": "CLOCK_BOOTTIME of " + launcher_host.get("host", "?"),
+        "fault_at_clock": round(fault[0], 3),
+        "fault_source": fault[1],
+        "detected_at": None if detected is None else round(detected, 3),
+        **seconds,
+        "total_s": None if done is None or not same_host else round(done - fault[0], 3),
+        "absent": absent,
+        **({} if same_host else {"cross_host": clock.get("host")}),
+    }
+
+
+def save_in_flight(run_dir: Path, window: tuple[float, float], restored: int | None) -> int | None:
+    """The newest persistent save started in ``window`` that never committed, if it is
+    newer than what the next attempt restored: its work went with the fault."""
+    committed = set(_published_steps(run_dir))
+    started = [
+        s["step"]
+        for s in read_jsonl(RunDir(run_dir).checkpoint_metrics)
+        if s.get("tier") == "persistent" and window[0] <= s.get("time", -1.0) <= window[1]
+    ]
+    lost = [s for s in started if s not in committed and s > (restored or 0)]
+    return max(lost, default=None)
+
+
+def _published_steps(run_dir: Path) -> list[int]:
+    return RunLayout.from_run_dir(run_dir).published_steps()
+
+
+def recoveries(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """attempt -> the recovery ledger of its fault, for every attempt a later one recovered."""
+    layout = RunLayout.from_run_dir(run_dir)
+    found = {}
+    for attempt in recorded_attempts(layout):
+        record = read_attempt_record(layout, attempt) or {}
+        if record.get("rto"):
+            found[attempt] = record["rto"]
+    return found
+
+
+def format_recovery(attempt: int, rto: dict[str, Any]) -> str:
+    """One line per phase of the recovery from ``attempt``'s fault."""
+    total = rto.get("total_s")
+    head = f"recovery from attempt {attempt}'s fault ({rto.get('fault_source', '?')})"
+    lines = [head + (f": {total:.2f} s to the next first step" if total is not None else "")]
+    for name in PHASES:
+        value = rto.get(f"{name}_s")
+        shown = "       n/a" if value is None else f"{value:8.3f} s"
+        none = "  (none)" if name in rto.get("absent", []) else ""
+        lines.append(f"  {name:<14} {shown}{none}")
+    lost = rto.get("work_lost") or {}
+    if lost:
+        flight = lost.get("save_in_flight")
+        lines.append(
+            f"  work lost: {lost.get('steps', 0)} step(s)"
+            + (f", the save of step {flight} in flight" if flight is not None else "")
+        )
+    return "\n".join(lines)
