@@ -1,4 +1,4 @@
-"""``python -m bench [--full]``: P1-P7 as ratios to baselines measured in the same run.
+"""``python -m bench [--full]``: P1-P8 as ratios to baselines measured in the same run.
 
 Quick (default): the tiny recipe, P1 P2 P3 P5, and P7 (object-store upload ÷ raw PUT).
 ``--full``: also the >= 1 GiB-state model for P1-P3, and P4 (hang detection). Every figure is
@@ -28,6 +28,7 @@ from typing import Any
 import psutil
 
 from bench import hang_detection, remote_upload
+from bench.recovery import bench_recovery
 from bench.table import table
 from pretrain.context.run_dir import RunDir, iter_jsonl
 
@@ -417,7 +418,7 @@ def bench_overhead(config: str, work: Path, data: str, reps: int) -> dict[str, A
     }
 
 
-SECTIONS = ("P1", "P2", "P3", "P4", "P5", "P6", "P7")
+SECTIONS = ("P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -450,7 +451,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     only = {s.strip().upper() for s in args.only.split(",") if s.strip()} or set(SECTIONS)
     if not args.full and not args.only:
-        only -= {"P4", "P6"}  # minutes each: full mode, or asked for by name
+        only -= {"P4", "P6", "P8"}  # minutes each: full mode, or asked for by name
     configs = list(CONFIGS) if args.full else ["tiny"]
     if args.configs:
         configs = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -498,6 +499,8 @@ def main(argv: list[str]) -> int:
             results["remote"] = section(
                 "P7", lambda: remote_upload.bench_remote(work / "remote", 32, 16, 3, 8)
             )
+        if "P8" in only:  # a kill per repetition, with and without standby workers
+            results["recovery"] = section("P8", lambda: bench_recovery(work, data, args.reps))
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -9,7 +9,7 @@ import sys
 
 from omegaconf import OmegaConf
 
-from pretrain.context import exit_codes, startup_clock
+from pretrain.context import exit_codes
 from pretrain.fit.timing import resolve_save_interval
 from pretrain.platform.logs import setup_logging
 from recipes import ConfigError, RunConfig, load_config, to_yaml
@@ -67,7 +67,6 @@ def main(argv: list[str]) -> int:
     # torch and megatron-core: not for --help/--cfg
     from pretrain.train.session import train
 
-    startup_clock.mark("imports")
     return train(run, device, dp)
 
 

@@ -14,6 +14,7 @@ from drill.soak.plan import IN_PLACE, PlannedFault, SoakRuns, clean_costs
 from pretrain.context.run_dir import RunDir, read_jsonl
 from resiliency.cli.capacity import predicted_goodput
 from resiliency.monitor.goodput import Ledger, build_ledger, format_ledger
+from resiliency.storage.layout import COMMITTED_NAME, RunLayout
 
 REPORT_NAME, PLOT_NAME = "soak.md", "soak.png"
 
@@ -108,22 +109,63 @@ class GoodputView:
     save_s: float
     restart_s: float | None
     mtbf_s: float | None
+    first_start_s: float = 0.0
+    first_save_extra_s: float = 0.0
+    in_flight_s: float = 0.0
 
 
 def goodput_view(runs: SoakRuns, outcomes: list[FaultOutcome]) -> GoodputView:
     """Measured goodput vs the planner's, fed the soak's own measured costs: the clean run's
-    mean blocking save, the mean RTO of the restarts, the realised wall time per fault."""
+    mean blocking save, its start and the extra blocking of an attempt's first save, an async
+    save's start -> commit (a fault then loses the save in flight), the mean recovery of the
+    restarts, the realised wall time per fault."""
     ledger = build_ledger(runs.run_dir("soak"))
-    save_s, _ = clean_costs(runs.run_dir("clean"))
+    clean = runs.run_dir("clean")
+    save_s, first_start_s = clean_costs(clean)
     rtos = [o.rto_s for o in outcomes if o.rto_s is not None]
     restart_s = statistics.fmean(rtos) if rtos else None
     fired = sum(o.fired for o in outcomes)
     mtbf_s = ledger.wall_s / fired if fired and ledger.wall_s else None
     interval_s = runs.save_every * runs.step_s
-    predicted = None
+    view = GoodputView(ledger, None, interval_s, save_s, restart_s, mtbf_s, first_start_s)
+    view.first_save_extra_s, view.in_flight_s = first_save_extra(clean), save_in_flight_s(clean)
     if restart_s is not None and mtbf_s:
-        predicted = predicted_goodput(interval_s, save_s, restart_s, mtbf_s)
-    return GoodputView(ledger, predicted, interval_s, save_s, restart_s, mtbf_s)
+        view.predicted = predicted_goodput(
+            interval_s,
+            save_s,
+            restart_s,
+            mtbf_s,
+            first_start_s=first_start_s,
+            train_s=runs.steps * runs.step_s,
+            first_save_extra_s=view.first_save_extra_s,
+            in_flight_s=view.in_flight_s,
+        )
+    return view
+
+
+def first_save_extra(run_dir: Path) -> float:
+    """What an attempt's first save blocks beyond a steady one: the staging dry run that
+    sizes its buffers (once per attempt, tier ``staging``) and the first save's excess."""
+    records = read_jsonl(RunDir(run_dir).checkpoint_metrics)
+    staging = sum(r["blocked_s"] for r in records if r.get("tier") == "staging")
+    saves = [r["blocked_s"] for r in records if r.get("tier") == "persistent"]
+    excess = saves[0] - statistics.median(saves[1:]) if len(saves) > 1 else 0.0
+    return staging + max(0.0, excess)
+
+
+def save_in_flight_s(run_dir: Path) -> float:
+    """The median time from a persistent save's start to its commit (the published step's
+    COMMITTED file, from the file system): a fault in that window loses the save too."""
+    windows = []
+    layout = RunLayout.from_run_dir(run_dir)
+    for record in read_jsonl(RunDir(run_dir).checkpoint_metrics):
+        if record.get("tier") != "persistent":
+            continue
+        committed = layout.step_dir(record["step"]) / COMMITTED_NAME
+        if committed.exists():
+            started = record["time"] - record["blocked_s"]
+            windows.append(max(0.0, committed.stat().st_mtime - started))
+    return statistics.median(windows) if windows else 0.0
 
 
 def judge(runs: SoakRuns) -> Verdict:
@@ -172,6 +214,9 @@ def _record(runs: SoakRuns, verdict: Verdict, view: GoodputView) -> dict[str, An
             "save_s": view.save_s,
             "restart_s": view.restart_s,
             "mtbf_s": view.mtbf_s,
+            "first_start_s": view.first_start_s,
+            "first_save_extra_s": view.first_save_extra_s,
+            "in_flight_s": view.in_flight_s,
         },
     }
 
@@ -218,6 +263,8 @@ def _goodput_lines(view: GoodputView) -> list[str]:
         f"- predicted by the planner (Young/Daly, `resiliency.cli.capacity.predicted_goodput`) "
         f"for the measured costs: {_fmt(view.predicted and 100 * view.predicted)} % "
         f"(save every {view.interval_s:.1f} s of training, blocking save {view.save_s:.2f} s, "
+        f"first start {view.first_start_s:.2f} s, an attempt's first save "
+        f"+{view.first_save_extra_s:.2f} s, save in flight {view.in_flight_s:.2f} s, "
         f"mean RTO {_fmt(view.restart_s, 2)} s, realised MTBF {_fmt(view.mtbf_s)} s of wall)",
         f"- measured / predicted: {_fmt(ratio, 3)}",
         "",

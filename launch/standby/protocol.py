@@ -44,7 +44,11 @@ def address(run_dir: Path) -> str:
 
 
 def bindable(name: str) -> str:
-    """``name`` as bind/connect take it: a leading ``@`` is the abstract namespace's NUL."""
+    """``name`` as bind/connect take it, on this node: a leading ``@`` is the abstract
+    namespace's NUL; under Slurm the node's name is appended, so that several nodes of one
+    host (a test cluster, or nodes sharing a network namespace) keep their standbys apart."""
+    node = os.environ.get("SLURMD_NODENAME")
+    name = f"{name}-{node}" if node else name
     return "\0" + name[1:] if name.startswith("@") else name
 
 

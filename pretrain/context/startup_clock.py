@@ -24,7 +24,7 @@ from pathlib import Path
 # the launcher spawned the standby worker, not the forked process that trains.
 SPAWNED_ENV = "MCORE_RECIPES_SPAWNED_CLOCK"
 PHASES = (
-    "imports",  # spawn -> torch, megatron-core and the trainer imported
+    "imports",  # spawn -> torch, megatron-core and the trainer imported (the CPU shim applied)
     "process_group",  # -> the default process group joined
     "setup",  # -> hooks built and configured: lease, attempt record, restore planned
     "model_build",  # -> model, optimizer and data built

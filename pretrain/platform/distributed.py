@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pretrain.context import startup_clock
 from pretrain.platform import compat, cpu_shim
 from recipes.config.parallel import ParallelConfig
 
@@ -51,6 +52,9 @@ def init_distributed(device: str, timeout_s: float = 600.0) -> DistEnv:
         log.debug("CPU shim patches: %s", applied)
         backend = "gloo"
     log.debug("megatron-core compat fixes: %s", compat.apply())
+    # The shim and the fixes import most of megatron-core: the imports end here, not at the
+    # trainer's import, so the process group's phase is the rendezvous alone.
+    startup_clock.mark("imports")
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")

@@ -108,14 +108,31 @@ class Interval:
         return max(1, round(self.young_s / step_s))
 
 
-def predicted_goodput(interval_s: float, save_s: float, restart_s: float, mtbf_s: float) -> float:
-    """The first-order (Young/Daly) goodput of saving every ``interval_s`` of training at a
-    blocking cost ``save_s`` each, with failures every ``mtbf_s`` of wall time, each costing
-    ``restart_s`` (detection to the first step again) plus half an interval of lost work:
-    wall = T (1 + C/tau) + (wall / M) (R + tau/2), so goodput = T / wall =
-    (1 - (R + tau/2) / M) / (1 + C/tau). 0 where failures come faster than recovery."""
-    lost = (restart_s + interval_s / 2) / mtbf_s
-    return max(0.0, 1.0 - lost) / (1.0 + save_s / interval_s)
+def predicted_goodput(
+    interval_s: float,
+    save_s: float,
+    restart_s: float,
+    mtbf_s: float,
+    *,
+    first_start_s: float = 0.0,
+    train_s: float | None = None,
+    first_save_extra_s: float = 0.0,
+    in_flight_s: float = 0.0,
+) -> float:
+    """The goodput of saving every ``interval_s`` of training at a blocking cost ``save_s``
+    each, with failures every ``mtbf_s`` of wall time (Young/Daly), and every cost a real run
+    pays besides: the first start ``first_start_s`` (launch -> first step, once per ``train_s``
+    of training), and per failure its recovery ``restart_s`` (fault -> the next first step: the
+    recovery ledger's total), the extra blocking of each attempt's first save, and the work
+    lost: half an interval on average, plus the save in flight (``in_flight_s``, an async save's
+    start -> commit: a fault then loses back to the save before it).
+
+    wall = S0 + T (1 + C/tau) + (wall / M) (R + C1 + tau/2 + W), so goodput = T / wall =
+    (1 - (R + C1 + tau/2 + W) / M) / (1 + C/tau + S0/T). 0 where failures come faster than
+    recovery."""
+    per_failure = restart_s + first_save_extra_s + interval_s / 2 + in_flight_s
+    start = first_start_s / train_s if train_s else 0.0
+    return max(0.0, 1.0 - per_failure / mtbf_s) / (1.0 + save_s / interval_s + start)
 
 
 def parse_count(text: str) -> float:

@@ -75,6 +75,15 @@ def write_failure_file(path: Path, rank: int, exc: BaseException, step: int | No
     return body
 
 
+def _spawned_wall() -> float:
+    """When the launcher spawned this worker, wall clock: a standby's fork is not the start
+    (the standby worker waited for it, which the start-up must count)."""
+    spawned = startup_clock.spawned_at()
+    if spawned is None:
+        return psutil.Process().create_time()
+    return spawned - (host_clock() - time.time())
+
+
 class AttemptEvidenceHook(TrainHook):
     """Startup clock and rank inventory of this attempt; per-rank failure files."""
 
@@ -87,7 +96,7 @@ class AttemptEvidenceHook(TrainHook):
     ) -> None:
         self.env, self.run_dir, self.ctx = env, run_dir, ctx
         self.lost_peer_grace_s = lost_peer_grace_s
-        self.times: dict[str, float] = {"process_start": psutil.Process().create_time()}
+        self.times: dict[str, float] = {"process_start": _spawned_wall()}
         self.ranks: list[dict[str, Any]] = []
 
     def configure(self, run: Any, dp: int) -> Any:

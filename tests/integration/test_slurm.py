@@ -23,6 +23,7 @@ from drill.jobs import SLURM_TERMINAL as TERMINAL  # states after which a job ne
 from launch.__main__ import main as launch_main
 from launch.retry_policy import REQUEUE, STOP, decide
 from pretrain.context import exit_codes
+from pretrain.context.run_dir import read_jsonl
 from resiliency.storage.layout import RunLayout, atomic_write_json
 from resiliency.storage.lease import RunLease
 from tests.helpers import REPO, read_steps
@@ -528,7 +529,9 @@ def background_jobs(
     raises: a deterministic user-code failure at step 3.
     """
     root = tmp_path_factory.mktemp("slurm")
-    extra = {"clean": [], "raises": ["train.fault=raise@3"]}
+    # The clean run's ranks are standby workers (launch.standby): they must train bit for bit
+    # as the plain ones of the preemption test, which compares its losses with these.
+    extra = {"clean": ["launch.standby=true"], "raises": ["train.fault=raise@3"]}
     return {
         name: (
             _submit([*_cluster_overrides(tiny_overrides, root, name), *more], slurm_env),
@@ -558,6 +561,11 @@ def test_job_runs_to_completion(clean_run: tuple[Path, dict]) -> None:
         context
     )
     assert json.loads((run_dir / "latest.json").read_text())["step"] == 40
+    # Every rank came from its node's standby (one per node, each forking its node's ranks).
+    log = "\n".join(p.read_text(errors="replace") for p in (run_dir / "slurm").glob("*.out"))
+    assert log.count("standby: ready for") == 2 and "starting plainly" not in log, context
+    reaped = [e for p in (run_dir / "attempts" / "standby").glob("*.jsonl") for e in read_jsonl(p)]
+    assert sorted(e.get("exit_code") for e in reaped) == [0, 0], reaped
     ls = subprocess.run(
         [sys.executable, "-m", "resiliency", "ls", str(run_dir)],
         cwd=REPO,

@@ -16,18 +16,16 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 
+from bench.recovery import kill_and_watch
 from launch.standby import protocol
 from resiliency.monitor.recovery import PHASES
 from tests.ft_helpers import attempts, base_overrides, clean_run, env, launch_cmd
 from tests.helpers import REPO, losses
-
-BOOT = time.CLOCK_BOOTTIME
 
 
 def _server(run_dir: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -99,51 +97,6 @@ def test_standby_is_fork_safe_and_hands_workers_their_streams_and_exit_codes(
     assert alone.returncode == 0 and "no standby server; starting plainly" in alone.stderr
 
 
-def _rank_workers(run_dir: Path) -> dict[int, psutil.Process]:
-    """rank -> the worker the standby forked (children named mcore-rank<R>)."""
-    found = {}
-    for proc in psutil.process_iter(["cmdline", "name"]):
-        cmdline = proc.info["cmdline"] or []
-        if "launch.standby.server" in cmdline and str(run_dir) in cmdline:
-            for child in proc.children():
-                name = child.name()
-                if name.startswith("mcore-rank"):
-                    found[int(name.removeprefix("mcore-rank"))] = child
-    return found
-
-
-def _kill_and_watch(
-    run_dir: Path, job: subprocess.Popen, rng: random.Random
-) -> tuple[float, float, int]:
-    """Kill a random rank's worker at a random moment of training; (kill, the new attempt's
-    first step) on the host clock as this test saw them, and the rank killed."""
-    steps = run_dir / "metrics" / "steps.jsonl"
-    deadline = time.time() + 180
-    # After the first save (step 4), so that the recovery restores: steps take ~0.15 s here,
-    # the kill lands anywhere in steps 5-10 of 12 (a step, a save, a commit).
-    while not (steps.exists() and len(steps.read_text().splitlines()) >= 5):
-        assert job.poll() is None and time.time() < deadline, "the job never trained"
-        time.sleep(0.02)
-    time.sleep(rng.uniform(0.0, 0.8))
-    victims = _rank_workers(run_dir)
-    rank = rng.randrange(len(victims))
-    old = {p.pid for p in victims.values()}
-    killed_at = time.clock_gettime(BOOT)
-    victims[rank].send_signal(signal.SIGKILL)
-    seen_lines = None
-    while time.time() < deadline:
-        assert job.poll() is None, "the job ended before it recovered"
-        lines = len(steps.read_text().splitlines())
-        if seen_lines is None:
-            fresh = _rank_workers(run_dir).get(0)
-            if fresh is not None and fresh.pid not in old:
-                seen_lines = lines  # the new rank 0 exists: its first step is the next line
-        elif lines > seen_lines:
-            return killed_at, time.clock_gettime(BOOT), rank
-        time.sleep(0.02)
-    raise AssertionError("no first step after the kill")
-
-
 @pytest.mark.slow
 @pytest.mark.current_stack
 def test_killed_worker_recovers_bit_exact_with_a_ledger_that_adds_up(
@@ -161,7 +114,7 @@ def test_killed_worker_recovers_bit_exact_with_a_ledger_that_adds_up(
             launch_cmd(overrides, max_restarts=1), cwd=REPO, env=env(), stderr=sink, text=True
         )
         try:
-            killed_at, first_step_seen, rank = _kill_and_watch(run_dir, job, rng)
+            killed_at, first_step_seen, rank = kill_and_watch(run_dir, job, rng)
             assert job.wait(timeout=240) == 0, log.read_text()[-6000:]
         finally:
             if job.poll() is None:
