@@ -127,7 +127,11 @@ def test_retry_budget_counts_unplanned_restarts(tmp_path: Path) -> None:
 
 
 def _pod_entry(
-    tmp_path: Path, retries: int, env: dict[str, str], launcher_args: list[str]
+    tmp_path: Path,
+    retries: int,
+    env: dict[str, str],
+    launcher_args: list[str],
+    entry_args: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess:
     """The pod's entry point, as the manifest runs it, with state under ``tmp_path``."""
     return subprocess.run(
@@ -139,6 +143,7 @@ def _pod_entry(
             str(retries),
             "--state-dir",
             str(tmp_path / "state"),
+            *entry_args,
             "--",
             *launcher_args,
         ],
@@ -148,6 +153,22 @@ def _pod_entry(
         text=True,
         timeout=120,
     )
+
+
+def test_pod_entry_starts_the_standby_its_workers_are_forked_from(tmp_path: Path) -> None:
+    """launch.standby in a pod: the entry starts the standby before torchrun; both ranks are
+    forked by it (its reaping record), and their exit code (a config error) is the pod's."""
+    run_dir = tmp_path / "run"
+    env = {"MCORE_RECIPES_JOB_ID": "job-test"}
+    workers = ["--standalone", "--nproc-per-node", "2", "-m", "launch.standby.worker"]
+    proc = _pod_entry(
+        tmp_path, 1, env, [*workers, "recipe=no_such_recipe"], ("--standby", str(run_dir))
+    )
+    assert proc.returncode == exit_codes.CONFIG_ERROR, proc.stderr[-3000:]
+    assert "standby: ready" in proc.stderr and "starting plainly" not in proc.stderr
+    reaped = (run_dir / "attempts" / "standby").glob("*.jsonl")
+    codes = [json.loads(line)["exit_code"] for p in reaped for line in p.read_text().splitlines()]
+    assert codes == [exit_codes.CONFIG_ERROR] * 2
 
 
 def test_wrapper_recovers_the_worker_exit_code_torchrun_drops(tmp_path: Path) -> None:
