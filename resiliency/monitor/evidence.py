@@ -62,6 +62,7 @@ def write_failure_file(path: Path, rank: int, exc: BaseException, step: int | No
         "pid": os.getpid(),
         "time": time.time(),
         "clock": host_clock(),
+        "boot_id": host_identity()["boot_id"],
         "step": step,
         "failure_class": failure.kind,
         "exit_code": failure.exit_code,

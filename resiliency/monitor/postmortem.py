@@ -206,7 +206,9 @@ def _from_failure_file(data: dict[str, Any]) -> dict[str, Any]:
         "cause": data.get("cause", data["failure_class"]),
         "victim": victim,
         "detail": data.get("message", "")[:500],
-        "clock": data.get("clock"),  # the rank's host clock when it failed
+        "clock": data.get("clock"),  # the rank's host clock when it failed, and whose
+        "host": data.get("host"),
+        "boot_id": data.get("boot_id"),
     }
 
 
@@ -311,7 +313,7 @@ def recovery_times(
     """The recovery ledger of ``first`` (the attempt's root failure), up to ``following``'s
     first step: the launcher's moments from its log, the new rank 0's from its own marks."""
     offset = events.clock_offset if events.clock_offset is not None else wall_to_clock_offset()
-    fault, source = fault_moment(layout.run_dir, first, record, offset)
+    fault, source, whose = fault_moment(layout.run_dir, first, record, offset, events.host)
     ends = [end for _, end in events.launches]
     detected = _first_after(events.detections, fault - offset - 1.0, window[1])
     if detected is None:
@@ -323,7 +325,7 @@ def recovery_times(
     if detected is not None:
         torn_down = _first_after(events.joins + ends, detected, float("inf"))
     rto = recovery_ledger(
-        (fault, source),
+        (fault, source, whose),
         None if detected is None else detected + offset,
         None if torn_down is None else torn_down + offset,
         following,

@@ -70,71 +70,77 @@ def reaped_ranks(
     return found
 
 
+Moment = tuple[float | None, str]  # (host clock, whose clock: "host/boot")
+
+
+def clock_of(identity: dict[str, Any]) -> str:
+    """Whose clock a stamp was read from (stamps compare only within one host and boot)."""
+    return f"{identity.get('host')}/{identity.get('boot_id')}"
+
+
 def fault_moment(
-    run_dir: Path, failure: dict[str, Any], record: dict[str, Any], offset: float
-) -> tuple[float, str]:
-    """(host clock, source) of the fault behind ``failure`` (postmortem's first failure)."""
+    run_dir: Path,
+    failure: dict[str, Any],
+    record: dict[str, Any],
+    offset: float,
+    reader: dict[str, str],
+) -> tuple[float, str, str]:
+    """(host clock, source, whose clock) of the fault behind ``failure`` (postmortem's first
+    failure); ``offset``/``reader``: the launcher log reader's wall-to-clock offset and host."""
     begin = float(record.get("start_time", 0.0))
     reaped = reaped_ranks(run_dir, record, (begin, failure["time"] + 60.0)).get(failure["rank"])
-    if reaped is not None and reaped["clock"] <= failure["time"] + offset + 1e-3:
-        return float(reaped["clock"]), "standby: the worker's parent reaped it"
+    if reaped is not None and reaped["wall"] <= failure["time"] + 1e-3:
+        return float(reaped["clock"]), "standby: the worker's parent reaped it", clock_of(reaped)
     if failure.get("clock") is not None:
-        return float(failure["clock"]), "the rank's own failure record"
-    return failure["time"] + offset, f"{failure['source']} (wall clock)"
+        return float(failure["clock"]), "the rank's own failure record", clock_of(failure)
+    return failure["time"] + offset, f"{failure['source']} (wall clock)", clock_of(reader)
 
 
-def _boundaries(
-    fault: float,
-    detected: float | None,
-    torn_down: float | None,
-    startup: dict[str, Any],
-) -> list[tuple[str, float | None]]:
-    marks = startup.get("marks", {})
-    ends: list[tuple[str, float | None]] = [
-        ("detection", detected),
-        ("teardown", torn_down),
-        ("spawn", marks.get("spawned")),
-    ]
-    return [("fault", fault), *ends, *((p, marks.get(p)) for p in PROCESS_PHASES)]
+def _gap(start: Moment, end: Moment) -> float | None:
+    """end - start, when both are known and read from the same clock."""
+    if start[0] is None or end[0] is None or start[1] != end[1]:
+        return None
+    return round(end[0] - start[0], 3)
 
 
 def recovery_ledger(
-    fault: tuple[float, str],
+    fault: tuple[float, str, str],
     detected: float | None,
     torn_down: float | None,
     following: dict[str, Any],
-    launcher_host: dict[str, str],
+    reader: dict[str, str],
 ) -> dict[str, Any]:
     """The phases from ``fault`` to the first step of ``following`` (the next attempt's
-    record); ``detected``/``torn_down``: the launcher's moments on the host clock."""
-    clock = following.get("startup_clock") or {}
-    same_host = {k: clock.get(k) for k in launcher_host} == launcher_host
-    points = _boundaries(fault[0], detected, torn_down, clock)
+    record); ``detected``/``torn_down``: the launcher's moments on ``reader``'s clock. A
+    phase whose two ends were read from different hosts' clocks is None."""
+    startup = following.get("startup_clock") or {}
+    marks, rank0 = startup.get("marks", {}), clock_of(startup)
+    launcher = clock_of(reader)
+    points: list[tuple[str, Moment]] = [
+        ("detection", (detected, launcher)),
+        ("teardown", (torn_down, launcher)),
+        ("spawn", (marks.get("spawned"), rank0)),
+        *((p, (marks.get(p), rank0)) for p in PROCESS_PHASES),
+    ]
     seconds: dict[str, float | None] = {}
     absent: list[str] = []
-    previous: float | None = fault[0]
-    for name, moment in points[1:]:
-        if name in LAUNCHER_PHASES and not same_host:
-            seconds[f"{name}_s"], previous = None, None
-            continue
-        if moment is None and name in ("restore_read", "restore_load"):
-            absent.append(name)
+    previous: Moment = (fault[0], fault[2])
+    for name, moment in points:
+        if moment[0] is None and name in ("restore_read", "restore_load") and marks:
+            absent.append(name)  # nothing restored: the phase took no time
             moment = previous
-        if moment is None or previous is None:
-            seconds[f"{name}_s"] = None
-        else:
-            seconds[f"{name}_s"] = round(moment - previous, 3)
+        seconds[f"{name}_s"] = _gap(previous, moment)
         previous = moment
-    done = clock.get("marks", {}).get("first_step")
+    done = marks.get("first_step")
     return {
-        "clock": "CLOCK_BOOTTIME of " + launcher_host.get("host", "?"),
+        "clock": "CLOCK_BOOTTIME of " + launcher,
         "fault_at_clock": round(fault[0], 3),
         "fault_source": fault[1],
-        "detected_at": None if detected is None else round(detected, 3),
+        "detected_at_clock": None if detected is None else round(detected, 3),
         **seconds,
-        "total_s": None if done is None or not same_host else round(done - fault[0], 3),
+        "total_s": round(done - fault[0], 3) if done is not None and rank0 == fault[2] else None,
         "absent": absent,
-        **({} if same_host else {"cross_host": clock.get("host")}),
+        **({} if rank0 == launcher or not marks else {"cross_host": startup.get("host")}),
     }
 
 

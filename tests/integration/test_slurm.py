@@ -347,7 +347,7 @@ def test_render_gpus_container_and_ft_launcher(stdlib_corpus: str, tmp_path: Pat
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in _script(tmp_path, "tp1")
     # launch.standby: each node's launcher task starts its standby server, the ranks are its
     # standby workers, and both find it by the name the script exports.
-    assert "launch.standby" not in script
+    assert "launch.standby.server" not in script and "-m pretrain --config" in script
     assert _dry_run([*_base(stdlib_corpus, tmp_path, "sb"), "launch.standby=true"]) == 0
     standby = _script(tmp_path, "sb")
     assert '"$MCORE_RECIPES_STANDBY_PYTHON" -m launch.standby.server "$RUN_DIR" & exec' in standby

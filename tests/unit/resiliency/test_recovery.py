@@ -1,0 +1,91 @@
+"""The recovery ledger's arithmetic on hand-made stamps, and the honest planner's formula.
+
+The real-process proof (a kill from outside, the phases against the test's own clock) is
+tests/integration/test_standby.py; here the boundaries are chosen by hand, so every expected
+figure is a subtraction done in this file.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from resiliency.cli.capacity import predicted_goodput
+from resiliency.monitor.recovery import PHASES, format_recovery, recovery_ledger
+
+HOST = {"host": "node-a", "boot_id": "boot-1"}
+MARKS = {
+    "spawned": 103.0,
+    "imports": 104.5,
+    "process_group": 104.75,
+    "setup": 105.0,
+    "model_build": 105.5,
+    "restore_read": 106.25,
+    "restore_load": 106.5,
+    "first_step": 107.0,
+}
+
+
+def _following(marks: dict[str, float], host: dict[str, str] = HOST) -> dict:
+    return {"startup_clock": {**host, "marks": marks}}
+
+
+def test_phases_are_the_gaps_between_boundaries_seen_by_each_process() -> None:
+    rto = recovery_ledger(
+        (100.0, "standby", "node-a/boot-1"), 100.5, 102.0, _following(MARKS), HOST
+    )
+    expected = {
+        "detection_s": 0.5,
+        "teardown_s": 1.5,
+        "spawn_s": 1.0,
+        "imports_s": 1.5,
+        "process_group_s": 0.25,
+        "setup_s": 0.25,
+        "model_build_s": 0.5,
+        "restore_read_s": 0.75,
+        "restore_load_s": 0.25,
+        "first_step_s": 0.5,
+    }
+    assert {k: rto[k] for k in expected} == expected
+    assert rto["total_s"] == 7.0 == sum(expected.values())
+    assert rto["absent"] == [] and rto["fault_at_clock"] == 100.0
+    assert [f"{p}_s" for p in PHASES] == list(expected)
+
+
+def test_nothing_restored_reads_zero_and_says_so() -> None:
+    marks = {k: v for k, v in MARKS.items() if not k.startswith("restore")}
+    rto = recovery_ledger(
+        (100.0, "standby", "node-a/boot-1"), 100.5, 102.0, _following(marks), HOST
+    )
+    assert rto["restore_read_s"] == rto["restore_load_s"] == 0.0
+    assert rto["first_step_s"] == 1.5  # model built at 105.5, first step at 107
+    assert rto["absent"] == ["restore_read", "restore_load"]
+    assert "(none)" in format_recovery(1, rto)
+
+
+def test_phases_across_two_hosts_clocks_are_not_measured() -> None:
+    other = {"host": "node-b", "boot_id": "boot-2"}
+    rto = recovery_ledger(
+        (100.0, "standby", "node-a/boot-1"), 100.5, 102.0, _following(MARKS, other), HOST
+    )
+    # The fault and the launcher's moments on node-a's clock, the new rank 0's on node-b's.
+    assert (rto["detection_s"], rto["teardown_s"], rto["spawn_s"]) == (0.5, 1.5, None)
+    assert rto["imports_s"] == 1.5  # rank 0's own phases still compare with each other
+    assert rto["total_s"] is None and rto["cross_host"] == "node-b"
+
+
+def test_the_planner_counts_what_a_real_run_pays() -> None:
+    # Young/Daly alone: (1 - (60 + 50) / 3600) / (1 + 5 / 100)
+    assert predicted_goodput(100.0, 5.0, 60.0, 3600.0) == pytest.approx((1 - 110 / 3600) / 1.05)
+    # + a first start of 36 s per 3600 s of training, 4 s more for each attempt's first save,
+    # and a 6 s save in flight lost with each fault: (1 - 120 / 3600) / (1 + 0.05 + 0.01)
+    honest = predicted_goodput(
+        100.0,
+        5.0,
+        60.0,
+        3600.0,
+        first_start_s=36.0,
+        train_s=3600.0,
+        first_save_extra_s=4.0,
+        in_flight_s=6.0,
+    )
+    assert honest == pytest.approx((1 - 120 / 3600) / 1.06)
