@@ -315,7 +315,9 @@ def recovery_times(
     offset = events.clock_offset if events.clock_offset is not None else wall_to_clock_offset()
     fault, source, whose = fault_moment(layout.run_dir, first, record, offset, events.host)
     ends = [end for _, end in events.launches]
-    detected = _first_after(events.detections, fault - offset - 1.0, window[1])
+    # Not before the attempt began: a fast restart follows the previous detection closely.
+    after = max(fault - offset - 1.0, window[0])
+    detected = _first_after(events.detections, after, window[1])
     if detected is None:
         detected = _first_after(ends, fault - offset, float("inf"))
     if detected is not None and source.endswith("(wall clock)"):

@@ -132,9 +132,8 @@ def test_killed_rank_is_first_although_its_peer_reported_earlier(tmp_path: Path)
 def test_three_infrastructure_failures_exhaust_a_budget_of_two(
     tiny_overrides: list[str], tmp_path: Path
 ) -> None:
-    proc = launch_local(
-        [*base_overrides(tiny_overrides, tmp_path, "kills"), "train.fault=kill@1:1"], max_restarts=2
-    )
+    overrides = [*base_overrides(tiny_overrides, tmp_path, "kills"), "train.fault=kill@1:1"]
+    proc = launch_local([*overrides, "launch.standby=true"], max_restarts=2)  # fast restarts
     assert proc.returncode == exit_codes.RETRY_BUDGET_EXHAUSTED, proc.stderr[-6000:]
     records = attempts(tmp_path / "kills")
     assert len(records) == 3

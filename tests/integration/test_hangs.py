@@ -264,6 +264,7 @@ def test_stops_in_a_step_a_save_a_restore_and_an_eval_are_caught_and_resume_exac
     proc = launch_local(
         [
             *base_overrides(tiny_overrides, tmp_path, "stops"),
+            "launch.standby=true",  # its four restarts skip the imports (and prove them exact)
             "train.eval_interval=5",
             "train.eval_iters=2",
             f'train.fault="{faults}"',
