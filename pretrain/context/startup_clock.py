@@ -41,6 +41,11 @@ def host_clock() -> float:
     return time.clock_gettime(clock) if clock is not None else time.monotonic()
 
 
+def wall_to_clock_offset() -> float:
+    """host clock - wall clock, now (the same on this host until NTP steps the wall clock)."""
+    return host_clock() - time.time()
+
+
 def host_identity() -> dict[str, str]:
     """Which clock a stamp was read from: the host and its boot."""
     try:

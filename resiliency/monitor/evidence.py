@@ -82,7 +82,7 @@ def _spawned_wall() -> float:
     spawned = startup_clock.spawned_at()
     if spawned is None:
         return psutil.Process().create_time()
-    return spawned - (host_clock() - time.time())
+    return spawned - startup_clock.wall_to_clock_offset()
 
 
 class AttemptEvidenceHook(TrainHook):

@@ -29,14 +29,13 @@ from typing import Any
 
 from pretrain.context import exit_codes
 from pretrain.context.run_dir import RunDir, iter_jsonl
-from pretrain.context.startup_clock import host_identity
+from pretrain.context.startup_clock import host_identity, wall_to_clock_offset
 from resiliency.monitor.attribution import UNDETERMINED, attribute_hang, last_progress
 from resiliency.monitor.recovery import (
     fault_moment,
     reaped_ranks,
     recovery_ledger,
     save_in_flight,
-    wall_to_clock_offset,
 )
 from resiliency.monitor.stacks import STACKS_DIR, read_stack_dump
 from resiliency.storage.layout import RunLayout, atomic_write_json

@@ -25,23 +25,16 @@ and the persistent save that was in flight (started, never committed).
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 from pretrain.context.run_dir import RunDir, read_jsonl
 from pretrain.context.startup_clock import PHASES as PROCESS_PHASES
-from pretrain.context.startup_clock import host_clock
 from resiliency.storage.attempts import read_attempt_record, recorded_attempts
 from resiliency.storage.layout import RunLayout
 
 LAUNCHER_PHASES = ("detection", "teardown", "spawn")
 PHASES = LAUNCHER_PHASES + PROCESS_PHASES
-
-
-def wall_to_clock_offset() -> float:
-    """host clock - wall clock, now (the same on this host until NTP steps the wall clock)."""
-    return host_clock() - time.time()
 
 
 def worker_exits(run_dir: Path, pids: set[int], window: tuple[float, float]) -> list[dict]:
