@@ -14,6 +14,7 @@ import io
 import os
 import random
 import runpy
+import signal
 import sys
 import threading
 import traceback
@@ -43,6 +44,11 @@ def run_worker(request: dict[str, Any], fds: list[int]) -> int:
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     except SystemExit as exc:
         code = _exit_code(exc.code)
+    except KeyboardInterrupt:
+        # A fresh interpreter ends an uncaught Ctrl-C killed by SIGINT, as shells expect.
+        _shut_down(0)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     except BaseException:  # noqa: BLE001 - as the interpreter would: print it, exit 1
         traceback.print_exc()
         code = 1

@@ -69,7 +69,12 @@ def receive_request(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
             os.close(fd)
         raise ConnectionError("short request header")
     (size,) = _HEADER.unpack(header)
-    return json.loads(_read_exactly(sock, size)), list(fds)
+    try:
+        return json.loads(_read_exactly(sock, size)), list(fds)
+    except (OSError, ValueError):
+        for fd in fds:  # the worker's streams: not held open by a request that failed
+            os.close(fd)
+        raise
 
 
 def _read_exactly(sock: socket.socket, size: int) -> bytes:

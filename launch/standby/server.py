@@ -26,6 +26,7 @@ import os
 import select
 import signal
 import socket
+import struct
 import sys
 import time
 import warnings
@@ -48,6 +49,8 @@ PRELOAD = (
     "megatron.core.optimizer",
 )
 PR_SET_PDEATHSIG = 1
+WORKER_MODULE = "pretrain"
+REQUEST_TIMEOUT_S = 10.0
 
 
 def preload(modules: tuple[str, ...] = PRELOAD) -> float:
@@ -86,6 +89,7 @@ class Server:
         self.hazards: list[str] = []
         self.stopping = False
         self.wake_r, self.wake_w = socket.socketpair()
+        self.pid = os.getpid()
 
     def serve(self) -> None:
         self.wake_w.setblocking(False)
@@ -94,7 +98,8 @@ class Server:
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
         while not self.stopping or self.workers:
-            ready, _, _ = select.select([self.listener, self.wake_r, *self.workers], [], [], 5.0)
+            sources = [self.wake_r, *self.workers] + ([] if self.stopping else [self.listener])
+            ready, _, _ = select.select(sources, [], [], 5.0)
             for source in ready:
                 if source is self.listener and not self.stopping:
                     self._accept()
@@ -106,34 +111,59 @@ class Server:
 
     def _stop(self, signum: int, _frame: object) -> None:
         self.stopping = True
+        self.listener.close()  # new workers start plainly; the loop waits for its own
         for pid in self.workers.values():
             _kill(pid, signal.SIGTERM)
 
     def _accept(self) -> None:
         conn, _ = self.listener.accept()
+        # A standby worker sends its request at once; one that does not must not stall the
+        # loop every other worker waits on.
+        conn.settimeout(REQUEST_TIMEOUT_S)
         try:
             request, fds = protocol.receive_request(conn)
+            conn.settimeout(None)
         except (OSError, ValueError) as exc:
             log.warning("standby: bad request: %s", exc)
             conn.close()
             return
-        refused = self._refusal(request)
+        refused = self._refusal(request, conn)
         if refused:
             for fd in fds:
                 os.close(fd)
             protocol.send_message(conn, {"refused": refused})
             conn.close()
             return
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as exc:  # out of processes or memory: this worker starts plainly
+            pid = -1
+            refused = f"fork failed: {exc}"
         if pid == 0:
             self._become_worker(conn, request, fds)  # never returns
         for fd in fds:
             os.close(fd)
+        if pid < 0:
+            protocol.send_message(conn, {"refused": refused})
+            conn.close()
+            return
         self.workers[conn], self.lines[conn] = pid, protocol.Lines(conn)
-        protocol.send_message(conn, {"pid": pid})
+        try:
+            protocol.send_message(conn, {"pid": pid})
+        except OSError:  # its standby worker left while the request queued: so does the worker
+            _kill(pid, signal.SIGKILL)
+            self._forget(conn)
+            return
         log.info("standby: forked worker %d (RANK=%s)", pid, request["env"].get("RANK"))
 
-    def _refusal(self, request: dict[str, Any]) -> str | None:
+    def _refusal(self, request: dict[str, Any], conn: socket.socket) -> str | None:
+        # An abstract socket has no file permissions: only this user's processes are served.
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        _pid, uid, _gid = struct.unpack("3i", creds)
+        if uid != os.getuid():
+            return f"uid {uid} is not this standby's user"
+        if request.get("module") != WORKER_MODULE:
+            return f"only {WORKER_MODULE} is started here, not {request.get('module')!r}"
         if self.hazards:
             return "the standby is not fork-safe: " + ", ".join(self.hazards)
         mine, theirs = protocol.loaded_with(dict(os.environ)), protocol.loaded_with(request["env"])
@@ -196,9 +226,12 @@ class Server:
         code = 1
         try:
             signal.set_wakeup_fd(-1)
-            for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
+            for sig in (signal.SIGCHLD, signal.SIGTERM):
                 signal.signal(sig, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # as a fresh interpreter
             _die_with_parent(signal.SIGKILL)
+            if os.getppid() != self.pid:  # the standby died before the line above
+                os._exit(1)
             for sock in (self.listener, self.wake_r, self.wake_w, conn, *self.workers):
                 sock.close()
             from launch.standby.child import run_worker

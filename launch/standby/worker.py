@@ -80,7 +80,8 @@ def _relay_exit(lines: protocol.Lines, pid: int) -> int:
     status = int(message["exit"])
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        signal.signal(sig, signal.SIG_DFL)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):  # those two have no handler to reset
+            signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
         return 128 + sig  # only where the signal does not end a process
     return os.waitstatus_to_exitcode(status)

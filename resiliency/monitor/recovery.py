@@ -37,15 +37,19 @@ LAUNCHER_PHASES = ("detection", "teardown", "spawn")
 PHASES = LAUNCHER_PHASES + PROCESS_PHASES
 
 
-def worker_exits(run_dir: Path, pids: set[int], window: tuple[float, float]) -> list[dict]:
-    """The standby servers' records of ``pids`` ending in the wall ``window``, first first."""
+def worker_exits(
+    run_dir: Path, workers: set[tuple[str, int]], window: tuple[float, float]
+) -> list[dict]:
+    """The standby servers' records of ``workers`` ((host, pid): pids repeat across nodes)
+    ending in the wall ``window``, first first (by wall time: each host has its own clock)."""
     exits = [
         e
         for path in RunDir(run_dir).standby_exits_dir.glob("*.jsonl")
         for e in read_jsonl(path)
-        if e.get("pid") in pids and window[0] <= e.get("wall", -1.0) <= window[1]
+        if (e.get("host"), e.get("pid")) in workers
+        and window[0] <= e.get("wall", -1.0) <= window[1]
     ]
-    return sorted(exits, key=lambda e: e["clock"])
+    return sorted(exits, key=lambda e: e["wall"])
 
 
 def reaped_ranks(
@@ -53,13 +57,12 @@ def reaped_ranks(
 ) -> dict[int, dict[str, Any]]:
     """rank -> how its worker ended, as the standby that forked it saw (pids from the
     attempt's rank inventory); the exit code is -N for a signal, as the launcher logs it."""
-    pid_rank = {r["pid"]: r["rank"] for r in record.get("ranks", [])}
+    worker_rank = {(r.get("host"), r["pid"]): r["rank"] for r in record.get("ranks", [])}
     found: dict[int, dict[str, Any]] = {}
-    for event in worker_exits(run_dir, set(pid_rank), window):
+    for event in worker_exits(run_dir, set(worker_rank), window):
         code = -event["signal"] if "signal" in event else event.get("exit_code")
-        found.setdefault(
-            pid_rank[event["pid"]], {**event, "time": event["wall"], "exit_code": code}
-        )
+        rank = worker_rank[(event["host"], event["pid"])]
+        found.setdefault(rank, {**event, "time": event["wall"], "exit_code": code})
     return found
 
 
