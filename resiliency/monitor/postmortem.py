@@ -281,11 +281,14 @@ def collect_evidence(
     record: dict[str, Any],
     events: LauncherEvents,
     window: tuple[float, float],
+    reaped: dict[int, dict[str, Any]],
 ) -> list[dict[str, Any]]:
+    """Every rank's failure, best evidence first; ``reaped``: the attempt's
+    :func:`~resiliency.monitor.recovery.reaped_ranks`."""
     by_rank = {
         rank: _from_exit(rank, event) for rank, event in rank_exits(record, events, window).items()
     }
-    for rank, event in reaped_ranks(layout.run_dir, record, window).items():
+    for rank, event in reaped.items():
         # The standby that forked the worker saw its end first-hand, before the launcher did.
         by_rank[rank] = {**_from_exit(rank, event), "source": "standby"}
     for rank, dump in rank_stacks(layout, attempt, window).items():
@@ -302,8 +305,7 @@ def _first_after(times: list[float], after: float, before: float) -> float | Non
 
 
 def recovery_times(
-    layout: RunLayout,
-    record: dict[str, Any],
+    reaped: dict[int, dict[str, Any]],
     first: dict[str, Any],
     following: dict[str, Any],
     events: LauncherEvents,
@@ -312,7 +314,7 @@ def recovery_times(
     """The recovery ledger of ``first`` (the attempt's root failure), up to ``following``'s
     first step: the launcher's moments from its log, the new rank 0's from its own marks."""
     offset = events.clock_offset if events.clock_offset is not None else wall_to_clock_offset()
-    fault, source, whose = fault_moment(layout.run_dir, first, record, offset, events.host)
+    fault, source, whose = fault_moment(first, reaped, offset, events.host)
     ends = [end for _, end in events.launches]
     # Not before the attempt began: a fast restart follows the previous detection closely.
     after = max(fault - offset - 1.0, window[0])
@@ -348,7 +350,9 @@ def summarize(
     start = record.get("start_time", 0.0)
     end = following.get("start_time") if following else None
     end = end or max([e for _, e in events.launches] + [time.time()])
-    evidence = collect_evidence(layout, attempt, record, events, (start, end))
+    # The standby's record of each worker's end, read once for the evidence, codes and RTO.
+    reaped = reaped_ranks(layout.run_dir, record, (start, end))
+    evidence = collect_evidence(layout, attempt, record, events, (start, end), reaped)
     last = last_step_between(layout.run_dir, start, end)
     restore_point = (
         following.get("restored_step")
@@ -360,7 +364,7 @@ def summarize(
         "last_step": last,
         "lost_steps": lost,
         "lost_tokens": lost * tokens_per_step,
-        "exit_codes": _exit_codes(layout, attempt, record, events, (start, end)),
+        "exit_codes": _exit_codes(layout, attempt, record, events, (start, end), reaped),
     }
     monitor = [m for m in events.monitor_timeouts if start <= m["time"] <= end]
     if monitor:
@@ -378,7 +382,7 @@ def summarize(
         first = _hang_culprit(summary["hang"], dumps, evidence)
     summary.update(_failure_fields(record, first, evidence))
     if first is not None and following is not None:
-        rto = recovery_times(layout, record, first, following, events, (start, end))
+        rto = recovery_times(reaped, first, following, events, (start, end))
         flight = save_in_flight(layout.run_dir, (start, end), following.get("restored_step"))
         rto["work_lost"] = {"steps": lost, "save_in_flight": flight}
         summary["rto"] = rto
@@ -422,6 +426,7 @@ def _exit_codes(
     record: dict[str, Any],
     events: LauncherEvents,
     window: tuple[float, float],
+    reaped: dict[int, dict[str, Any]],
 ) -> dict[str, Any]:
     """Process exit codes per rank (negative: killed by that signal; None: not known).
 
@@ -430,7 +435,6 @@ def _exit_codes(
     clean = record.get("exit_code") if record.get("status") in ("finished", "preempted") else None
     codes: dict[str, Any] = {str(r["rank"]): clean for r in record.get("ranks", [])}
     codes.update({str(r): e["exit_code"] for r, e in rank_exits(record, events, window).items()})
-    reaped = reaped_ranks(layout.run_dir, record, window)
     codes.update({str(r): e["exit_code"] for r, e in reaped.items()})
     codes.update({str(r): f["exit_code"] for r, f in rank_failures(layout, attempt).items()})
     return codes

@@ -16,8 +16,9 @@ recovery's wall time because the boundaries meet, not because one phase is the r
 
 A missing mark (no restore: nothing read) is a phase of 0 s named in ``absent``. The launcher's
 boundaries come from its log's wall-clock stamps, moved onto the host clock by the offset the
-reader measured as it read them; they are only comparable when rank 0 of the next attempt ran
-on the launcher's host and boot (else ``cross_host``: the launcher's phases are None).
+reader measured as it read them. A phase is measured only when both its ends were read from one
+clock (one host and boot): a fault on another node leaves detection None, a new rank 0 on
+another host than the launcher leaves spawn and the total None (``cross_host``).
 
 The work lost with the fault: the steps done after the checkpoint the next attempt restored,
 and the persistent save that was in flight (started, never committed).
@@ -75,16 +76,15 @@ def clock_of(identity: dict[str, Any]) -> str:
 
 
 def fault_moment(
-    run_dir: Path,
     failure: dict[str, Any],
-    record: dict[str, Any],
+    reaped_by_rank: dict[int, dict[str, Any]],
     offset: float,
     reader: dict[str, str],
 ) -> tuple[float, str, str]:
     """(host clock, source, whose clock) of the fault behind ``failure`` (postmortem's first
-    failure); ``offset``/``reader``: the launcher log reader's wall-to-clock offset and host."""
-    begin = float(record.get("start_time", 0.0))
-    reaped = reaped_ranks(run_dir, record, (begin, failure["time"] + 60.0)).get(failure["rank"])
+    failure); ``reaped_by_rank``: the attempt's :func:`reaped_ranks`; ``offset``/``reader``:
+    the launcher log reader's wall-to-clock offset and host."""
+    reaped = reaped_by_rank.get(failure["rank"])
     if reaped is not None and reaped["wall"] <= failure["time"] + 1e-3:
         return float(reaped["clock"]), "standby: the worker's parent reaped it", clock_of(reaped)
     if failure.get("clock") is not None:
