@@ -22,34 +22,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
-
+from launch.processes import rank_workers
 from pretrain.context.run_dir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
 BOOT = time.CLOCK_BOOTTIME
 FIRST_SAVE = 4  # steps; the kill lands after it, so the recovery restores
-
-
-def rank_workers(run_dir: Path) -> dict[int, psutil.Process]:
-    """rank -> the process that trains it: a standby's child named ``mcore-rank<R>``, or a
-    plain worker (``RANK`` in its environment, the run's config on its command line)."""
-    found: dict[int, psutil.Process] = {}
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = proc.info["cmdline"] or []
-        if not any(str(run_dir) in part for part in cmdline):
-            continue
-        try:
-            if "launch.standby.server" in cmdline:
-                for child in proc.children():
-                    name = child.name()
-                    if name.startswith("mcore-rank"):
-                        found[int(name.removeprefix("mcore-rank"))] = child
-            elif "pretrain" in cmdline and "RANK" in (environ := proc.environ()):
-                found[int(environ["RANK"])] = proc
-        except psutil.Error:
-            continue
-    return found
 
 
 def _lines(path: Path) -> int:

@@ -74,8 +74,10 @@ def _check_shrunk_layout(run: RunConfig, device: str) -> None:
 
 
 def worker_module(run: RunConfig) -> str:
-    """The module the launcher starts per rank: the trainer, or its standby worker."""
-    return "launch.standby.worker" if run.launch.standby else "pretrain"
+    """The module the launcher starts per rank: the trainer, or the worker entrypoint that
+    forks it from the standby and, with spare nodes, tells the launcher how it ended."""
+    wrapped = run.launch.standby or run.launch.slurm.spare_nodes > 0
+    return "launch.standby.worker" if wrapped else "pretrain"
 
 
 def rank_env(run: RunConfig) -> dict[str, str]:

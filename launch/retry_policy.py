@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from launch.requeues import append_ledger, excluded_so_far, failures_used, plan_exclusion
+from launch.slurm.postmortem import finalize_job
 from pretrain.context import exit_codes
 from resiliency.monitor.health import unhealthy_nodes
 from resiliency.storage.attempts import recorded_attempts
@@ -171,6 +172,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--partition-nodes", type=int, default=0)
     parser.add_argument("--cpus-per-task", type=int, default=1, help="SLURM_CPUS_PER_TASK")
     parser.add_argument(
+        "--job-log",
+        type=Path,
+        help="the job's log: finalize its attempts (root cause, work lost, recovery ledger) first",
+    )
+    parser.add_argument("--tokens-per-step", type=int, default=0)
+    parser.add_argument(
         "--after-attempt",
         type=int,
         default=0,
@@ -184,6 +191,8 @@ def main(argv: list[str]) -> int:
     if args.newest_attempt:
         print(newest_attempt(args.run_dir))
         return 0
+    if args.job_log is not None and args.job_log.is_file():
+        finalize_job(args.run_dir, args.after_attempt, args.job_log, args.tokens_per_step)
     unhealthy = sorted({n for d in args.health_dir for n in unhealthy_nodes(d)})
     if args.job_id is None:
         decision = decide(args.run_dir, args.restart_count, args.max_requeues, args.after_attempt)

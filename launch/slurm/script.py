@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
+from launch import spares
 from launch.common import rank_env, uploader_args, worker_module
 from launch.standby.protocol import SOCKET_ENV
 from launch.standby.protocol import address as standby_address
 from pretrain.context import exit_codes
+from pretrain.context.run_dir import RunDir
 from recipes import ConfigError, RunConfig
 from resiliency.monitor.fault_tolerance import LAUNCHER_CONFIG_FILE
 
@@ -87,6 +89,9 @@ def render_sbatch(run: RunConfig, inputs: ScriptInputs) -> str:
         "passthrough": _passthrough_lines(slurm.env_passthrough),
         "srun_args": _srun_args(run, inputs),
         "launcher": _launcher(run, inputs),
+        "nnodes": _nnodes(run),
+        "tokens_per_step": str(run.train.global_batch_size * run.model.seq_length),
+        **_spare_values(run),
         "nproc": str(launch.nproc_per_node),
         "worker_module": worker_module(run),
         **_health_values(run, inputs),
@@ -125,6 +130,38 @@ def _standby_values(run: RunConfig, inputs: ScriptInputs) -> dict[str, str]:
     }
 
 
+def _nodes_lines(run: RunConfig) -> list[str]:
+    spare = run.launch.slurm.spare_nodes
+    if not spare:
+        return [f"#SBATCH --nodes={run.launch.nodes}"]
+    return [
+        f"# {run.launch.nodes} node(s) train, {spare} spare(s) wait in the rendezvous to replace",
+        "# a failed one inside the job (launch.slurm.spare_nodes)",
+        f"#SBATCH --nodes={run.launch.nodes + spare}",
+    ]
+
+
+def _nnodes(run: RunConfig) -> str:
+    """The launcher's --nnodes: every node of the allocation (a requeued job may have shrunk),
+    or exactly launch.nodes out of an allocation with spares (the rest wait as spares)."""
+    if run.launch.slurm.spare_nodes:
+        return f"{run.launch.nodes}:{run.launch.nodes}"
+    return '"$SLURM_NNODES"'
+
+
+def _spare_values(run: RunConfig) -> dict[str, str]:
+    """With spares every node's worker entrypoint reports how its worker ended (launch.spares),
+    the batch shell marks a planned stop of the job, and srun lets a node's launcher leave."""
+    spare = run.launch.slurm.spare_nodes
+    if not spare:
+        return {"spares_env": "# (no spare nodes)", "mark_stopping": ""}
+    mark = str(RunDir(Path("$RUN_DIR")).job_stopping_mark("${SLURM_JOB_ID}"))
+    return {
+        "spares_env": f'export {spares.SPARES_ENV}={spare} {spares.RUN_DIR_ENV}="$RUN_DIR"',
+        "mark_stopping": f'    mkdir -p "$(dirname "{mark}")" && touch "{mark}"\n',
+    }
+
+
 def _health_values(run: RunConfig, inputs: ScriptInputs) -> dict[str, str]:
     slurm = run.launch.slurm
     container = container_args(run, inputs)
@@ -140,7 +177,7 @@ def _health_values(run: RunConfig, inputs: ScriptInputs) -> dict[str, str]:
         "health_srun_args": " ".join(health),
         "health_enabled": "1" if run.resiliency.health.enabled else "0",
         "cpus": srun_cpus(run),
-        "nodes": str(run.launch.nodes),
+        "nodes": str(run.launch.nodes + slurm.spare_nodes),
         "min_nodes": str(slurm.min_nodes or 0),
         "max_excluded": str(slurm.max_excluded_nodes),
     }
@@ -174,7 +211,7 @@ def _sbatch_lines(run: RunConfig, inputs: ScriptInputs) -> str:
     lines = [
         "# one task per node: it runs the launcher, which starts the node's ranks",
         f"#SBATCH --job-name={run.run_id}",
-        f"#SBATCH --nodes={launch.nodes}",
+        *_nodes_lines(run),
         "#SBATCH --ntasks-per-node=1",
     ]
     if launch.gpus_per_node > 0:
@@ -249,7 +286,8 @@ def _srun_args(run: RunConfig, inputs: ScriptInputs) -> str:
         *ONE_TASK_PER_NODE,
         f"--cpus-per-task={srun_cpus(run)}",
         "--kill-on-bad-exit=1",
-        "--wait=60",
+        # with spares a node that leaves the job ends its launcher: the others train on
+        "--wait=0" if run.launch.slurm.spare_nodes else "--wait=60",
         "--export=ALL",
         "--label",
     ]
@@ -300,6 +338,9 @@ def _launcher(run: RunConfig, inputs: ScriptInputs) -> str:
         # ft_launcher refuses to start without its section/timeout config (written at submit).
         launcher += f" --ft-cfg-path={_q(inputs.run_dir / LAUNCHER_CONFIG_FILE)}"
         launcher += f" --workers-stop-timeout={run.resiliency.ft.workers_stop_timeout_s:g}"
+    if run.launch.slurm.spare_nodes:
+        # the ranks restart in the job (on a spare) instead of the job requeueing
+        launcher += f" --max-restarts={max(run.resiliency.max_restarts, 1)}"
     return launcher
 
 
@@ -334,7 +375,7 @@ REPEATER_PID=""
 on_signal() {
     SIGNALED_BY=$1
     echo "[$(date +%T)] batch shell got SIG$1: SIGTERM to the ranks for an emergency save"
-    if [ -n "$SRUN_PID" ] && [ -z "$REPEATER_PID" ]; then
+@@{mark_stopping}    if [ -n "$SRUN_PID" ] && [ -z "$REPEATER_PID" ]; then
         (
             while kill -0 "$SRUN_PID" 2>/dev/null; do
                 scancel --signal=TERM "$SLURM_JOB_ID" || echo "warning: scancel failed"
@@ -359,6 +400,7 @@ export MCORE_RECIPES_IMAGE_DIGEST=@@{image_digest}
 export OMP_NUM_THREADS=1
 export PYTHONUNBUFFERED=1
 @@{standby_env}
+@@{spares_env}
 @@{rank_env}
 # The launcher ignores TERM/USR1 (see "train"), so it must not install handlers for them
 # (torchrun reads PET_SIGNALS_TO_HANDLE; older releases TORCHELASTIC_SIGNALS_TO_HANDLE). When
@@ -434,7 +476,7 @@ if [ -z "$SIGNALED_BY" ] && [ "$HEALTHY" = 1 ]; then
     # handlers once training starts.
     srun @@{srun_args} \
         bash -c 'trap "" TERM USR1; @@{standby_start}exec "$@"' launcher \
-        @@{launcher} --nnodes="$SLURM_NNODES" --nproc-per-node=@@{nproc} \
+        @@{launcher} --nnodes=@@{nnodes} --nproc-per-node=@@{nproc} \
         --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \
         -m @@{worker_module} --config "$CONFIG" &
     SRUN_PID=$!
@@ -472,6 +514,8 @@ PARTITION_NODES=$(sinfo -h -p "${SLURM_JOB_PARTITION:-}" -o %D 2>/dev/null \
     | awk '{s += $1} END {print s + 0}')
 POLICY_OUT=$(policy "$RUN_DIR" --restart-count "$RESTART" --max-requeues "$MAX_REQUEUES" \
     --after-attempt "$AFTER_ATTEMPT" --job-id "$SLURM_JOB_ID" \
+    --job-log "$RUN_DIR/slurm/${SLURM_JOB_ID}-restart-${RESTART}.log" \
+    --tokens-per-step @@{tokens_per_step} \
     --health-dir "$HEALTH_DIR" --health-dir "$HEALTH_DIR-after" --job-nodes "$SLURM_NNODES" \
     --launch-nodes @@{nodes} --min-nodes @@{min_nodes} --max-excluded @@{max_excluded} \
     --partition-nodes "$PARTITION_NODES" --cpus-per-task "${SLURM_CPUS_PER_TASK:-1}") \

@@ -20,6 +20,7 @@ import threading
 import traceback
 from typing import Any
 
+from pretrain.context.process_names import name_this_process, rank_name
 from pretrain.context.startup_clock import SPAWNED_ENV
 
 
@@ -57,11 +58,7 @@ def run_worker(request: dict[str, Any], fds: list[int]) -> int:
 
 def _name_process(rank: str | None) -> None:
     """``ps``/``top`` show a forked worker as ``mcore-rank<R>`` (its argv is the standby's)."""
-    try:
-        with open("/proc/self/comm", "w") as comm:
-            comm.write(f"mcore-rank{rank}" if rank is not None else "mcore-worker")
-    except OSError:
-        pass
+    name_this_process(rank_name(rank))
 
 
 def _take_streams(fds: list[int]) -> None:

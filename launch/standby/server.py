@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import importlib
-import json
 import logging
 import os
 import select
@@ -34,8 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from launch.standby import protocol
-from pretrain.context.run_dir import RunDir
-from pretrain.context.startup_clock import host_clock, host_identity
+from pretrain.context.worker_exits import record_exit
 
 log = logging.getLogger("launch.standby")
 # What a worker imports on its way to the first step (measured: 4.2 s of a 5.9 s start here).
@@ -83,7 +81,7 @@ def fork_hazards() -> list[str]:
 class Server:
     def __init__(self, run_dir: Path, listener: socket.socket) -> None:
         self.listener = listener
-        self.exits = RunDir(run_dir).standby_exits_dir / f"{socket.gethostname()}.jsonl"
+        self.run_dir = run_dir
         self.workers: dict[socket.socket, int] = {}  # connection -> its worker's pid
         self.lines: dict[socket.socket, protocol.Lines] = {}
         self.hazards: list[str] = []
@@ -206,15 +204,7 @@ class Server:
                 self._forget(conn)
 
     def _record_exit(self, pid: int, status: int) -> None:
-        body: dict[str, Any] = {"pid": pid, "clock": host_clock(), "wall": time.time()}
-        if os.WIFSIGNALED(status):
-            body["signal"] = os.WTERMSIG(status)
-        else:
-            body["exit_code"] = os.waitstatus_to_exitcode(status)
-        body.update(host_identity())
-        self.exits.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.exits, "a") as out:
-            out.write(json.dumps(body) + "\n")
+        body = record_exit(self.run_dir, pid, status)
         log.info("standby: worker %d ended (%s)", pid, body.get("signal") or body.get("exit_code"))
 
     def _forget(self, conn: socket.socket) -> None:

@@ -1,5 +1,6 @@
 """``python -m launch.standby.worker [pretrain arguments]``: the worker entrypoint torchrun or
-ft_launcher starts when ``launch.standby=true``.
+ft_launcher starts when ``launch.standby=true`` or the job has spare nodes
+(``launch.slurm.spare_nodes``).
 
 It hands its argv, environment and standard streams to this node's standby server
 (:mod:`launch.standby.server`), which forks a worker that has already imported torch,
@@ -9,7 +10,10 @@ or killed by the same signal), so the launcher, Slurm and the pod see an ordinar
 
 When no standby answers within ``MCORE_RECIPES_STANDBY_WAIT_S`` (default 120 s: it may still
 be importing), or it refuses (not fork-safe, another environment), this process becomes a
-plain ``python -m pretrain`` by exec, and says why on stderr. Standard library only.
+plain ``python -m pretrain`` by exec, and says why on stderr. With spare nodes it starts that
+worker as its child instead, and when the worker ends tells the node's launcher what the end
+means (:mod:`launch.spares`: a node whose worker was killed leaves the job for a spare).
+Standard library only.
 """
 
 from __future__ import annotations
@@ -17,10 +21,14 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
 import sys
+from pathlib import Path
 
+from launch import spares
 from launch.standby import protocol
 from pretrain.context.startup_clock import host_clock, process_start
+from pretrain.context.worker_exits import record_exit
 
 MODULE = "pretrain"
 WAIT_ENV = "MCORE_RECIPES_STANDBY_WAIT_S"
@@ -33,6 +41,8 @@ RELAYED = (
     signal.SIGUSR2,
     signal.SIGCONT,
 )
+# Relayed signals that ask the worker to stop (not SIGCONT, SIGUSR1/2).
+STOP_REQUESTS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
 
 
 def main(args: list[str]) -> int:
@@ -60,13 +70,22 @@ def main(args: list[str]) -> int:
     if answer is None or "pid" not in answer:
         reason = (answer or {}).get("refused", "it closed the connection")
         return _plain(args, f"the standby refused: {reason}")
+    stopped: list[int] = []  # the stop requests relayed: someone asked the worker to stop
+
+    def relay(signum: int, _frame: object) -> None:
+        stopped.extend([signum] if signum in STOP_REQUESTS else [])
+        protocol.send_message(sock, {"signal": signum})
+
     for sig in RELAYED:
-        signal.signal(sig, lambda signum, _f: protocol.send_message(sock, {"signal": signum}))
-    return _relay_exit(lines, int(answer["pid"]))
+        signal.signal(sig, relay)
+    status = _relay_exit(lines, int(answer["pid"]))
+    if status is None:
+        return 1
+    return _end_like(status, bool(stopped))
 
 
-def _relay_exit(lines: protocol.Lines, pid: int) -> int:
-    """Wait for the worker's end and end alike."""
+def _relay_exit(lines: protocol.Lines, pid: int) -> int | None:
+    """The worker's wait status; None: the standby died (and its workers with it)."""
     message = None
     while message is None or "exit" not in message:
         try:
@@ -76,8 +95,14 @@ def _relay_exit(lines: protocol.Lines, pid: int) -> int:
         if message is None:
             # The standby died (its workers die with it: PR_SET_PDEATHSIG).
             print(f"standby worker: lost the standby server; worker {pid} gone", file=sys.stderr)
-            return 1
-    status = int(message["exit"])
+            return None
+    return int(message["exit"])
+
+
+def _end_like(status: int, stopped: bool) -> int:
+    """End the way the worker ended (its code, or killed by its signal), after telling the
+    node's launcher what the end means when the job has spares."""
+    spares.after_worker(status, stopped, int(os.environ.get("RANK", "0")))
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         if sig not in (signal.SIGKILL, signal.SIGSTOP):  # those two have no handler to reset
@@ -105,9 +130,31 @@ def _wait_s() -> float:
 
 
 def _plain(args: list[str], why: str) -> int:
+    command = [sys.executable, "-m", MODULE, *args]
+    if spares.enabled():  # stay, as the worker's parent, to see how it ends
+        if os.environ.get(protocol.SOCKET_ENV):
+            print(f"standby worker: {why}; starting plainly", file=sys.stderr, flush=True)
+        return _spawn(command)
     print(f"standby worker: {why}; starting plainly", file=sys.stderr, flush=True)
-    os.execv(sys.executable, [sys.executable, "-m", MODULE, *args])
+    os.execv(sys.executable, command)
     return 1  # not reached
+
+
+def _spawn(command: list[str]) -> int:
+    """Run the worker as this process's child, relay signals to it, end like it."""
+    stopped: list[int] = []
+    worker = subprocess.Popen(command)
+
+    def relay(signum: int, _frame: object) -> None:
+        stopped.extend([signum] if signum in STOP_REQUESTS else [])
+        worker.send_signal(signum)
+
+    for sig in RELAYED:
+        signal.signal(sig, relay)
+    _, status = os.waitpid(worker.pid, 0)
+    if run_dir := os.environ.get(spares.RUN_DIR_ENV):  # first-hand evidence for the post-mortem
+        record_exit(Path(run_dir), worker.pid, status)
+    return _end_like(status, bool(stopped))
 
 
 if __name__ == "__main__":

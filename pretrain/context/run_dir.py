@@ -6,7 +6,7 @@ of the JSON-lines files in it. Torch-free (the storage layer and the CLIs read r
     run.json               the run's identity (id, first launch)
     latest.json            the newest published step
     steps/                 published checkpoints (resiliency.storage.layout names the steps)
-    attempts/              one record per attempt
+    attempts/              one record per attempt (standby/: reaped workers; spares/: claims)
     LEASE, LEASE.generation
     metrics/steps.jsonl    one line per step (rank 0)
     metrics/eval.jsonl     one line per validation
@@ -87,6 +87,19 @@ class RunDir:
     def standby_exits_dir(self) -> Path:
         """A standby server's record of each worker it reaped (``<host>.jsonl``)."""
         return self.attempts_dir / "standby"
+
+    @property
+    def spares_dir(self) -> Path:
+        """Hot spares (``launch.slurm.spare_nodes``): each job's claims on its spare nodes
+        (``<job>-claim-<k>.json``, one per node excluded in the job) and the mark of a job that
+        is stopping (``<job>-stopping``)."""
+        return self.attempts_dir / "spares"
+
+    def spare_claim(self, job_id: str, slot: int) -> Path:
+        return self.spares_dir / f"{job_id}-claim-{slot}.json"
+
+    def job_stopping_mark(self, job_id: str) -> Path:
+        return self.spares_dir / f"{job_id}-stopping"
 
     @property
     def lease_path(self) -> Path:

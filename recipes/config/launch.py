@@ -30,6 +30,9 @@ class SlurmConfig:
     # A job may shrink to this many nodes when exclusions leave too few (the restore reshards
     # to the smaller data-parallel size); None: keep launch.nodes and wait for nodes.
     min_nodes: Optional[int] = None
+    # Hot spares: the job also holds this many idle nodes; a node whose worker is killed leaves
+    # the job and a spare takes its ranks without a requeue (ft_launcher only; docs/clusters.md)
+    spare_nodes: int = 0
     container_image: Optional[str] = None  # pyxis --container-image
     # host:container[:flags]; the run dir, data and checkpoint dirs are added when missing
     container_mounts: list[str] = field(default_factory=list)
@@ -49,6 +52,12 @@ class SlurmConfig:
         require(
             self.cpus_per_task is None or self.cpus_per_task >= 1,
             f"launch.slurm.cpus_per_task={self.cpus_per_task} must be >= 1 (or null)",
+        )
+        require(self.spare_nodes >= 0, "launch.slurm.spare_nodes must be >= 0")
+        require(
+            self.spare_nodes == 0 or self.min_nodes is None,
+            "launch.slurm.spare_nodes and launch.slurm.min_nodes exclude each other: a job with "
+            "spares replaces a failed node and never shrinks; set one of them",
         )
         require(
             self.min_nodes is None or self.min_nodes >= 1,
@@ -242,6 +251,11 @@ class LaunchConfig:
         require(
             self.slurm.min_nodes is None or self.slurm.min_nodes <= self.nodes,
             f"launch.slurm.min_nodes={self.slurm.min_nodes} must be <= launch.nodes={self.nodes}",
+        )
+        require(
+            self.slurm.spare_nodes == 0 or self.backend == "ft_launcher",
+            f"launch.slurm.spare_nodes={self.slurm.spare_nodes} needs launch.backend=ft_launcher "
+            "(its rendezvous keeps the spares waiting and lets a failed node leave)",
         )
 
     @property

@@ -5,8 +5,9 @@ Each boundary is a moment some process saw with its own eyes, on its host's cloc
 (:mod:`pretrain.context.startup_clock`, ``CLOCK_BOOTTIME``), so the phases add up to the
 recovery's wall time because the boundaries meet, not because one phase is the remainder:
 
-- ``fault``: the failing worker's death as its parent reaped it (the standby server,
-  :mod:`launch.standby`), else the moment the failing rank recorded its own failure, else
+- ``fault``: the failing worker's death as its parent reaped it (the standby server, or the
+  worker entrypoint with hot spares: :mod:`pretrain.context.worker_exits`), else the moment
+  the failing rank recorded its own failure, else
   the launcher's log line (then detection reads 0: nobody saw the death sooner);
 - ``detection``: -> the launcher logged the worker group failed (its log's stamp);
 - ``teardown``: -> the launcher began the next round (every old rank gone), or exited;
@@ -31,26 +32,12 @@ from typing import Any
 
 from pretrain.context.run_dir import RunDir, read_jsonl
 from pretrain.context.startup_clock import PHASES as PROCESS_PHASES
+from pretrain.context.worker_exits import worker_exits
 from resiliency.storage.attempts import read_attempt_record, recorded_attempts
 from resiliency.storage.layout import RunLayout
 
 LAUNCHER_PHASES = ("detection", "teardown", "spawn")
 PHASES = LAUNCHER_PHASES + PROCESS_PHASES
-
-
-def worker_exits(
-    run_dir: Path, workers: set[tuple[str, int]], window: tuple[float, float]
-) -> list[dict]:
-    """The standby servers' records of ``workers`` ((host, pid): pids repeat across nodes)
-    ending in the wall ``window``, first first (by wall time: each host has its own clock)."""
-    exits = [
-        e
-        for path in RunDir(run_dir).standby_exits_dir.glob("*.jsonl")
-        for e in read_jsonl(path)
-        if (e.get("host"), e.get("pid")) in workers
-        and window[0] <= e.get("wall", -1.0) <= window[1]
-    ]
-    return sorted(exits, key=lambda e: e["wall"])
 
 
 def reaped_ranks(
@@ -86,7 +73,7 @@ def fault_moment(
     the launcher log reader's wall-to-clock offset and host."""
     reaped = reaped_by_rank.get(failure["rank"])
     if reaped is not None and reaped["wall"] <= failure["time"] + 1e-3:
-        return float(reaped["clock"]), "standby: the worker's parent reaped it", clock_of(reaped)
+        return float(reaped["clock"]), "the worker's parent reaped it", clock_of(reaped)
     if failure.get("clock") is not None:
         return float(failure["clock"]), "the rank's own failure record", clock_of(failure)
     return failure["time"] + offset, f"{failure['source']} (wall clock)", clock_of(reader)

@@ -1,13 +1,15 @@
 """Slurm adapter: retry policy, batch-script rendering, refusals, and real jobs on a local cluster.
 
-The cluster tests start a 2-node Slurm cluster on this machine (tests/slurm/cluster_up.sh: needs
-root and apt-get) and submit through ``python -m launch slurm`` exactly as a user would.
+The cluster tests start a 3-node Slurm cluster on this machine (tests/slurm/cluster_up.sh: needs
+root and apt-get; node1-2 form the default partition, "all" adds node3) and submit through
+``python -m launch slurm`` exactly as a user would.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -23,7 +25,7 @@ from drill.jobs import SLURM_TERMINAL as TERMINAL  # states after which a job ne
 from launch.__main__ import main as launch_main
 from launch.retry_policy import REQUEUE, STOP, decide
 from pretrain.context import exit_codes
-from pretrain.context.run_dir import read_jsonl
+from pretrain.context.run_dir import RunDir, read_jsonl
 from resiliency.storage.layout import RunLayout, atomic_write_json
 from resiliency.storage.lease import RunLease
 from tests.helpers import REPO, read_steps
@@ -221,6 +223,34 @@ def test_dry_run_renders_a_valid_script(stdlib_corpus: str, tmp_path: Path) -> N
     assert syntax.returncode == 0, syntax.stderr
 
 
+def test_render_spare_nodes(stdlib_corpus: str, tmp_path: Path) -> None:
+    """launch.slurm.spare_nodes=1: three nodes held, ft_launcher trains exactly two (the third
+    waits as a spare), the ranks start through the worker entrypoint that reports how they
+    ended, a leaving launcher does not end the step, and a planned stop is marked."""
+    overrides = [
+        *_base(stdlib_corpus, tmp_path, "spares"),
+        *LAYOUT_2x1,
+        "launch.backend=ft_launcher",
+        "launch.slurm.spare_nodes=1",
+        "resiliency.max_restarts=3",
+    ]
+    assert _dry_run(overrides) == 0
+    run_dir = tmp_path / "spares"
+    script = _script(tmp_path, "spares")
+    assert "--nodes=3" in _sbatch_directives(script)
+    flat = " ".join(script.replace("\\\n", " ").split())
+    assert "--max-restarts=3 --nnodes=2:2 --nproc-per-node=1" in flat, flat
+    assert "-m launch.standby.worker --config" in flat
+    assert "--kill-on-bad-exit=1 --wait=0" in flat and "--wait=60" not in flat
+    assert 'export MCORE_RECIPES_SPARE_NODES=1 MCORE_RECIPES_RUN_DIR="$RUN_DIR"' in script
+    assert 'touch "$RUN_DIR/attempts/spares/${SLURM_JOB_ID}-stopping"' in script
+    assert "--launch-nodes 3 " in script  # a requeue keeps the spares
+    syntax = subprocess.run(
+        ["bash", "-n", str(run_dir / "slurm" / "spares.sbatch")], capture_output=True, text=True
+    )
+    assert syntax.returncode == 0, syntax.stderr
+
+
 @pytest.mark.parametrize("container", [False, True], ids=["host", "container"])
 def test_remote_tier_runs_an_uploader_beside_the_job(
     container: bool, stdlib_corpus: str, tmp_path: Path
@@ -371,6 +401,16 @@ def test_render_pins_an_absolute_output_dir(
         (["launch.nodes=3", "launch.nproc_per_node=1"], "launch.nodes=3"),  # 3 ranks, tp=2
         (["launch.slurm.env_passthrough=[NOT-A-NAME]"], "NOT-A-NAME"),
         (["output_dir='/tmp/with space'"], "contains whitespace"),
+        (["launch.slurm.spare_nodes=1"], "needs launch.backend=ft_launcher"),
+        (
+            [
+                "launch.backend=ft_launcher",
+                "launch.slurm.spare_nodes=1",
+                "launch.slurm.min_nodes=1",
+            ],
+            "exclude each other",
+        ),
+        (["launch.slurm.spare_nodes=-1"], "spare_nodes must be >= 0"),
     ],
 )
 def test_bad_input_is_refused(
@@ -751,3 +791,80 @@ def test_unhealthy_node_is_excluded_and_the_job_shrinks(
     assert sorted(read_steps(run_dir)) == list(range(1, 21))
     after = json.loads((run_dir / "health" / f"{job_id}-0-after" / "node2.json").read_text())
     assert not after["ok"] and "GPU fell off the bus" in json.dumps(after), after
+
+
+def _trainers(run_dir: Path) -> dict[str, tuple[int, int]]:
+    """The run's trainer processes as the OS sees them: {Slurm node: (pid, rank)}."""
+    config = str(run_dir / "launch-config.yaml")
+    found = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            if b"pretrain" not in argv or config.encode() not in argv:
+                continue
+            env = dict(
+                e.split(b"=", 1) for e in (proc / "environ").read_bytes().split(b"\0") if b"=" in e
+            )
+        except OSError:
+            continue
+        if argv[argv.index(b"pretrain") - 1] == b"-m":
+            found[env[b"SLURMD_NODENAME"].decode()] = (int(proc.name), int(env[b"RANK"]))
+    return found
+
+
+@pytest.mark.slow
+def test_a_spare_node_replaces_a_killed_one_inside_the_job(
+    slurm_env: dict[str, str],
+    tiny_overrides: list[str],
+    clean_run: tuple[Path, dict],
+    tmp_path: Path,
+) -> None:
+    """Two nodes train and a third waits as a spare (launch.slurm.spare_nodes=1). After the
+    step-10 save the trainer on a random training node is SIGKILLed from outside at a random
+    step: that node leaves the job, a trainer starts on the spare (seen in /proc), and the job
+    finishes without a requeue, its losses bit for bit those of the uninterrupted clean run."""
+    seed = int(os.environ.get("MCORE_RECIPES_TEST_SEED", time.time_ns() % 100_000))
+    rng = random.Random(seed)
+    print(f"test seed {seed} (MCORE_RECIPES_TEST_SEED={seed} repeats it)")
+    overrides = [
+        *_cluster_overrides(tiny_overrides, tmp_path, "spare"),
+        "launch.backend=ft_launcher",
+        "launch.slurm.spare_nodes=1",
+        "launch.slurm.partition=all",
+    ]
+    run_dir = tmp_path / "spare"
+    job_id = _submit(overrides, slurm_env)
+    _wait_steps(run_dir, 11 + rng.randrange(8), job_id, slurm_env)
+    before = _trainers(run_dir)
+    assert len(before) == 2, (before, _log_tail(run_dir))
+    victim = rng.choice(sorted(before))
+    [spare] = {"node1", "node2", "node3"} - set(before)
+    os.kill(before[victim][0], signal.SIGKILL)
+    deadline, after = time.monotonic() + 240, {}
+    while spare not in after and time.monotonic() < deadline:
+        time.sleep(0.5)
+        after = _trainers(run_dir)
+    assert spare in after, f"no trainer on the spare {spare}:\n{_log_tail(run_dir)}"
+    assert victim not in after and len(after) == 2, (before, after)  # ranks are re-dealt
+    info = _wait_done(job_id, run_dir, slurm_env)
+    context = f"{info}\n{_log_tail(run_dir)}"
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), (
+        context
+    )
+    # The job's post-mortem (run by the batch script) names the killed rank and its signal
+    # from the reaping parent's record, and measures the recovery phase by phase.
+    first, second = _attempts(run_dir)
+    killed = before[victim][1]
+    assert (first["first_failing_rank"], first["failure_cause"]) == (killed, "killed by SIGKILL")
+    assert first["exit_codes"][str(killed)] == -signal.SIGKILL, first["exit_codes"]
+    assert second["restored_step"] >= 10 and first["rto"]["total_s"] > 0, first.get("rto")
+    assert first["rto"]["fault_source"] == "the worker's parent reaped it", first["rto"]
+    claim = json.loads(RunDir(run_dir).spare_claim(job_id, 0).read_text())
+    assert (claim["node"], claim["worker_end"]) == (victim, "signal SIGKILL"), claim
+    log = (run_dir / "slurm" / f"{job_id}-restart-0.log").read_text(errors="replace")
+    # ft_launcher's own word: the victim's launcher left the rendezvous
+    assert log.count("is excluded from the training due to an user request") == 1, context
+    reference, resumed = read_steps(clean_run[0]), read_steps(run_dir)
+    assert sorted(resumed) == sorted(reference) == list(range(1, 41))
+    mismatches = [s for s in reference if reference[s]["loss"] != resumed[s]["loss"]]
+    assert not mismatches, f"losses differ from the uninterrupted run at steps {mismatches[:5]}"

@@ -127,7 +127,7 @@ def test_killed_worker_recovers_bit_exact_with_a_ledger_that_adds_up(
     assert losses(run_dir) == losses(clean)  # forked workers train as plain ones, bit for bit
 
     rto = first["rto"]
-    assert rto["fault_source"].startswith("standby"), rto
+    assert rto["fault_source"] == "the worker's parent reaped it", rto
     assert 0 <= rto["fault_at_clock"] - killed_at < 0.5, (rto, killed_at)
     phases = [rto[f"{p}_s"] for p in PHASES]
     assert all(v is not None and v > 0 for v in phases), rto

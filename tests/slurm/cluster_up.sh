@@ -79,6 +79,9 @@ for i in $(seq 1 "$N"); do
 "
     NODE_NAMES+="node$i,"
 done
+# The default partition keeps to two nodes (jobs that shrink or exclude a node count on it);
+# "all" adds the rest.
+DEFAULT_NODES=node1$([ "$N" -ge 2 ] && echo ,node2)
 # Bind tasks to their CPUs (task/affinity needs no cgroups) when the fake nodes' CPU ids
 # 0..CPUS-1 are all ours to bind to; in a narrower cpuset binding would fail: leave it off.
 TASK_PLUGIN=task/none
@@ -132,7 +135,8 @@ JobRequeue=1
 DefMemPerCPU=1024
 MailProg=/bin/true
 $NODE_LINES
-PartitionName=debug Nodes=${NODE_NAMES%,} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+PartitionName=debug Nodes=$DEFAULT_NODES Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+PartitionName=all Nodes=${NODE_NAMES%,} MaxTime=INFINITE State=UP OverSubscribe=NO
 CONF
 echo "export SLURM_CONF=$SLURM_CONF" > "$ROOT/env.sh"
 

@@ -3,7 +3,9 @@
 # systemd or cgroups). Defaults differ from the shared recipe (root dir, ports) so both can run
 # side by side on one machine.
 MCORE_RECIPES_SLURM_ROOT=${MCORE_RECIPES_SLURM_ROOT:-/tmp/mcore-recipes-slurm}
-MCORE_RECIPES_SLURM_NODES=${MCORE_RECIPES_SLURM_NODES:-2}
+# node1..node2 form the default partition "debug"; "all" has every node (the hot-spare test
+# takes a third node from it)
+MCORE_RECIPES_SLURM_NODES=${MCORE_RECIPES_SLURM_NODES:-3}
 MCORE_RECIPES_SLURM_CPUS=${MCORE_RECIPES_SLURM_CPUS:-2}
 MCORE_RECIPES_SLURM_MEM_MB=${MCORE_RECIPES_SLURM_MEM_MB:-8192}
 MCORE_RECIPES_SLURM_PORT=${MCORE_RECIPES_SLURM_PORT:-7817}

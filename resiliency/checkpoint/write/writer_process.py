@@ -12,6 +12,7 @@ import os
 import signal
 from typing import Any
 
+from pretrain.context.process_names import WRITER, name_this_process
 from pretrain.platform.compat import lean_writer_imports
 
 WRITER_NICE = 19
@@ -34,6 +35,7 @@ def die_with_parent(parent: int | None = None) -> None:
 def writer_main(requests: Any, done: Any, checksum_queue: Any, parent: int) -> None:
     """Writer process: run each save's write function; report (call_idx, error or None)."""
     die_with_parent(parent)
+    name_this_process(WRITER)  # what an operator (or the soak) sees in ps
     # What the first save's write function needs, loaded now: the process starts with the
     # run, so this overlaps the model build, the restore and the first steps instead of
     # blocking a save. At the rank's priority: at nice 19 beside busy ranks, these seconds of

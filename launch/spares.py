@@ -1,0 +1,133 @@
+"""Hot spare nodes (``launch.slurm.spare_nodes``): what a node does when its worker ends.
+
+The job holds ``launch.nodes + spare_nodes`` nodes and runs one ft_launcher on each with
+``--nnodes=N:N``: the first N to join the rendezvous train, the others wait in its redundancy
+list. When a worker ends, the worker entrypoint (:mod:`launch.standby.worker`) tells its
+node's launcher over ft_launcher's own control socket (``FT_LAUNCHER_IPC_SOCKET``, the
+``WorkloadControlRequest`` a rank sends) what the end means:
+
+- killed by a signal nobody relayed to it (SIGKILL from the OOM killer or an operator, SIGSEGV,
+  SIGBUS: the fault was on this node) -> ``ExcludeThisNode``: the launcher leaves at its next
+  rendezvous and a spare takes the node's ranks; the surviving nodes restart in place and
+  restore the newest committed step. At most ``spare_nodes`` nodes per job are excluded: each
+  exclusion first claims a slot (a file created exclusively in the run directory, which every
+  node shares); with none left the node rejoins, as it would without spares.
+- a planned stop of the whole job (exit 75 after the batch shell got Slurm's warning signal,
+  marked in the run directory) or a deterministic failure (a "do not retry" code) ->
+  ``ShutdownWorkload``: the launchers end instead of restarting the ranks in the job, and the
+  batch script's retry policy decides, as it does without spares.
+- anything else (a lost peer, a stop asked for by the launcher) -> nothing: the launchers
+  restart the ranks in the job.
+
+Standard library only until a request is sent (the worker entrypoint starts every rank).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+from pretrain.context import exit_codes
+from pretrain.context.run_dir import RunDir
+
+SPARES_ENV = "MCORE_RECIPES_SPARE_NODES"  # the job's spare nodes; unset or 0: no spares
+RUN_DIR_ENV = "MCORE_RECIPES_RUN_DIR"
+IPC_ENV = "FT_LAUNCHER_IPC_SOCKET"  # set by ft_launcher for its ranks
+JOB_ENV = "SLURM_JOB_ID"
+EXCLUDE, SHUTDOWN = "exclude", "shutdown"
+# Asked to stop by nobody: the kernel (OOM killer), the hardware (bus error) or an operator.
+NODE_FAULT_SIGNALS = frozenset(
+    {signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE}
+)
+
+
+def enabled() -> bool:
+    return _spares() > 0 and bool(os.environ.get(IPC_ENV))
+
+
+def decide(status: int, stopped: bool, job_stopping: bool) -> str | None:
+    """What a worker's end (its wait ``status``) means for this node: EXCLUDE, SHUTDOWN or
+    None. ``stopped``: a signal reached the worker's entrypoint (the launcher or Slurm asked the
+    worker to stop); ``job_stopping``: the batch shell got Slurm's warning signal."""
+    if os.WIFSIGNALED(status):
+        return EXCLUDE if not stopped and os.WTERMSIG(status) in NODE_FAULT_SIGNALS else None
+    code = os.waitstatus_to_exitcode(status)
+    if code in exit_codes.DO_NOT_RETRY or (code == exit_codes.REQUEUE and job_stopping):
+        return SHUTDOWN
+    return None
+
+
+def after_worker(status: int, stopped: bool, rank: int) -> None:
+    """Tell this node's launcher what the worker's end means (a no-op without spares)."""
+    if not enabled():
+        return
+    run_dir, job = RunDir(Path(os.environ.get(RUN_DIR_ENV, "."))), os.environ.get(JOB_ENV, "")
+    action = decide(status, stopped, run_dir.job_stopping_mark(job).exists())
+    if action == EXCLUDE:
+        slot = _claim_slot(run_dir, job, status, rank)
+        if slot is None:
+            _say(f"no spare node left in job {job}: this node rejoins the rendezvous")
+            return
+        _say(f"worker killed on this node: leaving the job for a spare (claim {slot})")
+        _request("ExcludeThisNode", rank, f"worker of rank {rank} killed ({_describe(status)})")
+    elif action == SHUTDOWN:
+        _say(f"worker ended with {_describe(status)}: the launchers end (no in-job restart)")
+        _request("ShutdownWorkload", rank, f"rank {rank} ended with {_describe(status)}")
+
+
+def _claim_slot(run_dir: RunDir, job: str, status: int, rank: int) -> int | None:
+    """The first free of the job's ``spare_nodes`` exclusion slots, claimed; None: all taken."""
+    run_dir.spares_dir.mkdir(parents=True, exist_ok=True)
+    record = {
+        "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+        "rank": rank,
+        "worker_end": _describe(status),
+        "at": time.time(),
+    }
+    for slot in range(_spares()):
+        try:
+            fd = os.open(run_dir.spare_claim(job, slot), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        except FileExistsError:
+            continue
+        with os.fdopen(fd, "w") as out:
+            out.write(json.dumps(record) + "\n")
+        return slot
+    return None
+
+
+def _request(action: str, rank: int, why: str) -> None:
+    """Send ft_launcher's workload control request; a launcher that cannot be told is logged,
+    never fatal (the job then restarts or requeues as without spares)."""
+    try:
+        from nvidia_resiliency_ext.fault_tolerance.data import (
+            WorkloadAction,
+            WorkloadControlRequest,
+        )
+        from nvidia_resiliency_ext.fault_tolerance.ipc_connector import IpcConnector
+
+        request = WorkloadControlRequest(getattr(WorkloadAction, action), why)
+        IpcConnector(os.environ[IPC_ENV]).send((rank, request))
+    except Exception as exc:  # noqa: BLE001 - any failure leaves the default behaviour
+        _say(f"could not send {action} to the launcher: {exc!r}")
+
+
+def _describe(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        return f"signal {signal.Signals(os.WTERMSIG(status)).name}"
+    return f"exit {os.waitstatus_to_exitcode(status)}"
+
+
+def _spares() -> int:
+    try:
+        return int(os.environ.get(SPARES_ENV, "0"))
+    except ValueError:
+        return 0
+
+
+def _say(message: str) -> None:
+    print(f"spares: {message}", file=sys.stderr, flush=True)
