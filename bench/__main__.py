@@ -1,7 +1,8 @@
-"""``python -m bench [--full]``: P1-P8 as ratios to baselines measured in the same run.
+"""``python -m bench [--full]``: P1-P8 as ratios to baselines measured in the same run; P9,
+soaks with faults from outside over several seeds, graded by the bench's own reading.
 
 Quick (default): the tiny recipe, P1 P2 P3 P5, and P7 (object-store upload ÷ raw PUT).
-``--full``: also the >= 1 GiB-state model for P1-P3, and P4 (hang detection). Every figure is
+``--full``: also the >= 1 GiB-state model for P1-P3, and P4, P6, P8, P9. Every figure is
 the median of ``--reps`` repetitions (min and max too); baseline and subject repetitions are
 interleaved, so machine drift hits both alike.
 Prints a markdown table; ``--json`` / ``--md`` also write it to files.
@@ -28,6 +29,7 @@ from typing import Any
 import psutil
 
 from bench import hang_detection, remote_upload
+from bench.outside_soak import bench_outside
 from bench.recovery import bench_recovery
 from bench.table import table
 from pretrain.context.run_dir import RunDir, iter_jsonl
@@ -418,7 +420,7 @@ def bench_overhead(config: str, work: Path, data: str, reps: int) -> dict[str, A
     }
 
 
-SECTIONS = ("P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8")
+SECTIONS = ("P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8", "P9")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -429,6 +431,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--hang-stops", type=int, default=10, help="P4 random SIGSTOPs")
     parser.add_argument("--only", default="", help="comma-separated sections, e.g. P1,P5")
     parser.add_argument("--soak-minutes", type=float, default=20.0, help="P6's training time")
+    parser.add_argument(
+        "--soak-seeds", default="1,2,3", help="P9: the outside soaks' seeds, comma-separated"
+    )
     parser.add_argument(
         "--configs",
         default="",
@@ -451,7 +456,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     only = {s.strip().upper() for s in args.only.split(",") if s.strip()} or set(SECTIONS)
     if not args.full and not args.only:
-        only -= {"P4", "P6", "P8"}  # minutes each: full mode, or asked for by name
+        only -= {"P4", "P6", "P8", "P9"}  # minutes each: full mode, or asked for by name
     configs = list(CONFIGS) if args.full else ["tiny"]
     if args.configs:
         configs = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -501,6 +506,9 @@ def main(argv: list[str]) -> int:
             )
         if "P8" in only:  # a kill per repetition, with and without standby workers
             results["recovery"] = section("P8", lambda: bench_recovery(work, data, args.reps))
+        if "P9" in only:  # one outside soak per seed, graded here
+            seeds = [int(x) for x in args.soak_seeds.split(",") if x.strip()]
+            results["outside"] = section("P9", lambda: bench_outside(work, data, seeds, ENV))
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -76,6 +76,7 @@ def table(results: dict[str, Any]) -> str:
     _overhead_rows(results.get("overhead", {}), row)
     _soak_rows(results.get("soak"), row)
     _recovery_rows(results.get("recovery"), row)
+    _outside_rows(results.get("outside"), row)
     if "remote" in results:
         ratio, note = remote_rows(results["remote"])
         row("P7 object-store upload ÷ raw PUT throughput", "512 MiB", ratio, "≥ 0.8",
@@ -204,6 +205,23 @@ def _recovery_rows(recovery: dict[str, Any] | None, row: Rows) -> None:
             r["P8"] <= 0.6 if mode == "standby" else None,
             note=f"restart {r['recovery_s']:.2f} s, fresh start {r['fresh_s']:.2f} s (medians); "
             f"one ledger (s): {phases}",
+        )
+
+
+def _outside_rows(outside: dict[str, Any] | None, row: Rows) -> None:
+    """P9: one row per seed, graded by the bench's own reading (not the soak's verdict)."""
+    for r in (outside or {}).get("P9_runs", []):
+        ok = r["bit_exact"] and r["steps_complete"] and r["kills"] == r["kills_in_launcher_log"]
+        row(
+            f"P9 soak, faults from outside, seed {r['seed']}: bit-exact",
+            "tiny",
+            _one(float(r["bit_exact"])),
+            "1 (bit-exact)",
+            ok,
+            0,
+            note=f"{r['faults']} faults ({', '.join(r['kinds'])}); SIGKILLs in the launcher's "
+            f"log {r['kills_in_launcher_log']}/{r['kills']}; the soak's own exit "
+            f"{r['soak_exit']}, confirmed {r['soak_confirmed']}/{r['faults']}; {r['wall_s']:.0f} s",
         )
 
 

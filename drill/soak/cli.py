@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 from drill.jobs import DrillError
-from drill.soak.plan import KINDS, SoakConfig, run_soak
+from drill.soak.outside import OUTSIDE_KINDS, judge_outside, trajectory_problems
+from drill.soak.plan import KINDS, SoakConfig, SoakRuns, run_soak
 from drill.soak.report import judge
 from resiliency.cli import configure_cli_logging
 from resiliency.cli.base import EXIT_BAD, EXIT_OK, EXIT_USAGE
@@ -33,18 +34,25 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=2, help="ranks on this machine")
     p.add_argument("--seed", type=int, help="fault schedule seed (in the report; rerun with it)")
     p.add_argument(
+        "--outside",
+        action="store_true",
+        help="the soak process injects the faults into the running job (signals to ranks and "
+        f"writers: {','.join(OUTSIDE_KINDS)}), not the trainer's own injection points",
+    )
+    p.add_argument(
         "--kinds",
-        default=",".join(KINDS),
-        help=f"comma-separated fault kinds (default: all of {','.join(KINDS)})",
+        help=f"comma-separated fault kinds (default: all of {','.join(KINDS)}; "
+        f"with --outside {','.join(OUTSIDE_KINDS)})",
     )
     p.add_argument("overrides", nargs="*", help="recipe overrides (key=value)")
 
 
 def config_from_args(args: argparse.Namespace) -> SoakConfig:
-    kinds = tuple(k for k in args.kinds.split(",") if k)
-    unknown = sorted(set(kinds) - set(KINDS))
+    known = OUTSIDE_KINDS if args.outside else KINDS
+    kinds = tuple(k for k in (args.kinds or ",".join(known)).split(",") if k)
+    unknown = sorted(set(kinds) - set(known))
     if unknown or not kinds:
-        raise DrillError(f"--kinds: unknown {unknown or 'none given'}; choose from {list(KINDS)}")
+        raise DrillError(f"--kinds: unknown {unknown or 'none given'}; choose from {list(known)}")
     if min(args.mtbf, args.minutes, args.mtbf_steps or 1, args.mtbf_x_cost or 1) <= 0:
         raise DrillError("--mtbf, --mtbf-steps, --mtbf-x-cost and --minutes must be > 0")
     if args.steps is not None and args.steps < 4:
@@ -60,6 +68,7 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
         nproc=args.nproc,
         seed=args.seed,
         kinds=kinds,
+        outside=args.outside,
     )
 
 
@@ -76,8 +85,30 @@ def main(argv: list[str] | None = None) -> int:
     except DrillError as exc:
         print(f"soak: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if runs.outside is not None:
+        return _outside_verdict(runs)
     verdict = judge(runs)
     print(verdict.summary)
     for problem in verdict.problems:
         print(f"  problem: {problem}")
     return EXIT_OK if verdict.passed else EXIT_BAD
+
+
+def _outside_verdict(runs: SoakRuns) -> int:
+    outside = runs.outside
+    assert outside is not None
+    dirs = (runs.run_dir("clean"), runs.run_dir("soak"), runs.steps)
+    problems = judge_outside(outside, *dirs)
+    exact = not trajectory_problems(*dirs)
+    confirmed = sum(i.confirmed for i in outside.injected)
+    print(
+        f"soak (outside, seed {runs.seed}): {len(outside.injected)} fault(s) injected, "
+        f"{confirmed} confirmed by the launcher's log and the OS, {len(outside.skipped)} "
+        f"skipped (the job had ended); trajectory "
+        f"{'bit-exact' if exact else 'NOT bit-exact'} against the clean run"
+    )
+    for injection in outside.injected:
+        print(f"  {injection.kind} rank {injection.rank}: {injection.evidence}")
+    for problem in problems:
+        print(f"  problem: {problem}")
+    return EXIT_OK if not problems else EXIT_BAD

@@ -28,11 +28,13 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from drill.experiment import prepare_out
 from drill.jobs import DrillError, _job_env
+from drill.soak.outside import OUTSIDE_KINDS, OutsideDriver, OutsideRun, plan_outside
 from pretrain.context.run_dir import RunDir, read_jsonl
 from recipes import ConfigError, RunConfig, load_config
 
@@ -75,6 +77,7 @@ class SoakConfig:
     seed: int | None = None
     kinds: tuple[str, ...] = KINDS
     launch_timeout_s: float = 3600.0
+    outside: bool = False  # faults injected by the soak process (drill.soak.outside)
 
 
 @dataclass
@@ -91,6 +94,7 @@ class SoakRuns:
     wall_s: dict[str, float] = field(default_factory=dict)
     overrides: list[str] = field(default_factory=list)
     mtbf_s: float | None = None  # derived from measured costs (mtbf_cost_multiple)
+    outside: OutsideRun | None = None  # --outside: what the soak injected and confirmed
 
     def run_dir(self, name: str) -> Path:
         return self.out / "runs" / name / "soak"
@@ -166,6 +170,16 @@ class SoakLauncher:
         self.cfg, self.logs = cfg, logs
 
     def run(self, name: str, overrides: list[str], max_restarts: int = 0) -> tuple[int, float]:
+        return self.watch(name, overrides, max_restarts, lambda job: None)
+
+    def watch(
+        self,
+        name: str,
+        overrides: list[str],
+        max_restarts: int,
+        beside: Callable[[subprocess.Popen], None],
+    ) -> tuple[int, float]:
+        """Launch, run ``beside(job)`` while it runs (the outside faults), wait for its end."""
         cmd = [
             sys.executable,
             "-m",
@@ -179,16 +193,13 @@ class SoakLauncher:
         started = time.time()
         log.info("soak: %s launch (%s)", name, self.logs / f"{name}.log")
         with (self.logs / f"{name}.log").open("w") as out:
+            job = subprocess.Popen(cmd, env=_job_env({}), stdout=out, stderr=subprocess.STDOUT)
             try:
-                code = subprocess.run(
-                    cmd,
-                    env=_job_env({}),
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    timeout=self.cfg.launch_timeout_s,
-                    check=False,
-                ).returncode
+                beside(job)
+                code = job.wait(timeout=max(self.cfg.launch_timeout_s - (time.time() - started), 1))
             except subprocess.TimeoutExpired:
+                job.kill()
+                job.wait()
                 code = 124
         wall = time.time() - started
         log.info("soak: %s exit %d in %.0f s", name, code, wall)
@@ -252,6 +263,10 @@ def run_soak(cfg: SoakConfig) -> SoakRuns:
             runs.mtbf_s,
             cfg.mtbf_cost_multiple,
         )
+    if cfg.outside:
+        _soak_from_outside(launcher, runs, cfg)
+        (out / "soak.json").write_text(json.dumps(_plan_record(runs), indent=1))
+        return runs
     if cfg.mtbf_steps is not None:  # planned on a nominal 1 s step: reproducible in steps
         shape = JobShape(steps, 1.0, save_every, cfg.nproc, learn_after)
         runs.faults = plan_faults(random.Random(seed), shape, cfg.mtbf_steps, cfg.kinds)
@@ -271,6 +286,23 @@ def _launch(
     run_dir = runs.run_dir(name)
     overrides = [*runs.overrides, f"output_dir={run_dir.parent}", "run_id=soak", *extra]
     runs.exits[name], runs.wall_s[name] = launcher.run(name, overrides, budget)
+
+
+def _soak_from_outside(launcher: SoakLauncher, runs: SoakRuns, cfg: SoakConfig) -> None:
+    """The soak run with faults the soak process injects (:mod:`drill.soak.outside`): as many
+    as the clean run's training time holds at the MTBF; those the job outlives are skipped."""
+    mtbf = runs.mtbf_s or (cfg.mtbf_steps * runs.step_s if cfg.mtbf_steps else cfg.mtbf_s)
+    count = max(1, math.ceil(runs.steps * runs.step_s / mtbf))
+    kinds = tuple(k for k in cfg.kinds if k in OUTSIDE_KINDS) or OUTSIDE_KINDS
+    plan = plan_outside(random.Random(runs.seed), count, mtbf, cfg.nproc, kinds)
+    runs.outside = OutsideRun(runs.seed, plan)
+    run_dir = runs.run_dir("soak")
+    learn_after = resolve(runs.overrides).resiliency.ft.learn_after_steps
+    driver = OutsideDriver(run_dir, launcher.logs / "soak.log", runs.outside, learn_after + 2)
+    overrides = [*runs.overrides, f"output_dir={run_dir.parent}", "run_id=soak"]
+    runs.exits["soak"], runs.wall_s["soak"] = launcher.watch(
+        "soak", overrides, count + 1, driver.drive
+    )
 
 
 def _probe(launcher: SoakLauncher, base: list[str], out: Path) -> Path:
@@ -299,4 +331,5 @@ def _plan_record(runs: SoakRuns) -> dict:
         "wall_s": runs.wall_s,
         "mtbf_s": runs.mtbf_s,
         "overrides": runs.overrides,
+        **({"outside": runs.outside.record()} if runs.outside else {}),
     }

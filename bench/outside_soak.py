@@ -1,0 +1,94 @@
+"""P9: soaks with faults from outside, over several seeds (``python -m bench --only P9``).
+
+Each seed runs ``python -m drill.soak --outside`` through its public CLI: the soak process
+SIGKILLs and SIGSTOPs ranks and SIGKILLs checkpoint writers of the running job at moments drawn
+from the seed. This module grades each soak itself, not by the soak's verdict: it reads both
+runs' ``metrics/steps.jsonl`` and compares the losses bit for bit, and finds each SIGKILL the
+soak reports in the launcher's own log (that rank's -9 exit after the fault's moment). The
+soak's own exit code and confirmations are reported beside, for comparison.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS, MTBF_STEPS, SAVE_EVERY = 48, 8, 4
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    """This module's own reading: the last line per step wins (a re-run step replaces it)."""
+    found: dict[int, float] = {}
+    for line in (run_dir / "metrics" / "steps.jsonl").read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        found[record["step"]] = record["loss"]
+    return found
+
+
+def _kills_in_launcher_log(out: Path, injected: list[dict]) -> tuple[int, int]:
+    """(SIGKILLs the soak reports, those the launcher's log shows as that rank's -9 exit)."""
+    text = (out / "logs" / "soak.log").read_bytes()
+    kills = [i for i in injected if i["kind"] == "sigkill"]
+    seen = sum(
+        bool(
+            re.search(
+                rf"failed \(exitcode: -9\) local_rank: {k['rank']}\b",
+                text[k["log_offset"] :].decode(errors="replace"),
+            )
+        )
+        for k in kills
+    )
+    return len(kills), seen
+
+
+def one_soak(work: Path, data: str, seed: int, env: dict[str, str]) -> dict[str, Any]:
+    out = work / f"outside-{seed}"
+    cmd = [
+        sys.executable, "-m", "drill.soak", "--outside", f"--out={out}", f"--steps={STEPS}",
+        f"--mtbf-steps={MTBF_STEPS}", f"--seed={seed}", "recipe=gpt_tiny",
+        f"data.paths=[{data}]", f"checkpoint.save_interval={SAVE_EVERY}",
+        "checkpoint.async_save=true", "resiliency.ft.timeout_floor_s=4",
+        "resiliency.ft.learn_after_steps=3", "resiliency.ft.check_interval_s=0.5",
+        "logging.level=WARNING",
+    ]  # fmt: skip
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, text=True, capture_output=True, check=False)
+    wall = time.perf_counter() - started
+    if not (out / "soak.json").exists():
+        raise RuntimeError(f"soak seed {seed} failed ({proc.returncode}): {proc.stderr[-3000:]}")
+    injected = json.loads((out / "soak.json").read_text())["outside"]["injected"]
+    clean, soak = _losses(out / "runs" / "clean" / "soak"), _losses(out / "runs" / "soak" / "soak")
+    kills, kills_seen = _kills_in_launcher_log(out, injected)
+    return {
+        "seed": seed,
+        "faults": len(injected),
+        "kinds": sorted({i["kind"] for i in injected}),
+        "soak_exit": proc.returncode,
+        "soak_confirmed": sum(i["confirmed"] for i in injected),
+        "kills": kills,
+        "kills_in_launcher_log": kills_seen,
+        "steps_complete": sorted(soak) == list(range(1, STEPS + 1)),
+        "bit_exact": soak == clean,
+        "wall_s": round(wall, 1),
+    }
+
+
+def bench_outside(work: Path, data: str, seeds: list[int], env: dict[str, str]) -> dict[str, Any]:
+    runs = [one_soak(work, data, seed, env) for seed in seeds]
+    return {
+        "P9_runs": runs,
+        "P9_faults": sum(r["faults"] for r in runs),
+        "P9_goal_met": all(
+            r["bit_exact"] and r["steps_complete"] and r["kills"] == r["kills_in_launcher_log"]
+            for r in runs
+        ),
+    }

@@ -1,0 +1,269 @@
+"""Faults from outside the trainer (``python -m drill.soak --outside``).
+
+The soak process itself, not the trainer, injects each fault into the running job: SIGKILL of
+a rank's trainer (``sigkill``), SIGSTOP of one (``sigstop``: a hang the launcher's rank monitor
+must catch) and SIGKILL of a rank's checkpoint writer (``kill_writer``), at moments drawn
+from the seed it prints: after the job trains again (one new step since the last fault), an
+exponential gap with mean ``--mtbf`` seconds, then the fault, on a rank drawn from the seed.
+
+Each fault's effect is confirmed from evidence the trainer does not write: the process it hit
+is gone (the operating system), and the launcher's log, after the moment of the fault, reports
+that rank's death with the expected exit (-9 for a kill; 1, a lost writer, at the rank's next
+save) or, for a stopped rank, its rank monitor's timeout. The trajectory is read straight from
+``metrics/steps.jsonl`` by :func:`losses`, apart from the soak's report code, and compared bit
+for bit with the clean run's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+import signal
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import psutil
+
+from launch.processes import rank_workers, writers
+
+log = logging.getLogger(__name__)
+
+OUTSIDE_KINDS = ("sigkill", "sigstop", "kill_writer")
+TARGET_WAIT_S = 20.0  # a rank's trainer or writer not there yet (between attempts)
+EFFECT_WAIT_S = 180.0  # the longest a fault's effect may take to show (a hang: its timeout)
+
+
+@dataclass(frozen=True)
+class OutsideFault:
+    kind: str
+    rank: int
+    gap_s: float  # after the job trains again (a new step since the previous fault)
+
+
+@dataclass
+class Injection:
+    kind: str
+    rank: int
+    pid: int  # the process hit
+    at: float  # wall time
+    log_offset: int  # the launcher log's size then: the evidence comes after it
+    evidence: str = ""
+    confirmed: bool = False
+
+
+@dataclass
+class OutsideRun:
+    seed: int
+    plan: list[OutsideFault]
+    injected: list[Injection] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    exit_code: int | None = None
+
+    def record(self) -> dict:
+        return {
+            "seed": self.seed,
+            "plan": [asdict(f) for f in self.plan],
+            "injected": [asdict(i) for i in self.injected],
+            "skipped": self.skipped,
+            "exit_code": self.exit_code,
+        }
+
+
+def plan_outside(
+    rng: random.Random, count: int, mtbf_s: float, nproc: int, kinds: tuple[str, ...]
+) -> list[OutsideFault]:
+    """``count`` faults: kinds dealt from shuffled decks, ranks and gaps from ``rng``."""
+    plan, deck = [], []
+    for _ in range(count):
+        deck = deck or rng.sample(list(kinds), len(kinds))
+        plan.append(OutsideFault(deck.pop(), rng.randrange(nproc), rng.expovariate(1 / mtbf_s)))
+    return plan
+
+
+def _steps_done(run_dir: Path) -> int:
+    try:
+        return len((run_dir / "metrics" / "steps.jsonl").read_text().splitlines())
+    except FileNotFoundError:
+        return 0
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+class OutsideDriver:
+    """Injects ``plan`` into the job ``run_dir`` that ``job`` (its launcher) runs."""
+
+    def __init__(
+        self, run_dir: Path, launcher_log: Path, run: OutsideRun, hang_after_steps: int = 0
+    ) -> None:
+        self.run_dir, self.launcher_log, self.run = run_dir, launcher_log, run
+        # A hang is caught by the learned timeouts (resiliency.ft.learn_after_steps); before
+        # them the launcher waits the untrained default (minutes).
+        self.earliest = {"sigstop": hang_after_steps}
+
+    def drive(self, job: subprocess.Popen) -> None:
+        for fault in self.run.plan:
+            ready = self._wait_training(job, self.earliest.get(fault.kind, 0))
+            if not ready or not self._sleep(job, fault.gap_s):
+                self.run.skipped.append(f"{fault.kind} on rank {fault.rank}: the job had ended")
+                continue
+            injection = self._inject(fault)
+            if injection is None:
+                self.run.skipped.append(f"{fault.kind} on rank {fault.rank}: no target process")
+                continue
+            self.run.injected.append(injection)
+            log.info(
+                "soak: %s rank %d (pid %d) from outside", fault.kind, fault.rank, injection.pid
+            )
+            self._await_effect(job, injection)
+        self.run.exit_code = job.wait()
+        for injection in self.run.injected:
+            confirm(injection, self.launcher_log.read_text(errors="replace"))
+
+    def _await_effect(self, job: subprocess.Popen, injection: Injection) -> None:
+        """Until the launcher restarts the group after ``injection`` (a lost writer shows at
+        its rank's next save), so the next fault does not hide this one's effect."""
+        deadline = time.monotonic() + EFFECT_WAIT_S
+        while job.poll() is None and time.monotonic() < deadline:
+            text = self.launcher_log.read_bytes()[injection.log_offset :]
+            if _GROUP_FAILED.search(text.decode(errors="replace")):
+                return
+            time.sleep(0.1)
+
+    def _wait_training(self, job: subprocess.Popen, earliest: int) -> bool:
+        """Until a step was logged since the last fault, and ``earliest`` steps in all."""
+        seen = _steps_done(self.run_dir)
+        while job.poll() is None:
+            done = _steps_done(self.run_dir)
+            if done > seen and done >= earliest and rank_workers(self.run_dir):
+                return True
+            time.sleep(0.1)
+        return False
+
+    @staticmethod
+    def _sleep(job: subprocess.Popen, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if job.poll() is not None:
+                return False
+            time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
+        return job.poll() is None
+
+    def _inject(self, fault: OutsideFault) -> Injection | None:
+        target = self._target(fault)
+        if target is None:
+            return None
+        offset = _size(self.launcher_log)
+        sig = signal.SIGSTOP if fault.kind == "sigstop" else signal.SIGKILL
+        try:
+            target.send_signal(sig)
+        except psutil.Error:
+            return None
+        return Injection(fault.kind, fault.rank, target.pid, time.time(), offset)
+
+    def _target(self, fault: OutsideFault) -> psutil.Process | None:
+        """The rank's trainer, or its checkpoint writer (started beside the first steps of an
+        attempt): waited for a while, as a process may be between attempts."""
+        deadline = time.monotonic() + TARGET_WAIT_S
+        while time.monotonic() < deadline:
+            trainer = rank_workers(self.run_dir).get(fault.rank)
+            if trainer is not None and fault.kind != "kill_writer":
+                return trainer
+            found = writers(trainer) if trainer is not None else []
+            if found:
+                return found[0]
+            time.sleep(0.1)
+        return None
+
+
+# ft_launcher / torchrun: "failed (exitcode: -9) local_rank: 0 (pid: 123) of binary: ...".
+_EXIT = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+# The rank monitor's timeout: nvrx 0.4 "[RankMonServer<r>@<host>:<rank>] Section ... has been
+# open" / "Was out of section"; nvrx 0.7 "[workload:?(<rank>) ...] ... Section ... open".
+_MONITOR = re.compile(
+    r"(?:\[RankMonServer\d+@[^\]]*?:(\d+)\]|\[workload:\?\((\d+)\)[^\]]*\])"
+    r".*?(?:has been open for|Was out of section for)"
+)
+# The launcher restarting (or giving up on) the group: a lost writer fails its rank at its next
+# save, and which rank the launcher reports first depends on who exits first (a peer waiting in
+# the save's collective may be killed by its monitor sooner).
+_GROUP_FAILED = re.compile(r"Worker group (?:FAILED|UNHEALTHY)")
+
+
+def confirm(injection: Injection, launcher_text: str) -> None:
+    """Mark ``injection`` confirmed when the launcher's log, after its moment, shows its
+    effect on that rank, and the process it hit is gone (or, stopped, was killed)."""
+    after = launcher_text.encode()[injection.log_offset :].decode(errors="replace")
+    gone = not psutil.pid_exists(injection.pid) or _is_zombie(injection.pid)
+    if injection.kind == "sigstop":
+        hits = [
+            m.group(0)
+            for m in _MONITOR.finditer(after)
+            if int(m.group(1) or m.group(2)) == injection.rank
+        ]
+    elif injection.kind == "kill_writer":
+        hits = [m.group(0) for m in _GROUP_FAILED.finditer(after)]
+    else:
+        hits = [
+            m.group(0)
+            for m in _EXIT.finditer(after)
+            if int(m.group(2)) == injection.rank and int(m.group(1)) == -signal.SIGKILL
+        ]
+    injection.confirmed = bool(hits) and gone
+    injection.evidence = (
+        f"launcher: {hits[0]!r}; pid {injection.pid} {'gone' if gone else 'STILL ALIVE'}"
+        if hits
+        else f"launcher log shows no effect on rank {injection.rank} after the fault"
+    )
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """step -> loss, the last line per step (a re-run step replaces the one before it)."""
+    found: dict[int, float] = {}
+    for line in (run_dir / "metrics" / "steps.jsonl").read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a killed writer's torn last line
+        found[int(record["step"])] = float(record["loss"])
+    return found
+
+
+def judge_outside(run: OutsideRun, clean_dir: Path, soak_dir: Path, steps: int) -> list[str]:
+    """What is wrong with the soak (empty: nothing): its exit, each fault's evidence, and the
+    trajectory (:func:`trajectory_problems`)."""
+    problems = [] if run.exit_code == 0 else [f"the soak run exited {run.exit_code}"]
+    problems += [
+        f"{i.kind} on rank {i.rank} not confirmed: {i.evidence}"
+        for i in run.injected
+        if not i.confirmed
+    ]
+    return problems + trajectory_problems(clean_dir, soak_dir, steps)
+
+
+def trajectory_problems(clean_dir: Path, soak_dir: Path, steps: int) -> list[str]:
+    """The soak's losses against the clean run's, bit for bit, every step present."""
+    clean, soak = losses(clean_dir), losses(soak_dir)
+    problems = []
+    missing = sorted(set(range(1, steps + 1)) - set(soak))
+    if missing:
+        problems.append(f"the soak run never logged steps {missing[:5]}")
+    differ = [step for step in clean if soak.get(step) != clean[step]]
+    if differ:
+        problems.append(f"losses differ from the clean run at steps {differ[:5]}")
+    return problems

@@ -1,0 +1,106 @@
+"""The soak with faults from outside (``python -m drill.soak --outside``): its schedule, how it
+confirms a fault from the launcher's log and the OS, and one real soak whose trajectory this
+test reads itself (not through the soak's code) against the clean run's."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from drill.soak.outside import OUTSIDE_KINDS, Injection, confirm, losses, plan_outside
+from tests.helpers import REPO
+
+
+def test_the_plan_is_the_seeds() -> None:
+    one = plan_outside(random.Random(5), 9, 10.0, 2, OUTSIDE_KINDS)
+    assert one == plan_outside(random.Random(5), 9, 10.0, 2, OUTSIDE_KINDS)
+    assert {f.kind for f in one[:3]} == set(OUTSIDE_KINDS)  # a deck: every kind comes up
+    assert {f.rank for f in one} <= {0, 1} and all(f.gap_s > 0 for f in one)
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+LOG = (
+    "[2026-12-05 04:11:30,000] [INFO] starting\n"
+    "[2026-12-05 04:11:31,085] [ERROR] failed (exitcode: -9) local_rank: 1 (pid: 77) of binary\n"
+    "[2026-12-05 04:11:40,000] [INFO] [RankMonServer0@vm:0] Section 'step' has been open for "
+    "9.1 seconds. Timeout is 4.0\n"
+)
+
+
+@pytest.mark.parametrize(
+    "kind, rank, offset, confirmed",
+    [
+        ("sigkill", 1, 0, True),  # the launcher saw rank 1 die of SIGKILL after the fault
+        ("sigkill", 0, 0, False),  # ... but not rank 0
+        ("sigkill", 1, LOG.index("[2026-12-05 04:11:40"), False),  # not after the fault
+        ("kill_writer", 1, 0, False),  # no restart of the group logged
+        ("kill_writer", 1, -1, True),  # (LOG + a group restart, below)
+        ("sigstop", 0, 0, True),  # rank 0's monitor timed out
+    ],
+)
+def test_a_fault_is_confirmed_by_the_launchers_log(
+    kind: str, rank: int, offset: int, confirmed: bool
+) -> None:
+    text = LOG + "[INFO] [default] Worker group UNHEALTHY. 5/6 attempts left\n" * (offset < 0)
+    injection = Injection(kind, rank, _dead_pid(), 0.0, max(offset, 0))
+    confirm(injection, text)
+    assert injection.confirmed is confirmed, injection.evidence
+
+
+def test_a_live_target_is_not_confirmed() -> None:
+    injection = Injection("sigkill", 1, os.getpid(), 0.0, 0)
+    confirm(injection, LOG)
+    assert not injection.confirmed and "STILL ALIVE" in injection.evidence
+
+
+def _own_losses(run_dir: Path) -> dict[int, str]:
+    """This test's own reading: the last line per step, the loss as written (repr)."""
+    found = {}
+    for line in (run_dir / "metrics" / "steps.jsonl").read_text().splitlines():
+        if line.strip().endswith("}"):
+            record = json.loads(line)
+            found[record["step"]] = repr(record["loss"])
+    return found
+
+
+# ~2.5 min of real runs (a probe-free clean run and a soak with 3 faults): with the benchmarks
+# (bench --only P9 runs several seeds), in `make test-all`.
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_an_outside_soak_loses_nothing(tmp_path: Path, tiny_overrides: list[str]) -> None:
+    out = tmp_path / "soak"
+    cmd = [
+        sys.executable, "-m", "drill.soak", "--outside", f"--out={out}", "--steps=36",
+        "--mtbf-steps=8", "--seed=3", *tiny_overrides, "checkpoint.save_interval=4",
+        "checkpoint.async_save=true", "resiliency.ft.timeout_floor_s=4",
+        "resiliency.ft.learn_after_steps=3", "resiliency.ft.check_interval_s=0.5",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    report = json.loads((out / "soak.json").read_text())["outside"]
+    injected = report["injected"]
+    assert injected and all(i["confirmed"] for i in injected), injected
+    # The launcher's own lines, read here: every SIGKILL shows as that rank's -9 exit.
+    launcher_log = (out / "logs" / "soak.log").read_text(errors="replace")
+    for kill in (i for i in injected if i["kind"] == "sigkill"):
+        after = launcher_log.encode()[kill["log_offset"] :].decode(errors="replace")
+        assert re.search(rf"failed \(exitcode: -9\) local_rank: {kill['rank']}\b", after), kill
+    clean, soak = (
+        _own_losses(out / "runs" / "clean" / "soak"),
+        _own_losses(out / "runs" / "soak" / "soak"),
+    )
+    assert sorted(soak) == sorted(clean) == list(range(1, 37))
+    assert soak == clean
+    assert losses(out / "runs" / "soak" / "soak") == {s: float(v) for s, v in soak.items()}
