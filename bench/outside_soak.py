@@ -35,19 +35,20 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 
 def _kills_in_launcher_log(out: Path, injected: list[dict]) -> tuple[int, int]:
-    """(SIGKILLs the soak reports, those the launcher's log shows as that rank's -9 exit)."""
+    """(SIGKILLs the soak reports, those the launcher's log shows as that rank's -9 exit
+    before the next fault)."""
     text = (out / "logs" / "soak.log").read_bytes()
-    kills = [i for i in injected if i["kind"] == "sigkill"]
+    ends = [i["log_offset"] for i in injected[1:]] + [len(text)]
+    windows = [
+        (i["rank"], text[i["log_offset"] : end].decode(errors="replace"))
+        for i, end in zip(injected, ends)
+        if i["kind"] == "sigkill"
+    ]
     seen = sum(
-        bool(
-            re.search(
-                rf"failed \(exitcode: -9\) local_rank: {k['rank']}\b",
-                text[k["log_offset"] :].decode(errors="replace"),
-            )
-        )
-        for k in kills
+        bool(re.search(rf"failed \(exitcode: -9\) local_rank: {rank}\b", window))
+        for rank, window in windows
     )
-    return len(kills), seen
+    return len(windows), seen
 
 
 def one_soak(work: Path, data: str, seed: int, env: dict[str, str]) -> dict[str, Any]:

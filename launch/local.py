@@ -180,7 +180,7 @@ class LocalSupervisor:
         self.signal: int | None = None
         self.child: subprocess.Popen[str] | None = None
         run = plan.run
-        self.tokens_per_step = run.train.global_batch_size * run.model.seq_length
+        self.tokens_per_step = run.tokens_per_step
 
     def run(self) -> int:
         uploader = Uploader(self.plan)

@@ -9,9 +9,12 @@ node's launcher over ft_launcher's own control socket (``FT_LAUNCHER_IPC_SOCKET`
 - killed by a signal nobody relayed to it (SIGKILL from the OOM killer or an operator, SIGSEGV,
   SIGBUS: the fault was on this node) -> ``ExcludeThisNode``: the launcher leaves at its next
   rendezvous and a spare takes the node's ranks; the surviving nodes restart in place and
-  restore the newest committed step. At most ``spare_nodes`` nodes per job are excluded: each
-  exclusion first claims a slot (a file created exclusively in the run directory, which every
-  node shares); with none left the node rejoins, as it would without spares.
+  restore the newest committed step. One node leaves per in-job round (the first to claim the
+  round: when a hang makes every rank monitor SIGKILL its rank, one node, not all, is
+  replaced), at most ``spare_nodes`` per job and requeue (each exclusion claims a slot: a file
+  created exclusively in the run directory, which every node shares); with none left the node
+  rejoins, as it would without spares. The node hosting the rendezvous store (the job's first)
+  never leaves: its launcher's store would go with it.
 - a planned stop of the whole job (exit 75 after the batch shell got Slurm's warning signal,
   marked in the run directory) or a deterministic failure (a "do not retry" code) ->
   ``ShutdownWorkload``: the launchers end instead of restarting the ranks in the job, and the
@@ -38,11 +41,13 @@ from pretrain.context.run_dir import RunDir
 SPARES_ENV = "MCORE_RECIPES_SPARE_NODES"  # the job's spare nodes; unset or 0: no spares
 RUN_DIR_ENV = "MCORE_RECIPES_RUN_DIR"
 IPC_ENV = "FT_LAUNCHER_IPC_SOCKET"  # set by ft_launcher for its ranks
-JOB_ENV = "SLURM_JOB_ID"
+STORE_NODE_ENV = "MCORE_RECIPES_STORE_NODE"  # the node whose launcher hosts the store
+ROUND_ENV = "TORCHELASTIC_RESTART_COUNT"  # the launcher's round, set for its workers
 EXCLUDE, SHUTDOWN = "exclude", "shutdown"
 # Asked to stop by nobody: the kernel (OOM killer), the hardware (bus error) or an operator.
+# Not SIGABRT: a survivor's collective watchdog aborts its rank when a peer dies.
 NODE_FAULT_SIGNALS = frozenset(
-    {signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE}
+    {signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE}
 )
 
 
@@ -66,38 +71,57 @@ def after_worker(status: int, stopped: bool, rank: int) -> None:
     """Tell this node's launcher what the worker's end means (a no-op without spares)."""
     if not enabled():
         return
-    run_dir, job = RunDir(Path(os.environ.get(RUN_DIR_ENV, "."))), os.environ.get(JOB_ENV, "")
+    run_dir, job = RunDir(Path(os.environ.get(RUN_DIR_ENV, "."))), job_key()
     action = decide(status, stopped, run_dir.job_stopping_mark(job).exists())
     if action == EXCLUDE:
-        slot = _claim_slot(run_dir, job, status, rank)
-        if slot is None:
-            _say(f"no spare node left in job {job}: this node rejoins the rendezvous")
+        why = _claim(run_dir, job, status, rank)
+        if why:
+            _say(f"worker killed on this node ({_describe(status)}), but {why}: it rejoins")
             return
-        _say(f"worker killed on this node: leaving the job for a spare (claim {slot})")
+        _say(f"worker killed on this node ({_describe(status)}): leaving the job for a spare")
         _request("ExcludeThisNode", rank, f"worker of rank {rank} killed ({_describe(status)})")
     elif action == SHUTDOWN:
         _say(f"worker ended with {_describe(status)}: the launchers end (no in-job restart)")
         _request("ShutdownWorkload", rank, f"rank {rank} ended with {_describe(status)}")
 
 
-def _claim_slot(run_dir: RunDir, job: str, status: int, rank: int) -> int | None:
-    """The first free of the job's ``spare_nodes`` exclusion slots, claimed; None: all taken."""
+def job_key() -> str:
+    """This job's run of the batch script: its id and restart count (a requeued job keeps its
+    id and gets its spares back)."""
+    return f"{os.environ.get('SLURM_JOB_ID', '')}-{os.environ.get('SLURM_RESTART_COUNT', '0')}"
+
+
+def _node() -> str:
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def _claim(run_dir: RunDir, job: str, status: int, rank: int) -> str | None:
+    """Claim this round's exclusion and a spare for this node; why not, if it may not leave."""
+    node = _node()
+    if node == os.environ.get(STORE_NODE_ENV):
+        return "it hosts the rendezvous store"
     run_dir.spares_dir.mkdir(parents=True, exist_ok=True)
-    record = {
-        "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
-        "rank": rank,
-        "worker_end": _describe(status),
-        "at": time.time(),
-    }
+    round_mark = run_dir.spare_round(job, int(os.environ.get(ROUND_ENV, "0")))
+    if not _create(round_mark, node):
+        leaving = round_mark.read_text().strip()
+        # Another rank of this node got there first: the same launcher, told again.
+        return None if leaving == node else f"node {leaving} leaves in this round"
+    record = {"node": node, "rank": rank, "worker_end": _describe(status), "at": time.time()}
     for slot in range(_spares()):
-        try:
-            fd = os.open(run_dir.spare_claim(job, slot), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        except FileExistsError:
-            continue
-        with os.fdopen(fd, "w") as out:
-            out.write(json.dumps(record) + "\n")
-        return slot
-    return None
+        if _create(run_dir.spare_claim(job, slot), json.dumps(record) + "\n"):
+            return None
+    return f"no spare node left in job {job}"
+
+
+def _create(path: Path, text: str) -> bool:
+    """Write ``path`` if it did not exist (atomically decided by the file system)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    return True
 
 
 def _request(action: str, rank: int, why: str) -> None:

@@ -102,9 +102,15 @@ class OutsideDriver:
     """Injects ``plan`` into the job ``run_dir`` that ``job`` (its launcher) runs."""
 
     def __init__(
-        self, run_dir: Path, launcher_log: Path, run: OutsideRun, hang_after_steps: int = 0
+        self,
+        run_dir: Path,
+        launcher_log: Path,
+        run: OutsideRun,
+        hang_after_steps: int = 0,
+        timeout_s: float = 3600.0,
     ) -> None:
         self.run_dir, self.launcher_log, self.run = run_dir, launcher_log, run
+        self.deadline = time.monotonic() + timeout_s  # the job's, like its launch timeout
         # A hang is caught by the learned timeouts (resiliency.ft.learn_after_steps); before
         # them the launcher waits the untrained default (minutes).
         self.earliest = {"sigstop": hang_after_steps}
@@ -124,14 +130,20 @@ class OutsideDriver:
                 "soak: %s rank %d (pid %d) from outside", fault.kind, fault.rank, injection.pid
             )
             self._await_effect(job, injection)
-        self.run.exit_code = job.wait()
-        for injection in self.run.injected:
-            confirm(injection, self.launcher_log.read_text(errors="replace"))
+        try:
+            self.run.exit_code = job.wait(timeout=max(self.deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            job.kill()
+            self.run.exit_code = job.wait()
+        text = self.launcher_log.read_bytes()
+        ends = [i.log_offset for i in self.run.injected[1:]] + [len(text)]
+        for injection, end in zip(self.run.injected, ends):
+            confirm(injection, text[:end])
 
     def _await_effect(self, job: subprocess.Popen, injection: Injection) -> None:
         """Until the launcher restarts the group after ``injection`` (a lost writer shows at
         its rank's next save), so the next fault does not hide this one's effect."""
-        deadline = time.monotonic() + EFFECT_WAIT_S
+        deadline = min(time.monotonic() + EFFECT_WAIT_S, self.deadline)
         while job.poll() is None and time.monotonic() < deadline:
             text = self.launcher_log.read_bytes()[injection.log_offset :]
             if _GROUP_FAILED.search(text.decode(errors="replace")):
@@ -141,7 +153,7 @@ class OutsideDriver:
     def _wait_training(self, job: subprocess.Popen, earliest: int) -> bool:
         """Until a step was logged since the last fault, and ``earliest`` steps in all."""
         seen = _steps_done(self.run_dir)
-        while job.poll() is None:
+        while job.poll() is None and time.monotonic() < self.deadline:
             done = _steps_done(self.run_dir)
             if done > seen and done >= earliest and rank_workers(self.run_dir):
                 return True
@@ -198,10 +210,11 @@ _MONITOR = re.compile(
 _GROUP_FAILED = re.compile(r"Worker group (?:FAILED|UNHEALTHY)")
 
 
-def confirm(injection: Injection, launcher_text: str) -> None:
-    """Mark ``injection`` confirmed when the launcher's log, after its moment, shows its
-    effect on that rank, and the process it hit is gone (or, stopped, was killed)."""
-    after = launcher_text.encode()[injection.log_offset :].decode(errors="replace")
+def confirm(injection: Injection, launcher_log: bytes) -> None:
+    """Mark ``injection`` confirmed when the launcher's log between its moment and the next
+    fault's (``launcher_log`` ends there) shows its effect on that rank, and the process it hit
+    is gone (or, stopped, was killed)."""
+    after = launcher_log[injection.log_offset :].decode(errors="replace")
     gone = not psutil.pid_exists(injection.pid) or _is_zombie(injection.pid)
     if injection.kind == "sigstop":
         hits = [

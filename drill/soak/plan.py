@@ -298,7 +298,9 @@ def _soak_from_outside(launcher: SoakLauncher, runs: SoakRuns, cfg: SoakConfig) 
     runs.outside = OutsideRun(runs.seed, plan)
     run_dir = runs.run_dir("soak")
     learn_after = resolve(runs.overrides).resiliency.ft.learn_after_steps
-    driver = OutsideDriver(run_dir, launcher.logs / "soak.log", runs.outside, learn_after + 2)
+    driver = OutsideDriver(
+        run_dir, launcher.logs / "soak.log", runs.outside, learn_after + 2, cfg.launch_timeout_s
+    )
     overrides = [*runs.overrides, f"output_dir={run_dir.parent}", "run_id=soak"]
     runs.exits["soak"], runs.wall_s["soak"] = launcher.watch(
         "soak", overrides, count + 1, driver.drive

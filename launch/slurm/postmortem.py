@@ -21,11 +21,21 @@ _SRUN_LABEL = re.compile(r"^\s*\d+: ")
 
 
 def launcher_events(job_log: Path) -> LauncherEvents:
-    """The launchers' events in ``job_log`` (unstamped lines take the log's last write)."""
-    events = LauncherEvents()
+    """The launchers' events in ``job_log`` (unstamped lines take the log's last write).
+
+    With several nodes their per-worker exit lines are dropped: every node's launcher numbers
+    its workers from local rank 0 and logs its own child's pid (with spares or standby workers,
+    the entrypoint's, not the trainer's), so they name no rank; who died first and how comes
+    from the worker's parent's record (:mod:`pretrain.context.worker_exits`) and the ranks'
+    failure files."""
+    events, tasks = LauncherEvents(), set()
     written = job_log.stat().st_mtime
     for line in job_log.read_text(errors="replace").splitlines():
+        if label := _SRUN_LABEL.match(line):
+            tasks.add(label.group(0).strip())
         events.feed(_SRUN_LABEL.sub("", line, count=1), written)
+    if len(tasks) > 1:
+        events.exits.clear()
     return events
 
 
@@ -38,5 +48,5 @@ def finalize_job(run_dir: Path, after_attempt: int, job_log: Path, tokens_per_st
         return
     try:
         finalize_attempts(layout, attempts, launcher_events(job_log), tokens_per_step)
-    except (OSError, ValueError) as exc:
-        log.warning("post-mortem of attempts %s skipped: %s", attempts, exc)
+    except Exception as exc:  # noqa: BLE001 - the retry decision must still be made
+        log.warning("post-mortem of attempts %s skipped: %r", attempts, exc)

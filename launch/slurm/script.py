@@ -90,7 +90,7 @@ def render_sbatch(run: RunConfig, inputs: ScriptInputs) -> str:
         "srun_args": _srun_args(run, inputs),
         "launcher": _launcher(run, inputs),
         "nnodes": _nnodes(run),
-        "tokens_per_step": str(run.train.global_batch_size * run.model.seq_length),
+        "tokens_per_step": str(run.tokens_per_step),
         **_spare_values(run),
         "nproc": str(launch.nproc_per_node),
         "worker_module": worker_module(run),
@@ -154,11 +154,15 @@ def _spare_values(run: RunConfig) -> dict[str, str]:
     the batch shell marks a planned stop of the job, and srun lets a node's launcher leave."""
     spare = run.launch.slurm.spare_nodes
     if not spare:
-        return {"spares_env": "# (no spare nodes)", "mark_stopping": ""}
-    mark = str(RunDir(Path("$RUN_DIR")).job_stopping_mark("${SLURM_JOB_ID}"))
+        return {"spares_env": "# (no spare nodes)", "mark_stopping": "", "store_node": ""}
+    mark = str(RunDir(Path("$RUN_DIR")).job_stopping_mark("${SLURM_JOB_ID}-${RESTART}"))
     return {
         "spares_env": f'export {spares.SPARES_ENV}={spare} {spares.RUN_DIR_ENV}="$RUN_DIR"',
-        "mark_stopping": f'    mkdir -p "$(dirname "{mark}")" && touch "{mark}"\n',
+        # In the trap, under `set -e`: a failed mark must not end the shell before the save.
+        "mark_stopping": f'    {{ mkdir -p "$(dirname "{mark}")" && touch "{mark}"; }} '
+        '|| echo "warning: cannot mark the job stopping"\n',
+        "store_node": "# the first node's launcher hosts the store: with spares it never leaves\n"
+        f'export {spares.STORE_NODE_ENV}="$MASTER_NODE"\n',
     }
 
 
@@ -419,7 +423,7 @@ MASTER_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
 MASTER_ADDR=$(scontrol show node "$MASTER_NODE" | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p')
 MASTER_ADDR=${MASTER_ADDR:-$MASTER_NODE}
 MASTER_PORT=$(( 20000 + (SLURM_JOB_ID % 2000) * 16 + RESTART % 16 ))
-echo "[$(date +%T)] job $SLURM_JOB_ID restart $RESTART on $SLURM_JOB_NODELIST;" \
+@@{store_node}echo "[$(date +%T)] job $SLURM_JOB_ID restart $RESTART on $SLURM_JOB_NODELIST;" \
      "rendezvous $MASTER_ADDR:$MASTER_PORT; commit ${MCORE_RECIPES_CODE_COMMIT:-unknown}"
 
 # ---------------------------------------------------------------- node health

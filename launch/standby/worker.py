@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from launch import spares
@@ -70,18 +71,37 @@ def main(args: list[str]) -> int:
     if answer is None or "pid" not in answer:
         reason = (answer or {}).get("refused", "it closed the connection")
         return _plain(args, f"the standby refused: {reason}")
-    stopped: list[int] = []  # the stop requests relayed: someone asked the worker to stop
-
-    def relay(signum: int, _frame: object) -> None:
-        stopped.extend([signum] if signum in STOP_REQUESTS else [])
-        protocol.send_message(sock, {"signal": signum})
-
-    for sig in RELAYED:
-        signal.signal(sig, relay)
+    relay = Relay()
+    relay.to(lambda signum: protocol.send_message(sock, {"signal": signum}))
     status = _relay_exit(lines, int(answer["pid"]))
     if status is None:
         return 1
-    return _end_like(status, bool(stopped))
+    return _end_like(status, relay.stopped)
+
+
+class Relay:
+    """Relays the signals this process gets to its worker (through ``to``); a signal that
+    comes before there is a worker is kept and sent once there is one. ``stopped``: one of them
+    asked the worker to stop (the launcher's or Slurm's TERM), so its end was not a fault."""
+
+    def __init__(self) -> None:
+        self.stopped = False
+        self.pending: list[int] = []
+        self.deliver: Callable[[int], None] | None = None
+        for sig in RELAYED:
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.stopped |= signum in STOP_REQUESTS
+        if self.deliver is None:
+            self.pending.append(signum)
+        else:
+            self.deliver(signum)
+
+    def to(self, deliver: Callable[[int], None]) -> None:
+        self.deliver = deliver
+        while self.pending:
+            deliver(self.pending.pop(0))
 
 
 def _relay_exit(lines: protocol.Lines, pid: int) -> int | None:
@@ -142,19 +162,27 @@ def _plain(args: list[str], why: str) -> int:
 
 def _spawn(command: list[str]) -> int:
     """Run the worker as this process's child, relay signals to it, end like it."""
-    stopped: list[int] = []
+    relay = Relay()  # before the child exists: a TERM now is kept for it, not lost
     worker = subprocess.Popen(command)
-
-    def relay(signum: int, _frame: object) -> None:
-        stopped.extend([signum] if signum in STOP_REQUESTS else [])
-        worker.send_signal(signum)
-
-    for sig in RELAYED:
-        signal.signal(sig, relay)
-    _, status = os.waitpid(worker.pid, 0)
+    pid = worker.pid
+    # os.kill, not Popen.send_signal: that polls (reaps) the child inside the handler, and the
+    # waitpid below would then find no child.
+    relay.to(lambda signum: _kill(pid, signum))
+    _, status = os.waitpid(pid, 0)
+    worker.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
     if run_dir := os.environ.get(spares.RUN_DIR_ENV):  # first-hand evidence for the post-mortem
-        record_exit(Path(run_dir), worker.pid, status)
-    return _end_like(status, bool(stopped))
+        try:
+            record_exit(Path(run_dir), pid, status)
+        except OSError as exc:
+            print(f"standby worker: cannot record the worker's end: {exc}", file=sys.stderr)
+    return _end_like(status, relay.stopped)
+
+
+def _kill(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass  # already ended: its end is what waitpid reports
 
 
 if __name__ == "__main__":

@@ -90,16 +90,20 @@ class RunDir:
 
     @property
     def spares_dir(self) -> Path:
-        """Hot spares (``launch.slurm.spare_nodes``): each job's claims on its spare nodes
-        (``<job>-claim-<k>.json``, one per node excluded in the job) and the mark of a job that
-        is stopping (``<job>-stopping``)."""
+        """Hot spares (``launch.slurm.spare_nodes``), per job and requeue (``<job>``: its id
+        and restart count): the claims on its spare nodes (``<job>-claim-<k>.json``), the one
+        node leaving in each in-job round (``<job>-round-<r>``) and the mark of a job that is
+        stopping (``<job>-stopping``)."""
         return self.attempts_dir / "spares"
 
-    def spare_claim(self, job_id: str, slot: int) -> Path:
-        return self.spares_dir / f"{job_id}-claim-{slot}.json"
+    def spare_claim(self, job: str, slot: int) -> Path:
+        return self.spares_dir / f"{job}-claim-{slot}.json"
 
-    def job_stopping_mark(self, job_id: str) -> Path:
-        return self.spares_dir / f"{job_id}-stopping"
+    def spare_round(self, job: str, round_: int) -> Path:
+        return self.spares_dir / f"{job}-round-{round_}"
+
+    def job_stopping_mark(self, job: str) -> Path:
+        return self.spares_dir / f"{job}-stopping"
 
     @property
     def lease_path(self) -> Path:

@@ -36,6 +36,11 @@ class RunConfig:
     perf: PerfConfig = field(default_factory=PerfConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens one optimizer step trains on, as configured (the post-mortem's unit of loss)."""
+        return self.train.global_batch_size * self.model.seq_length
+
     def __post_init__(self) -> None:
         require(
             self.run_id is None

@@ -243,7 +243,8 @@ def test_render_spare_nodes(stdlib_corpus: str, tmp_path: Path) -> None:
     assert "-m launch.standby.worker --config" in flat
     assert "--kill-on-bad-exit=1 --wait=0" in flat and "--wait=60" not in flat
     assert 'export MCORE_RECIPES_SPARE_NODES=1 MCORE_RECIPES_RUN_DIR="$RUN_DIR"' in script
-    assert 'touch "$RUN_DIR/attempts/spares/${SLURM_JOB_ID}-stopping"' in script
+    assert 'touch "$RUN_DIR/attempts/spares/${SLURM_JOB_ID}-${RESTART}-stopping"; }' in script
+    assert 'export MCORE_RECIPES_STORE_NODE="$MASTER_NODE"' in script
     assert "--launch-nodes 3 " in script  # a requeue keeps the spares
     syntax = subprocess.run(
         ["bash", "-n", str(run_dir / "slurm" / "spares.sbatch")], capture_output=True, text=True
@@ -820,9 +821,10 @@ def test_a_spare_node_replaces_a_killed_one_inside_the_job(
     tmp_path: Path,
 ) -> None:
     """Two nodes train and a third waits as a spare (launch.slurm.spare_nodes=1). After the
-    step-10 save the trainer on a random training node is SIGKILLed from outside at a random
-    step: that node leaves the job, a trainer starts on the spare (seen in /proc), and the job
-    finishes without a requeue, its losses bit for bit those of the uninterrupted clean run."""
+    step-10 save the trainer on a random training node (not node1, which hosts the rendezvous
+    store) is SIGKILLed from outside at a random step: that node leaves the job, a trainer
+    starts on the spare (seen in /proc), and the job finishes without a requeue, its losses
+    bit for bit those of the uninterrupted clean run."""
     seed = int(os.environ.get("MCORE_RECIPES_TEST_SEED", time.time_ns() % 100_000))
     rng = random.Random(seed)
     print(f"test seed {seed} (MCORE_RECIPES_TEST_SEED={seed} repeats it)")
@@ -837,11 +839,12 @@ def test_a_spare_node_replaces_a_killed_one_inside_the_job(
     _wait_steps(run_dir, 11 + rng.randrange(8), job_id, slurm_env)
     before = _trainers(run_dir)
     assert len(before) == 2, (before, _log_tail(run_dir))
-    victim = rng.choice(sorted(before))
+    # node1 (the job's first) hosts the rendezvous store: with spares it never leaves
+    victim = rng.choice(sorted(set(before) - {"node1"}))
     [spare] = {"node1", "node2", "node3"} - set(before)
     os.kill(before[victim][0], signal.SIGKILL)
     deadline, after = time.monotonic() + 240, {}
-    while spare not in after and time.monotonic() < deadline:
+    while not (spare in after and len(after) == 2) and time.monotonic() < deadline:
         time.sleep(0.5)
         after = _trainers(run_dir)
     assert spare in after, f"no trainer on the spare {spare}:\n{_log_tail(run_dir)}"
@@ -859,7 +862,7 @@ def test_a_spare_node_replaces_a_killed_one_inside_the_job(
     assert first["exit_codes"][str(killed)] == -signal.SIGKILL, first["exit_codes"]
     assert second["restored_step"] >= 10 and first["rto"]["total_s"] > 0, first.get("rto")
     assert first["rto"]["fault_source"] == "the worker's parent reaped it", first["rto"]
-    claim = json.loads(RunDir(run_dir).spare_claim(job_id, 0).read_text())
+    claim = json.loads(RunDir(run_dir).spare_claim(f"{job_id}-0", 0).read_text())
     assert (claim["node"], claim["worker_end"]) == (victim, "signal SIGKILL"), claim
     log = (run_dir / "slurm" / f"{job_id}-restart-0.log").read_text(errors="replace")
     # ft_launcher's own word: the victim's launcher left the rendezvous

@@ -31,6 +31,7 @@ def _exited(code: int) -> int:
     [
         (_killed(signal.SIGKILL), False, False, spares.EXCLUDE),  # OOM killer, operator, fault
         (_killed(signal.SIGBUS), False, False, spares.EXCLUDE),
+        (_killed(signal.SIGABRT), False, False, None),  # a survivor's watchdog, after a peer
         (_killed(signal.SIGKILL), True, False, None),  # the launcher's SIGKILL after its TERM
         (_killed(signal.SIGTERM), False, False, None),  # someone asked it to stop
         (_exited(exit_codes.INFRASTRUCTURE), False, False, None),  # a lost peer: restart here
@@ -54,7 +55,10 @@ def launcher_socket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv(spares.IPC_ENV, path)
     monkeypatch.setenv(spares.SPARES_ENV, "1")
     monkeypatch.setenv(spares.RUN_DIR_ENV, str(run_dir))
-    monkeypatch.setenv(spares.JOB_ENV, "77")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # requeued once: a budget of its own
+    monkeypatch.setenv(spares.ROUND_ENV, "0")
+    monkeypatch.setenv(spares.STORE_NODE_ENV, "node1")
     monkeypatch.setenv("SLURMD_NODENAME", "node2")
     yield receiver, RunDir(run_dir)
     receiver.stop_receiving()
@@ -70,23 +74,51 @@ def _received(receiver: IpcConnector, timeout: float = 5.0) -> list:
     return []
 
 
-def test_a_killed_worker_takes_the_one_spare_once(launcher_socket, capfd) -> None:
+def test_a_killed_worker_takes_the_one_spare_once(launcher_socket, monkeypatch, capfd) -> None:
     receiver, run_dir = launcher_socket
     spares.after_worker(_killed(signal.SIGKILL), stopped=False, rank=3)
     [(rank, request)] = _received(receiver)
     assert (rank, request.action) == (3, WorkloadAction.ExcludeThisNode)
-    claim = json.loads(run_dir.spare_claim("77", 0).read_text())
+    claim = json.loads(run_dir.spare_claim("77-1", 0).read_text())
     assert (claim["node"], claim["rank"], claim["worker_end"]) == ("node2", 3, "signal SIGKILL")
-    # The job's one spare is taken: a second node whose worker is killed rejoins.
+    # Another rank of the same node in the same round: its launcher is told again.
+    spares.after_worker(_killed(signal.SIGKILL), stopped=False, rank=2)
+    [(_, again)] = _received(receiver)
+    assert again.action == WorkloadAction.ExcludeThisNode
+    # The job's one spare is taken: a node whose worker is killed in a later round rejoins.
+    monkeypatch.setenv("SLURMD_NODENAME", "node3")
+    monkeypatch.setenv(spares.ROUND_ENV, "1")
     spares.after_worker(_killed(signal.SIGKILL), stopped=False, rank=1)
     assert _received(receiver, timeout=0.5) == []
-    assert "no spare node left in job 77" in capfd.readouterr().err
+    assert "no spare node left in job 77-1" in capfd.readouterr().err
+
+
+def test_one_node_leaves_per_round(launcher_socket, monkeypatch, capfd) -> None:
+    """A hang: every rank monitor SIGKILLs its rank; the first node to claim the round leaves,
+    the others rejoin (one spare spent, not all)."""
+    receiver, run_dir = launcher_socket
+    monkeypatch.setenv(spares.SPARES_ENV, "3")
+    spares.after_worker(_killed(signal.SIGKILL), stopped=False, rank=1)
+    monkeypatch.setenv("SLURMD_NODENAME", "node3")
+    spares.after_worker(_killed(signal.SIGKILL), stopped=False, rank=2)
+    assert [r.action for _, r in _received(receiver)] == [WorkloadAction.ExcludeThisNode]
+    assert _received(receiver, timeout=0.3) == []
+    assert "node node2 leaves in this round" in capfd.readouterr().err
+    assert not run_dir.spare_claim("77-1", 1).exists()
+
+
+def test_the_store_host_never_leaves(launcher_socket, monkeypatch, capfd) -> None:
+    receiver, run_dir = launcher_socket
+    monkeypatch.setenv("SLURMD_NODENAME", "node1")
+    spares.after_worker(_killed(signal.SIGKILL), stopped=False, rank=0)
+    assert _received(receiver, timeout=0.3) == []
+    assert "it hosts the rendezvous store: it rejoins" in capfd.readouterr().err
 
 
 def test_a_planned_stop_ends_the_launchers(launcher_socket) -> None:
     receiver, run_dir = launcher_socket
-    run_dir.job_stopping_mark("77").parent.mkdir(parents=True)
-    run_dir.job_stopping_mark("77").touch()
+    run_dir.job_stopping_mark("77-1").parent.mkdir(parents=True)
+    run_dir.job_stopping_mark("77-1").touch()
     spares.after_worker(_exited(exit_codes.REQUEUE), stopped=True, rank=0)
     [(_, request)] = _received(receiver)
     assert request.action == WorkloadAction.ShutdownWorkload
