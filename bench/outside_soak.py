@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pretrain.context.run_dir import RunDir
+
 REPO = Path(__file__).resolve().parents[1]
 STEPS, MTBF_STEPS, SAVE_EVERY = 48, 8, 4
 
@@ -25,7 +27,7 @@ STEPS, MTBF_STEPS, SAVE_EVERY = 48, 8, 4
 def _losses(run_dir: Path) -> dict[int, float]:
     """This module's own reading: the last line per step wins (a re-run step replaces it)."""
     found: dict[int, float] = {}
-    for line in (run_dir / "metrics" / "steps.jsonl").read_text().splitlines():
+    for line in RunDir(run_dir).steps_metrics.read_text().splitlines():
         try:
             record = json.loads(line)
         except ValueError:

@@ -29,6 +29,7 @@ from pathlib import Path
 import psutil
 
 from launch.processes import rank_workers, writers
+from pretrain.context.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ def plan_outside(
 
 def _steps_done(run_dir: Path) -> int:
     try:
-        return len((run_dir / "metrics" / "steps.jsonl").read_text().splitlines())
+        return len(RunDir(run_dir).steps_metrics.read_text().splitlines())
     except FileNotFoundError:
         return 0
 
@@ -248,7 +249,7 @@ def _is_zombie(pid: int) -> bool:
 def losses(run_dir: Path) -> dict[int, float]:
     """step -> loss, the last line per step (a re-run step replaces the one before it)."""
     found: dict[int, float] = {}
-    for line in (run_dir / "metrics" / "steps.jsonl").read_text().splitlines():
+    for line in RunDir(run_dir).steps_metrics.read_text().splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
