@@ -630,6 +630,18 @@ def test_job_runs_to_completion(clean_run: tuple[Path, dict]) -> None:
     assert tail.stdout.splitlines() == out_file.read_text().splitlines()[-3:]
 
 
+def _assert_losses_equal(clean: Path, run_dir: Path) -> None:
+    """Every step of the 40 logged, each loss equal to the uninterrupted run's (as floats)."""
+    reference, resumed = read_steps(clean), read_steps(run_dir)
+    assert sorted(resumed) == sorted(reference) == list(range(1, 41))
+    mismatches = [
+        (s, reference[s]["loss"], resumed[s]["loss"])
+        for s in reference
+        if reference[s]["loss"] != resumed[s]["loss"]
+    ]
+    assert not mismatches, f"losses differ from the uninterrupted run: {mismatches[:5]}"
+
+
 def _launch_slurm(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         [sys.executable, "-m", "launch", "slurm", *args],
@@ -696,14 +708,7 @@ def test_usr1_saves_requeues_and_resumes_bit_for_bit(
     restart_log = (run_dir / "slurm" / f"{job_id}-restart-1.log").read_text()
     assert f"resumed from step-{saved:09d} at step {saved}" in restart_log, context
     assert "retry policy: requeue" in (run_dir / "slurm" / f"{job_id}-restart-0.log").read_text()
-    reference, resumed = read_steps(clean_run[0]), read_steps(run_dir)
-    assert sorted(resumed) == sorted(reference) == list(range(1, 41))
-    mismatches = [
-        (s, reference[s]["loss"], resumed[s]["loss"])
-        for s in reference
-        if reference[s]["loss"] != resumed[s]["loss"]
-    ]
-    assert not mismatches, f"losses differ from the uninterrupted run: {mismatches[:5]}"
+    _assert_losses_equal(clean_run[0], run_dir)
 
 
 @pytest.mark.slow
@@ -867,7 +872,4 @@ def test_a_spare_node_replaces_a_killed_one_inside_the_job(
     log = (run_dir / "slurm" / f"{job_id}-restart-0.log").read_text(errors="replace")
     # ft_launcher's own word: the victim's launcher left the rendezvous
     assert log.count("is excluded from the training due to an user request") == 1, context
-    reference, resumed = read_steps(clean_run[0]), read_steps(run_dir)
-    assert sorted(resumed) == sorted(reference) == list(range(1, 41))
-    mismatches = [s for s in reference if reference[s]["loss"] != resumed[s]["loss"]]
-    assert not mismatches, f"losses differ from the uninterrupted run at steps {mismatches[:5]}"
+    _assert_losses_equal(clean_run[0], run_dir)
