@@ -74,7 +74,10 @@ def after_worker(status: int, stopped: bool, rank: int) -> None:
     run_dir, job = RunDir(Path(os.environ.get(RUN_DIR_ENV, "."))), job_key()
     action = decide(status, stopped, run_dir.job_stopping_mark(job).exists())
     if action == EXCLUDE:
-        why = _claim(run_dir, job, status, rank)
+        try:
+            why = _claim(run_dir, job, status, rank)
+        except OSError as exc:  # the shared run dir unreachable: stay, as without spares
+            why = f"its claim could not be written ({exc})"
         if why:
             _say(f"worker killed on this node ({_describe(status)}), but {why}: it rejoins")
             return
