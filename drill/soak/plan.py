@@ -264,7 +264,7 @@ def run_soak(cfg: SoakConfig) -> SoakRuns:
             cfg.mtbf_cost_multiple,
         )
     if cfg.outside:
-        _soak_from_outside(launcher, runs, cfg)
+        _soak_from_outside(launcher, runs, cfg, learn_after)
         (out / "soak.json").write_text(json.dumps(_plan_record(runs), indent=1))
         return runs
     if cfg.mtbf_steps is not None:  # planned on a nominal 1 s step: reproducible in steps
@@ -288,16 +288,18 @@ def _launch(
     runs.exits[name], runs.wall_s[name] = launcher.run(name, overrides, budget)
 
 
-def _soak_from_outside(launcher: SoakLauncher, runs: SoakRuns, cfg: SoakConfig) -> None:
+def _soak_from_outside(
+    launcher: SoakLauncher, runs: SoakRuns, cfg: SoakConfig, learn_after: int
+) -> None:
     """The soak run with faults the soak process injects (:mod:`drill.soak.outside`): as many
-    as the clean run's training time holds at the MTBF; those the job outlives are skipped."""
+    as the clean run's training time holds at the MTBF; those the job outlives are skipped.
+    ``learn_after``: resiliency.ft.learn_after_steps (a hang before it waits minutes)."""
     mtbf = runs.mtbf_s or (cfg.mtbf_steps * runs.step_s if cfg.mtbf_steps else cfg.mtbf_s)
     count = max(1, math.ceil(runs.steps * runs.step_s / mtbf))
     kinds = tuple(k for k in cfg.kinds if k in OUTSIDE_KINDS) or OUTSIDE_KINDS
     plan = plan_outside(random.Random(runs.seed), count, mtbf, cfg.nproc, kinds)
     runs.outside = OutsideRun(runs.seed, plan)
     run_dir = runs.run_dir("soak")
-    learn_after = resolve(runs.overrides).resiliency.ft.learn_after_steps
     driver = OutsideDriver(
         run_dir, launcher.logs / "soak.log", runs.outside, learn_after + 2, cfg.launch_timeout_s
     )

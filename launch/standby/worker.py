@@ -151,11 +151,10 @@ def _wait_s() -> float:
 
 def _plain(args: list[str], why: str) -> int:
     command = [sys.executable, "-m", MODULE, *args]
+    if os.environ.get(protocol.SOCKET_ENV) or not spares.enabled():  # a standby was expected
+        print(f"standby worker: {why}; starting plainly", file=sys.stderr, flush=True)
     if spares.enabled():  # stay, as the worker's parent, to see how it ends
-        if os.environ.get(protocol.SOCKET_ENV):
-            print(f"standby worker: {why}; starting plainly", file=sys.stderr, flush=True)
         return _spawn(command)
-    print(f"standby worker: {why}; starting plainly", file=sys.stderr, flush=True)
     os.execv(sys.executable, command)
     return 1  # not reached
 
