@@ -190,17 +190,21 @@ def mode_save(args: argparse.Namespace) -> dict[str, Any]:
     share = -(-total // world)
     buf = memoryview(os.urandom(8 * MIB))
     out.update(bytes=total, bytes_per_rank=share)
-    for rep in range(args.reps):
+    # Raw writes and saves alternate, each save between two raw writes: its baseline is their
+    # mean, so the disk's drift over the run (a virtual disk's host cache, other tenants)
+    # cancels within each pair instead of landing in the spread.
+    raw_before = raw_write(layout.steps_dir, share, rank, buf)
+    for _ in range(args.reps):
         _next_step_dir(trainer)  # the model state is the same size
-        pair = {}
-        for which in ("raw", "save") if rep % 2 == 0 else ("save", "raw"):
-            if which == "raw":
-                pair["raw_s"] = raw_write(layout.steps_dir, share, rank, buf)
-            else:
-                pair["save_s"], pair["bytes"] = one_save()
-                pair["phases"] = dict(getattr(ckpt, "phase_times", {}) or {})
-                if rank == 0:  # what the commit cost when it read every file back
-                    pair["reread_checksum_s"] = _reread(layout.step_dir(trainer.state.step))
+        pair: dict[str, Any] = {}
+        pair["save_s"], pair["bytes"] = one_save()
+        pair["phases"] = dict(getattr(ckpt, "phase_times", {}) or {})
+        if rank == 0:  # what the commit cost when it read every file back
+            pair["reread_checksum_s"] = _reread(layout.step_dir(trainer.state.step))
+        raw_after = raw_write(layout.steps_dir, share, rank, buf)
+        pair["raw_s"] = (raw_before + raw_after) / 2
+        pair["raw_around_s"] = [raw_before, raw_after]
+        raw_before = raw_after
         out["sync"].append(pair)
 
     # P2: async saves; the hook's per-step finalize(blocking=False) is what publishes them.

@@ -14,7 +14,8 @@ F-I patch megatron's DistributedOptimizer class and are applied by :func:`apply`
 ``CALL_SITE_FIXES`` says where). Three more entries are not bug fixes but the only other places
 that reach into megatron-core: :func:`route_shard_writer_open` (checksums computed while shards
 are written), :func:`fully_reshardable_state_from` (the optimizer state built into staging
-buffers) and :func:`lean_writer_imports` (a lighter megatron-core import in the checkpoint
+buffers), :func:`checkpoint_reader` (the storage reader a restore's load reads shards with)
+and :func:`lean_writer_imports` (a lighter megatron-core import in the checkpoint
 writer process). nvidia-resiliency-ext's straggler package is located by
 :func:`nvrx_straggler`; making it run on CPU is in :mod:`pretrain.platform.cpu_shim`.
 
@@ -312,6 +313,32 @@ def fully_reshardable_state_from(
         yield
     finally:
         del optimizer.sharded_param_state_fully_reshardable
+
+
+@contextlib.contextmanager
+def checkpoint_reader(make_reader: Callable[[Any], Any]) -> Iterator[None]:
+    """Not a bug fix: while active, megatron's torch_dist load strategy reads the checkpoint
+    through ``make_reader(checkpoint_dir)`` (a torch DCP ``StorageReader``) instead of the
+    ``FileSystemReader`` it builds in ``strategies.torch._get_filesystem_reader`` (0.16 and 0.19
+    both pick their reader there). A megatron without that function keeps its own reader; the
+    loaded state is the same, only read more slowly."""
+    # megatron-core: imported after the CPU shim is applied (pretrain/platform/distributed.py)
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+
+    original = getattr(torch_strategy, "_get_filesystem_reader", None)
+    if original is None:
+        log.info("megatron-core %s: restore reads through its own reader", mcore_version())
+        yield
+        return
+
+    def reader(checkpoint_dir: Any, *_: Any, **__: Any) -> Any:
+        return make_reader(checkpoint_dir)
+
+    torch_strategy._get_filesystem_reader = reader
+    try:
+        yield
+    finally:
+        torch_strategy._get_filesystem_reader = original
 
 
 # nvidia-resiliency-ext moved its straggler package (same Detector API) under attribution/ in 0.7.

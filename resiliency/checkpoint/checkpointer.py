@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from pretrain.context import exit_codes, startup_clock
 from pretrain.context.failures import ClassifiedError, classify
 from pretrain.data.dataset import dataset_fingerprint
-from pretrain.platform.compat import fix_orphaned_writer_manager
+from pretrain.platform.compat import checkpoint_reader, fix_orphaned_writer_manager
 from pretrain.platform.distributed import broadcast_object
 from pretrain.train.fault_injection import FaultInjector
 from resiliency.checkpoint import rank_state as state_io
@@ -35,7 +35,12 @@ from resiliency.checkpoint.restore.resume_lr import (
     schedule_from_config,
     set_group_lrs,
 )
-from resiliency.checkpoint.state_dict import chunks_by_key, sharded_training_state
+from resiliency.checkpoint.restore.streaming import StreamingReader
+from resiliency.checkpoint.state_dict import (
+    chunks_by_key,
+    load_targets,
+    sharded_training_state,
+)
 from resiliency.checkpoint.write.async_writer import SpawnedWriterQueue
 from resiliency.checkpoint.write.shard_writer import in_process_writes, writer_checksums
 from resiliency.checkpoint.write.staging import (
@@ -106,6 +111,32 @@ class SaveStats:
     durations_s: list[float] = field(default_factory=list)
     last_success_time: float | None = None
     last_step: int | None = None
+
+
+@dataclass
+class EarlyLoad:
+    """A step's shards read into the model and optimizer-state buffers (or why not)."""
+
+    loaded: dict[str, Any] = field(default_factory=dict)
+    error: BaseException | None = None
+    seconds: float = 0.0
+
+
+def read_shards(parts: Any, step_dir: Path, manifest: Manifest, cfg: CheckpointConfig) -> EarlyLoad:
+    """Collective: the step's sharded state read into place (megatron's torch_dist load,
+    through the single-pass reader); nothing applied yet (optimizer state, loop state, RNG)."""
+    # megatron-core: imported after the CPU shim is applied (pretrain/platform/distributed.py)
+    from megatron.core import dist_checkpointing
+
+    started = time.perf_counter()
+    with_optimizer = cfg.load_optimizer and not manifest.weights_only
+    targets = load_targets(parts, manifest.optim_format, with_optimizer)
+    model_dir = step_dir / MODEL_DIR
+    reader = StreamingReader(model_dir)  # each tensor's bytes read once, into place
+    with checkpoint_reader(lambda _: reader):
+        loaded = dist_checkpointing.load(targets, str(model_dir))
+    log.info("restore: %s", reader.stats.describe())
+    return EarlyLoad(loaded, seconds=time.perf_counter() - started)
 
 
 class Checkpointer:
@@ -542,10 +573,17 @@ class Checkpointer:
         return report
 
     # ------------------------------------------------------------- restore
-    def restore(self, step_dir: Path, manifest: Manifest, same_layout: bool) -> int:
-        """Load a step chosen, topology-validated and re-hashed by restore/plan.py."""
+    def restore(
+        self,
+        step_dir: Path,
+        manifest: Manifest,
+        same_layout: bool,
+        early: EarlyLoad | None = None,
+    ) -> int:
+        """Load a step chosen, topology-validated and re-hashed by restore/plan.py;
+        ``early``: its shards, read already while its files were re-hashed."""
         self.faults.at_checkpoint("restore", manifest.step)
-        started = time.perf_counter()
+        started = time.perf_counter() - (early.seconds if early else 0.0)
         cfg, train_state = self.cfg, state_io.read_train_state(step_dir)
         if manifest.weights_only:
             # Imported: nothing was trained at its recorded batch or schedule; this run's
@@ -553,7 +591,12 @@ class Checkpointer:
             self.cfg = replace(cfg, load_optimizer=False, schedule_on_resume="config")
             train_state["global_batch_size"] = self.trainer.parts.plan.global_batch_size
         try:
-            loaded = self._load_shards(step_dir / MODEL_DIR, manifest)
+            if early is not None and early.error is not None:
+                raise early.error  # the files re-hashed fine: the load's own failure
+            if early is not None:
+                loaded = early.loaded
+            else:
+                loaded = read_shards(self.trainer.parts, step_dir, manifest, self.cfg).loaded
             rank_state = state_io.load_rank_state(step_dir, self.rank) if same_layout else None
             startup_clock.mark("restore_read")
             self.apply_loaded(
@@ -625,18 +668,6 @@ class Checkpointer:
         )
         self.restored_step, self.restored_tier = restored
         startup_clock.mark("restore_load")
-
-    def _load_shards(self, model_dir: Path, manifest: Manifest) -> dict[str, Any]:
-        # megatron-core: imported after the CPU shim is applied (pretrain/platform/distributed.py)
-        from megatron.core import dist_checkpointing
-
-        sharded = sharded_training_state(
-            self.trainer.parts,
-            manifest.optim_format,
-            is_loading=True,
-            with_optimizer=self.cfg.load_optimizer,
-        )
-        return dist_checkpointing.load(sharded, str(model_dir))
 
     def _check_restored(self, train_state: dict[str, Any], lr_saved: bool = True) -> None:
         """The loop state is the saved one; so is the LR, unless this run's schedule won."""

@@ -12,13 +12,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 from pretrain.context.run_dir import append_jsonl
 from pretrain.data.tokenizer import run_tokenizer
 from pretrain.platform.compat import vpp_tied_embedding_save_problem
 from pretrain.platform.distributed import broadcast_object
 from pretrain.train.hooks import StepResult, TrainHook
 from recipes import ConfigError
-from resiliency.checkpoint.checkpointer import Checkpointer
+from resiliency.checkpoint.checkpointer import Checkpointer, EarlyLoad, read_shards
 from resiliency.checkpoint.local.tier import LocalTier
 from resiliency.checkpoint.restore.plan import RestorePlan, plan_restore
 from resiliency.checkpoint.restore.resume_policy import ResumeDecision, reconcile
@@ -171,7 +173,12 @@ class CheckpointHook(TrainHook):
             trainer.rebuild(self._model_init_for_plan(self._reconcile(run)))
 
     def on_start(self, trainer: "TrainerView") -> None:
+        planned = self.plan
+        # With the node-local tier on, a newer local step may win: nothing read in vain.
+        early = self._read_early(trainer) if planned and not self.cfg.local.enabled else None
         self._confirm_plan(trainer)
+        if self.plan is not planned:  # another step, and a rebuilt model: read again
+            early = None
         checkpointer = Checkpointer(
             trainer,
             self.ctx,
@@ -183,7 +190,7 @@ class CheckpointHook(TrainHook):
         self.checkpointer = checkpointer
         if self.cfg.local.enabled:
             self.local = LocalTier(self.cfg.local, trainer, checkpointer)
-        restored, tier = self._restore(checkpointer)
+        restored, tier = self._restore(checkpointer, early)
         if self.local is not None:
             self.local.discard_after(restored or 0)
         self.ctx.restored_step = restored
@@ -197,7 +204,23 @@ class CheckpointHook(TrainHook):
             corpus_changes=self.plan.corpus_changes if self.plan else None,
         )
 
-    def _restore(self, checkpointer: Checkpointer) -> tuple[int | None, str | None]:
+    def _read_early(self, trainer: "TrainerView") -> EarlyLoad:
+        """Collective: the planned step's shards read into place while its files are still
+        re-hashed (both read the same files: one pass from the disk, not two in a row).
+        Nothing is applied until the re-hash confirms the step; if it does not, the model is
+        rebuilt (``_confirm_plan``), so what was read here is gone. A failed read is judged
+        after the re-hash, which explains it when a file is bad."""
+        assert self.plan is not None
+        started = time.perf_counter()
+        try:
+            return read_shards(trainer.parts, self.plan.step_dir, self.plan.manifest, self.cfg)
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - re-raised by restore()
+            # if the re-hash passes (torch DCP's CheckpointException is a BaseException)
+            return EarlyLoad(error=exc, seconds=time.perf_counter() - started)
+
+    def _restore(
+        self, checkpointer: Checkpointer, early: EarlyLoad | None = None
+    ) -> tuple[int | None, str | None]:
         """The local tier when it holds a newer verified step, else the persistent tier."""
         persistent = self.plan.manifest.step if self.plan is not None else None
         if self.local is not None and self.cfg.resume:
@@ -208,7 +231,7 @@ class CheckpointHook(TrainHook):
         if self.plan is None:
             return None, None
         return checkpointer.restore(
-            self.plan.step_dir, self.plan.manifest, self.plan.report.same_layout
+            self.plan.step_dir, self.plan.manifest, self.plan.report.same_layout, early
         ), self.plan.tier
 
     def before_step(self, trainer: "TrainerView") -> None:

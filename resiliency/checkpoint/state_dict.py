@@ -48,3 +48,12 @@ def sharded_training_state(
                 },
             )
     return sharded
+
+
+def load_targets(parts: Any, optim_format: str, with_optimizer: bool) -> dict[str, Any]:
+    """The sharded state dict a restore loads into (the model's own tensors, and buffers the
+    optimizer state is read into). Built before the load needs it, while the step's files are
+    still being re-hashed, it is off the restore's critical path."""
+    return sharded_training_state(
+        parts, optim_format, is_loading=True, with_optimizer=with_optimizer
+    )

@@ -169,11 +169,12 @@ def start_rehash(
     checksums: bool = True,
 ) -> Future[str | None]:
     """Re-hash this rank's share of the files on a helper thread (reads and crc32c release
-    the GIL); together the ranks read the checkpoint once, which warms the page cache for
-    the load. An I/O error is this rank's problem with the step, reported in the collective
-    that confirms the plan like a checksum mismatch (never raised past its peers' wait). So
-    is a pickle in the share that names a global the loader does not admit (pickle_scan.py:
-    found statically, before anything of the step is unpickled). Without ``checksums``
+    the GIL); together the ranks read the checkpoint once, next to the load that reads the
+    shards into place meanwhile (checkpoint hook: nothing is applied before the confirm).
+    An I/O error is this rank's problem with the step, reported in the collective that
+    confirms the plan like a checksum mismatch (never raised past its peers' wait). So is a
+    pickle in the share that names a global the loader does not admit (pickle_scan.py, found
+    statically; the load admits only the same allow-list). Without ``checksums``
     (checkpoint.full_verify=false) only the pickles are read: a forged step is still refused
     here, and the previous one planned, rather than failing the load."""
     rank = dist.get_rank()

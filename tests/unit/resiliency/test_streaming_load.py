@@ -1,0 +1,46 @@
+"""The restore's shard reader reads tensors straight into place and loads what megatron's own
+reader loads, on the shards megatron writes and on ours (tests/workers/streaming_load.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO
+
+pytestmark = [pytest.mark.current_stack]
+WORKER = str(REPO / "tests" / "workers" / "streaming_load.py")
+CASES = [f"{w}/{p}" for w in ("megatron", "ours") for p in ("whole", "rows", "columns")]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("streaming-load") / "report.json"
+    proc = subprocess.run(
+        [sys.executable, WORKER, str(out)], cwd=REPO, text=True, capture_output=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_the_compat_hook_hands_megatron_our_reader(report: dict) -> None:
+    assert report["reader_calls"] == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_loads_the_saved_values(report: dict, case: str) -> None:
+    # Compared with the tensors that were saved, not with what either reader returns.
+    assert report["equal"][case] is True
+
+
+@pytest.mark.parametrize("writer", ["megatron", "ours"])
+def test_contiguous_parts_are_read_into_place_and_the_rest_by_torch(
+    report: dict, writer: str
+) -> None:
+    # 9 tensors: 3 shapes x 3 dtypes; a column half of a matrix is no contiguous run of bytes.
+    assert report["stats"][f"{writer}/whole"] == [9, 0]
+    assert report["stats"][f"{writer}/rows"] == [9, 0]
+    assert report["stats"][f"{writer}/columns"] == [6, 3]
