@@ -179,6 +179,9 @@ def mode_save(args: argparse.Namespace) -> dict[str, Any]:
         ckpt.save()
         _barrier()
         elapsed = time.perf_counter() - start
+        # Retention deletes the oldest step on a thread after the publish: let it finish, or
+        # it competes with whatever the bench measures next (the raw write, the next save).
+        ckpt._join_gc()
         nbytes = _dir_bytes(layout.step_dir(trainer.state.step)) if rank == 0 else 0
         return elapsed, nbytes
 

@@ -66,7 +66,10 @@ SUPPORTED_MCORE = (MCORE_0_16, MCORE_0_19)
 BOTH = (MCORE_0_16, MCORE_0_19)
 
 
+@functools.lru_cache(maxsize=1)
 def mcore_version() -> str:
+    # Cached: importlib.metadata parses the package's METADATA file on every call (a restore
+    # asks dozens of times, ~1 ms each).
     return version("megatron-core")
 
 
@@ -292,21 +295,29 @@ _ABSENT = object()
 
 @contextlib.contextmanager
 def fully_reshardable_state_from(
-    optimizer: Any, build: Callable[[Any, Any], Any]
+    optimizer: Any,
+    build: Callable[[Any, Any], Any] | None = None,
+    build_for_load: Callable[[Any, Any], Any] | None = None,
 ) -> Iterator[None]:
     """Not a bug fix: while active, ``optimizer`` (a megatron DistributedOptimizer instance, not
-    the class) builds its save-side fully-reshardable state with ``build(model_sd, metadata)``
-    instead of its own gather; loads and the memory-efficient variant keep megatron's path."""
+    the class) builds its fully-reshardable state with ``build(model_sd, metadata)`` (save
+    side) and ``build_for_load(model_sd, metadata)`` (load side; ``None`` from it: megatron's
+    own) instead of its own gather / zero-filled buffers; the memory-efficient variant, and a
+    side given no builder, keep megatron's path."""
     original = optimizer.sharded_param_state_fully_reshardable
 
     def sharded_param_state(
         model_sd: Any, is_loading: bool = False, metadata: dict | None = None
     ) -> Any:
-        if is_loading or (metadata or {}).get(
+        builder = build_for_load if is_loading else build
+        if builder is None or (metadata or {}).get(
             "distrib_optim_fully_reshardable_mem_efficient", False
         ):
             return original(model_sd, is_loading=is_loading, metadata=metadata)
-        return build(model_sd, metadata)
+        built = builder(model_sd, metadata)
+        if built is None:
+            return original(model_sd, is_loading=is_loading, metadata=metadata)
+        return built
 
     optimizer.sharded_param_state_fully_reshardable = sharded_param_state  # this instance only
     try:

@@ -8,6 +8,13 @@ writer then clones: five passes over fresh memory (3.6 s of a 7.6 s save for a 1
 This builds the same sharded tensors (same keys, shapes, replica ids, values) with one copy per
 param into reused buffers (plus a gather into reused buffers when DP > 1). Layouts it does not
 reproduce exactly fall back to megatron's own method, so the checkpoint is the same either way.
+
+Load side (:func:`live_fully_reshardable`): megatron's ``is_loading`` path zero-fills the same
+world-sized buffers for the load to fill, then copies them into the optimizer state. With one
+DP rank every param's state lives whole in the optimizer, so the load targets are views of the
+optimizer's own tensors: nothing allocated, and megatron's copy afterwards is a copy of a tensor
+onto itself (torch returns early). With more DP ranks each rank holds a range of each param
+while the format loads whole params: megatron's path.
 """
 
 from __future__ import annotations
@@ -172,6 +179,66 @@ def build(
     return state
 
 
+def build_for_load(opt: Any, model_sharded_state_dict: dict[str, Any]) -> dict | None:
+    """What ``opt.sharded_param_state_fully_reshardable(sd, is_loading=True)`` returns, with
+    every tensor a view of the optimizer's own state; None where that is not possible."""
+    # megatron-core: imported after the CPU shim is applied (pretrain/platform/distributed.py)
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+
+    # Precision-aware optimizers hand out unscaled copies of their state, not the state.
+    if getattr(opt.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):
+        return None
+    if opt.data_parallel_group.size() != 1 or unsupported_reason(opt):
+        return None
+    model_tensors, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
+    metadata_of = {sh.data: sh for sh in nested_values(model_tensors)}
+    keys = _state_keys(opt)
+    state, param_idx = {}, 0
+    for gbuf_idx in range(len(opt.gbuf_ranges)):
+        for model_param in opt.buffers[gbuf_idx].param_index_map:
+            sharded = metadata_of[model_param]
+            live = opt._get_main_param_and_optimizer_states(model_param)
+            tensors = {}
+            for key in keys:
+                target = live.get(key)
+                if (
+                    target is None
+                    or target.dtype != torch.float32
+                    or not target.is_contiguous()
+                    or target.numel() != sharded.data.numel()
+                ):
+                    return None
+                data = target.detach().view(sharded.data.shape)
+                kwargs = dict(
+                    key=f"{PREFIX}.{key}.{sharded.key}",
+                    data=data,
+                    dtype=data.dtype,
+                    replica_id=sharded.replica_id,
+                )
+                if isinstance(sharded, ShardedTensorFactory):
+                    kwargs.pop("dtype")
+                tensors[key] = replace(sharded, **kwargs)
+            state[param_idx] = tensors
+            param_idx += 1
+    return state
+
+
+@contextlib.contextmanager
+def live_fully_reshardable(optimizer: Any) -> Iterator[None]:
+    """While active, load-side fully-reshardable state of every DistributedOptimizer in
+    ``optimizer`` is built by :func:`build_for_load` (megatron's where it returns None)."""
+    with contextlib.ExitStack() as stack:
+        for opt in _distributed_optimizers(optimizer):
+            stack.enter_context(
+                fully_reshardable_state_from(
+                    opt, build_for_load=lambda sd, _md, opt=opt: build_for_load(opt, sd)
+                )
+            )
+        yield
+
+
 def _distributed_optimizers(optimizer: Any) -> list[Any]:
     # megatron-core: imported after the CPU shim is applied (pretrain/platform/distributed.py)
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -194,7 +261,7 @@ def staged_fully_reshardable(
                 continue
             stack.enter_context(
                 fully_reshardable_state_from(
-                    opt, functools.partial(_build_for, opt, staging, snapshot)
+                    opt, build=functools.partial(_build_for, opt, staging, snapshot)
                 )
             )
         yield

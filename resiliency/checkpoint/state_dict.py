@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from resiliency.checkpoint.optim_gather import staged_fully_reshardable
+from resiliency.checkpoint.optim_gather import live_fully_reshardable, staged_fully_reshardable
 from resiliency.checkpoint.write.staging import Stager
 
 
@@ -33,12 +33,14 @@ def sharded_training_state(
     ``snapshot``, left in place where it can be written as it is)."""
     sharded = model_state_dict(parts.chunks)
     if with_optimizer:
-        fast = staging is not None and not is_loading and optim_format == "fully_reshardable"
-        with (
-            staged_fully_reshardable(parts.optimizer, staging, snapshot)
-            if fast
-            else contextlib.nullcontext()
-        ):
+        fully = optim_format == "fully_reshardable"
+        if fully and is_loading:
+            builder = live_fully_reshardable(parts.optimizer)
+        elif fully and staging is not None:
+            builder = staged_fully_reshardable(parts.optimizer, staging, snapshot)
+        else:
+            builder = contextlib.nullcontext()
+        with builder:
             sharded["optimizer"] = parts.optimizer.sharded_state_dict(
                 sharded,
                 is_loading=is_loading,
