@@ -131,12 +131,19 @@ def read_shards(parts: Any, step_dir: Path, manifest: Manifest, cfg: CheckpointC
     started = time.perf_counter()
     with_optimizer = cfg.load_optimizer and not manifest.weights_only
     targets = load_targets(parts, manifest.optim_format, with_optimizer)
+    built = time.perf_counter()
     model_dir = step_dir / MODEL_DIR
     reader = StreamingReader(model_dir)  # each tensor's bytes read once, into place
     with checkpoint_reader(lambda _: reader):
         loaded = dist_checkpointing.load(targets, str(model_dir))
-    log.info("restore: %s", reader.stats.describe())
-    return EarlyLoad(loaded, seconds=time.perf_counter() - started)
+    done = time.perf_counter()
+    log.info(
+        "restore: %s in %.2f s (load targets %.2f s)",
+        reader.stats.describe(),
+        done - built,
+        built - started,
+    )
+    return EarlyLoad(loaded, seconds=done - started)
 
 
 class Checkpointer:
