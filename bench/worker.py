@@ -63,16 +63,19 @@ def _setup(overrides: list[str], with_hooks: bool) -> tuple[Any, Any, list[Any]]
 
 
 # ---------------------------------------------------------------- baselines
-def raw_write(directory: Path, nbytes: int, rank: int, buf: memoryview) -> float:
-    """Every rank writes its share sequentially (8 MiB writes) and fsyncs; barrier to barrier."""
+def raw_write(directory: Path, rank: int, source: memoryview) -> float:
+    """Every rank writes its share sequentially (8 MiB writes) and fsyncs; barrier to barrier.
+    ``source`` holds as many bytes as the rank's share of the checkpoint, in memory of its own:
+    a save has to read every byte it writes from RAM, so the baseline does too (8 MiB written
+    over and over from one buffer would come from the CPU's cache)."""
     path = directory / f"raw-write-{rank}.bin"
     _barrier()
     start = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        left = nbytes
-        while left > 0:
-            left -= os.write(fd, buf[: min(left, len(buf))])
+        at = 0
+        while at < len(source):
+            at += os.write(fd, source[at : at + 8 * MIB])
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -191,12 +194,14 @@ def mode_save(args: argparse.Namespace) -> dict[str, Any]:
     dist.broadcast_object_list(box, src=0)
     total = box[0]
     share = -(-total // world)
-    buf = memoryview(os.urandom(8 * MIB))
+    # The raw write's source: the share's size in bytes of its own, random, faulted in.
+    source = torch.empty(share, dtype=torch.uint8).random_(0, 255)
+    buf = memoryview(source.numpy())
     out.update(bytes=total, bytes_per_rank=share)
     # Raw writes and saves alternate, each save between two raw writes: its baseline is their
     # mean, so the disk's drift over the run (a virtual disk's host cache, other tenants)
     # cancels within each pair instead of landing in the spread.
-    raw_before = raw_write(layout.steps_dir, share, rank, buf)
+    raw_before = raw_write(layout.steps_dir, rank, buf)
     for _ in range(args.reps):
         _next_step_dir(trainer)  # the model state is the same size
         pair: dict[str, Any] = {}
@@ -204,7 +209,7 @@ def mode_save(args: argparse.Namespace) -> dict[str, Any]:
         pair["phases"] = dict(getattr(ckpt, "phase_times", {}) or {})
         if rank == 0:  # what the commit cost when it read every file back
             pair["reread_checksum_s"] = _reread(layout.step_dir(trainer.state.step))
-        raw_after = raw_write(layout.steps_dir, share, rank, buf)
+        raw_after = raw_write(layout.steps_dir, rank, buf)
         pair["raw_s"] = (raw_before + raw_after) / 2
         pair["raw_around_s"] = [raw_before, raw_after]
         raw_before = raw_after

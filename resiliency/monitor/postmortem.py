@@ -32,6 +32,7 @@ from pretrain.context.run_dir import RunDir, iter_jsonl
 from pretrain.context.startup_clock import host_identity, wall_to_clock_offset
 from resiliency.monitor.attribution import UNDETERMINED, attribute_hang, last_progress
 from resiliency.monitor.recovery import (
+    clock_of,
     fault_moment,
     reaped_ranks,
     recovery_ledger,
@@ -314,16 +315,19 @@ def recovery_times(
     """The recovery ledger of ``first`` (the attempt's root failure), up to ``following``'s
     first step: the launcher's moments from its log, the new rank 0's from its own marks."""
     offset = events.clock_offset if events.clock_offset is not None else wall_to_clock_offset()
-    fault, source, whose = fault_moment(first, reaped, offset, events.host)
+    fault, source, whose, fault_wall = fault_moment(first, reaped, offset, events.host)
+    if whose == clock_of(events.host):  # the launcher's own clock: converted exactly
+        fault_wall = fault - offset
     ends = [end for _, end in events.launches]
     # Not before the attempt began: a fast restart follows the previous detection closely.
-    after = max(fault - offset - 1.0, window[0])
+    after = max(fault_wall - 1.0, window[0])
     detected = _first_after(events.detections, after, window[1])
     if detected is None:
-        detected = _first_after(ends, fault - offset, float("inf"))
+        detected = _first_after(ends, fault_wall, float("inf"))
     if detected is not None and source.endswith("(wall clock)"):
         # Only the launcher saw this death: it cannot have seen it before it happened.
         fault = min(fault, detected + offset)
+        fault_wall = fault - offset
     torn_down = None
     if detected is not None:
         torn_down = _first_after(events.joins + ends, detected, float("inf"))
@@ -334,7 +338,7 @@ def recovery_times(
         following,
         events.host,
     )
-    rto["failure_at"] = round(fault - offset, 3)  # wall clock, as every other record time
+    rto["failure_at"] = round(fault_wall, 3)  # wall clock, as every other record time
     return rto
 
 

@@ -67,16 +67,33 @@ def fault_moment(
     reaped_by_rank: dict[int, dict[str, Any]],
     offset: float,
     reader: dict[str, str],
-) -> tuple[float, str, str]:
-    """(host clock, source, whose clock) of the fault behind ``failure`` (postmortem's first
-    failure); ``reaped_by_rank``: the attempt's :func:`reaped_ranks`; ``offset``/``reader``:
-    the launcher log reader's wall-to-clock offset and host."""
+) -> tuple[float, str, str, float]:
+    """(host clock, source, whose clock, wall time) of the fault behind ``failure``
+    (postmortem's first failure); ``reaped_by_rank``: the attempt's :func:`reaped_ranks`;
+    ``offset``/``reader``: the launcher log reader's wall-to-clock offset and host. The wall
+    time is the stamp's own (another host's clock cannot be converted with the reader's
+    offset)."""
     reaped = reaped_by_rank.get(failure["rank"])
     if reaped is not None and reaped["wall"] <= failure["time"] + 1e-3:
-        return float(reaped["clock"]), "the worker's parent reaped it", clock_of(reaped)
+        return (
+            float(reaped["clock"]),
+            "the worker's parent reaped it",
+            clock_of(reaped),
+            float(reaped["wall"]),
+        )
     if failure.get("clock") is not None:
-        return float(failure["clock"]), "the rank's own failure record", clock_of(failure)
-    return failure["time"] + offset, f"{failure['source']} (wall clock)", clock_of(reader)
+        return (
+            float(failure["clock"]),
+            "the rank's own failure record",
+            clock_of(failure),
+            float(failure["time"]),
+        )
+    return (
+        failure["time"] + offset,
+        f"{failure['source']} (wall clock)",
+        clock_of(reader),
+        float(failure["time"]),
+    )
 
 
 def _gap(start: Moment, end: Moment) -> float | None:

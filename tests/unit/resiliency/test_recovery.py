@@ -89,3 +89,24 @@ def test_the_planner_counts_what_a_real_run_pays() -> None:
         in_flight_s=6.0,
     )
     assert honest == pytest.approx((1 - 120 / 3600) / 1.06)
+
+
+def test_a_fault_stamped_on_another_host_is_placed_by_its_wall_time() -> None:
+    from resiliency.monitor.postmortem import LauncherEvents, recovery_times
+
+    # The launcher reads its log on node-a, whose clock runs 1000 s ahead of the wall; the
+    # rank died on node-b, whose clock runs 5000 s ahead: its stamp is 5100 at wall 100.
+    events = LauncherEvents(clock_offset=1000.0, host=HOST)
+    events.detections = [99.0, 100.4]  # the earlier one belongs to a previous failure
+    events.joins = [101.5]
+    failure = {
+        "rank": 3,
+        "time": 100.0,
+        "clock": 5100.0,
+        "host": "node-b",
+        "boot_id": "boot-9",
+        "source": "rank 3",
+    }
+    rto = recovery_times({}, failure, _following({}), events, (99.5, 200.0))
+    assert rto["failure_at"] == 100.0  # node-b's stamp read with node-a's offset says 4100
+    assert rto["detected_at_clock"] == 1100.4 and rto["fault_source"].startswith("the rank's")
