@@ -91,6 +91,7 @@ class CheckpointHook(TrainHook):
         self.decision: ResumeDecision | None = None  # config differences from the checkpoint
         self.writer_queue: SpawnedWriterQueue | None = None  # async saves' writer, started early
         self.rejected: dict[int, str] = {}  # steps this attempt's restore refused, and why
+        self._early: EarlyLoad | None = None  # the planned step, read before its confirm
         self.dp = 1  # data-parallel size, known at configure
 
     def configure(self, run: "RunConfig", dp: int) -> "RunConfig":
@@ -170,13 +171,16 @@ class CheckpointHook(TrainHook):
                 problem,
             )
             run, self.plan = self._plan_restore(trainer.run, rejected)
+            self._early = None  # it holds the old model's tensors: let the rebuild free them
             trainer.rebuild(self._model_init_for_plan(self._reconcile(run)))
 
     def on_start(self, trainer: "TrainerView") -> None:
         planned = self.plan
         # With the node-local tier on, a newer local step may win: nothing read in vain.
-        early = self._read_early(trainer) if planned and not self.cfg.local.enabled else None
+        if planned is not None and not self.cfg.local.enabled:
+            self._early = self._read_early(trainer)
         self._confirm_plan(trainer)
+        early, self._early = self._early, None
         if self.plan is not planned:  # another step, and a rebuilt model: read again
             early = None
         checkpointer = Checkpointer(
@@ -204,18 +208,25 @@ class CheckpointHook(TrainHook):
             corpus_changes=self.plan.corpus_changes if self.plan else None,
         )
 
-    def _read_early(self, trainer: "TrainerView") -> EarlyLoad:
+    def _read_early(self, trainer: "TrainerView") -> EarlyLoad | None:
         """Collective: the planned step's shards read into place while its files are still
         re-hashed (both read the same files: one pass from the disk, not two in a row).
         Nothing is applied until the re-hash confirms the step; if it does not, the model is
-        rebuilt (``_confirm_plan``), so what was read here is gone. A failed read is judged
-        after the re-hash, which explains it when a file is bad."""
+        rebuilt (``_confirm_plan``), so what was read here is gone.
+
+        Every rank must enter and leave the load's collectives together. The small files the
+        load reads before any shard are checked first, by every rank, and agreed on (None:
+        a problem there; the confirm rejects the step). A failed shard read is one torch DCP
+        raises on every rank (``CheckpointException``): it is judged after the re-hash, which
+        explains it when a file is bad (``restore()`` raises it otherwise). Any other error is
+        raised here, as it was after the confirm."""
         assert self.plan is not None
+        if self.plan.check_metadata_files(self.cfg.full_verify) is not None:
+            return None
         started = time.perf_counter()
         try:
             return read_shards(trainer.parts, self.plan.step_dir, self.plan.manifest, self.cfg)
-        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - re-raised by restore()
-            # if the re-hash passes (torch DCP's CheckpointException is a BaseException)
+        except CheckpointException as exc:  # a BaseException, raised on every rank alike
             return EarlyLoad(error=exc, seconds=time.perf_counter() - started)
 
     def _restore(

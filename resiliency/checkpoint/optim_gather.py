@@ -199,6 +199,9 @@ def build_for_load(opt: Any, model_sharded_state_dict: dict[str, Any]) -> dict |
     for gbuf_idx in range(len(opt.gbuf_ranges)):
         for model_param in opt.buffers[gbuf_idx].param_index_map:
             sharded = metadata_of[model_param]
+            # With fp32 params the main param is the model param itself: the model's record
+            # and the optimizer's "param" record fill the same memory. Both were saved from
+            # that one tensor, and a precision change is refused at resume, so they agree.
             live = opt._get_main_param_and_optimizer_states(model_param)
             tensors = {}
             for key in keys:

@@ -56,6 +56,26 @@ class RestorePlan:
     # data.allow_changed_corpus=true (corpus.corpus_changes); None when nothing differs.
     corpus_changes: list[dict[str, Any]] | None = None
 
+    def check_metadata_files(self, checksums: bool = True) -> str | None:
+        """Collective: the first problem any rank finds in the step's small model files (the
+        ones a load reads before any shard: megatron's common state, DCP's metadata), each
+        rank checking them all itself (checksums unless ``checksums`` is off, and the static
+        pickle scan). All ranks get the same answer, so they enter the load together or not
+        at all."""
+        names = [e for e in self.manifest.files if _read_before_shards(e.path)]
+        problem = None
+        try:
+            if checksums:
+                problem = next(
+                    (p for e in names if (p := checksum_problem(self.step_dir / e.path, e))), None
+                )
+            problem = problem or step_pickle_problem(self.step_dir, [e.path for e in names])
+        except OSError as exc:
+            problem = f"rank {dist.get_rank()}: {io_problem(exc)}"
+        problems: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        return next((p for p in problems if p is not None), None)
+
     def confirm(self) -> str | None:
         """Collective: the first checksum or pickle problem any rank found in its share."""
         if self.rehash is None:
@@ -63,6 +83,12 @@ class RestorePlan:
         problems: list[str | None] = [None] * dist.get_world_size()
         dist.all_gather_object(problems, self.rehash.result())
         return next((p for p in problems if p is not None), None)
+
+
+def _read_before_shards(rel_path: str) -> bool:
+    """A file of the step's model dir that megatron's load reads before any shard."""
+    parts = rel_path.split("/")
+    return len(parts) == 2 and parts[0] == "model" and not parts[1].endswith(".distcp")
 
 
 class UnrecoverableRunError(ClassifiedError):

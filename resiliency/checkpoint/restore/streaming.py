@@ -9,8 +9,8 @@ its data record starts; when the part a request wants is one contiguous run of b
 record, it is read with ``preadv`` straight into the destination (or, for a destination that
 is not a contiguous CPU tensor, into one scratch tensor that is then copied there once).
 Anything else (byte items, transformed streams, a layout this does not recognise) goes through
-torch's own path, so the loaded state is the same either way (tests/unit/checkpoint/
-test_streaming.py compares them byte for byte).
+torch's own path, so the loaded state is the same either way (tests/unit/resiliency/
+test_streaming_load.py compares both with the saved tensors).
 
 The pickle is read with torch's weights-only unpickler, as ``torch.load(weights_only=True)``
 reads it in the path it replaces, with storages on the meta device: nothing is allocated and no
