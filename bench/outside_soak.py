@@ -44,13 +44,29 @@ def _kills_in_launcher_log(out: Path, injected: list[dict]) -> tuple[int, int]:
     windows = [
         (i["rank"], text[i["log_offset"] : end].decode(errors="replace"))
         for i, end in zip(injected, ends)
-        if i["kind"] == "sigkill"
+        if i["kind"] in ("sigkill", "flip")  # a flip is followed by a rank's SIGKILL
     ]
     seen = sum(
         bool(re.search(rf"failed \(exitcode: -9\) local_rank: {rank}\b", window))
         for rank, window in windows
     )
     return len(windows), seen
+
+
+def _flips_gone(injected: list[dict]) -> tuple[int, int]:
+    """(bytes the soak flipped, those no published file holds any more at the end): read
+    here, from the file system."""
+    flips = [i for i in injected if i["kind"] == "flip"]
+    gone = 0
+    for flip in flips:
+        path = Path(flip["flipped"])
+        if not path.exists():
+            gone += 1
+            continue
+        with path.open("rb") as f:
+            f.seek(flip["flipped_at"])
+            gone += f.read(1) != bytes([flip["flipped_to"]])
+    return len(flips), gone
 
 
 def one_soak(work: Path, data: str, seed: int, env: dict[str, str]) -> dict[str, Any]:
@@ -71,6 +87,7 @@ def one_soak(work: Path, data: str, seed: int, env: dict[str, str]) -> dict[str,
     injected = json.loads((out / "soak.json").read_text())["outside"]["injected"]
     clean, soak = _losses(out / "runs" / "clean" / "soak"), _losses(out / "runs" / "soak" / "soak")
     kills, kills_seen = _kills_in_launcher_log(out, injected)
+    flips, flips_gone = _flips_gone(injected)
     return {
         "seed": seed,
         "faults": len(injected),
@@ -79,6 +96,8 @@ def one_soak(work: Path, data: str, seed: int, env: dict[str, str]) -> dict[str,
         "soak_confirmed": sum(i["confirmed"] for i in injected),
         "kills": kills,
         "kills_in_launcher_log": kills_seen,
+        "flips": flips,
+        "flips_no_longer_published": flips_gone,
         "steps_complete": sorted(soak) == list(range(1, STEPS + 1)),
         "bit_exact": soak == clean,
         "wall_s": round(wall, 1),
@@ -91,7 +110,10 @@ def bench_outside(work: Path, data: str, seeds: list[int], env: dict[str, str]) 
         "P9_runs": runs,
         "P9_faults": sum(r["faults"] for r in runs),
         "P9_goal_met": all(
-            r["bit_exact"] and r["steps_complete"] and r["kills"] == r["kills_in_launcher_log"]
+            r["bit_exact"]
+            and r["steps_complete"]
+            and r["kills"] == r["kills_in_launcher_log"]
+            and r["flips"] == r["flips_no_longer_published"]
             for r in runs
         ),
     }

@@ -2,14 +2,19 @@
 
 The soak process itself, not the trainer, injects each fault into the running job: SIGKILL of
 a rank's trainer (``sigkill``), SIGSTOP of one (``sigstop``: a hang the launcher's rank monitor
-must catch) and SIGKILL of a rank's checkpoint writer (``kill_writer``), at moments drawn
-from the seed it prints: after the job trains again (one new step since the last fault), an
-exponential gap with mean ``--mtbf`` seconds, then the fault, on a rank drawn from the seed.
+must catch), SIGKILL of a rank's checkpoint writer (``kill_writer``) and bit rot in the newest
+published step followed by a rank's SIGKILL (``flip``: one byte of its largest file inverted
+in place, at a position drawn from the seed, so the restart must refuse that step and restore
+the one before), at moments drawn from the seed it prints: after the job trains again (one new
+step since the last fault), an exponential gap with mean ``--mtbf`` seconds, then the fault,
+on a rank drawn from the seed.
 
 Each fault's effect is confirmed from evidence the trainer does not write: the process it hit
 is gone (the operating system), and the launcher's log, after the moment of the fault, reports
 that rank's death with the expected exit (-9 for a kill; 1, a lost writer, at the rank's next
-save) or, for a stopped rank, its rank monitor's timeout. The trajectory is read straight from
+save) or, for a stopped rank, its rank monitor's timeout; for a flipped byte, in addition,
+that by the end of the run no published step holds it at that path (the refused step set aside
+or saved anew). The trajectory is read straight from
 ``metrics/steps.jsonl`` by :func:`losses`, apart from the soak's report code, and compared bit
 for bit with the clean run's.
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import re
 import signal
@@ -33,7 +39,7 @@ from pretrain.context.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
-OUTSIDE_KINDS = ("sigkill", "sigstop", "kill_writer")
+OUTSIDE_KINDS = ("sigkill", "sigstop", "kill_writer", "flip")
 TARGET_WAIT_S = 20.0  # a rank's trainer or writer not there yet (between attempts)
 EFFECT_WAIT_S = 180.0  # the longest a fault's effect may take to show (a hang: its timeout)
 
@@ -43,6 +49,7 @@ class OutsideFault:
     kind: str
     rank: int
     gap_s: float  # after the job trains again (a new step since the previous fault)
+    where: float = 0.0  # flip: the byte's position, a fraction of the file's size
 
 
 @dataclass
@@ -54,6 +61,9 @@ class Injection:
     log_offset: int  # the launcher log's size then: the evidence comes after it
     evidence: str = ""
     confirmed: bool = False
+    flipped: str = ""  # flip: the file (absolute path) ...
+    flipped_at: int = -1  # ... the byte's offset in it ...
+    flipped_to: int = -1  # ... and the value written there
 
 
 @dataclass
@@ -81,7 +91,9 @@ def plan_outside(
     plan, deck = [], []
     for _ in range(count):
         deck = deck or rng.sample(list(kinds), len(kinds))
-        plan.append(OutsideFault(deck.pop(), rng.randrange(nproc), rng.expovariate(1 / mtbf_s)))
+        kind = deck.pop()
+        rank, gap = rng.randrange(nproc), rng.expovariate(1 / mtbf_s)
+        plan.append(OutsideFault(kind, rank, gap, rng.random() if kind == "flip" else 0.0))
     return plan
 
 
@@ -118,7 +130,9 @@ class OutsideDriver:
 
     def drive(self, job: subprocess.Popen) -> None:
         for fault in self.run.plan:
-            ready = self._wait_training(job, self.earliest.get(fault.kind, 0))
+            ready = self._wait_training(
+                job, self.earliest.get(fault.kind, 0), published=fault.kind == "flip"
+            )
             if not ready or not self._sleep(job, fault.gap_s):
                 self.run.skipped.append(f"{fault.kind} on rank {fault.rank}: the job had ended")
                 continue
@@ -151,12 +165,18 @@ class OutsideDriver:
                 return
             time.sleep(0.1)
 
-    def _wait_training(self, job: subprocess.Popen, earliest: int) -> bool:
-        """Until a step was logged since the last fault, and ``earliest`` steps in all."""
+    def _wait_training(self, job: subprocess.Popen, earliest: int, published: bool) -> bool:
+        """Until a step was logged since the last fault, and ``earliest`` steps in all (and,
+        with ``published``, a step published to rot)."""
         seen = _steps_done(self.run_dir)
         while job.poll() is None and time.monotonic() < self.deadline:
             done = _steps_done(self.run_dir)
-            if done > seen and done >= earliest and rank_workers(self.run_dir):
+            if (
+                done > seen
+                and done >= earliest
+                and (not published or _newest_published(self.run_dir) is not None)
+                and rank_workers(self.run_dir)
+            ):
                 return True
             time.sleep(0.1)
         return False
@@ -175,12 +195,18 @@ class OutsideDriver:
         if target is None:
             return None
         offset = _size(self.launcher_log)
+        flipped = flip_byte(self.run_dir, fault.where) if fault.kind == "flip" else None
+        if fault.kind == "flip" and flipped is None:
+            return None  # nothing published yet
         sig = signal.SIGSTOP if fault.kind == "sigstop" else signal.SIGKILL
         try:
             target.send_signal(sig)
         except psutil.Error:
             return None
-        return Injection(fault.kind, fault.rank, target.pid, time.time(), offset)
+        injection = Injection(fault.kind, fault.rank, target.pid, time.time(), offset)
+        if flipped is not None:
+            injection.flipped, injection.flipped_at, injection.flipped_to = flipped
+        return injection
 
     def _target(self, fault: OutsideFault) -> psutil.Process | None:
         """The rank's trainer, or its checkpoint writer (started beside the first steps of an
@@ -195,6 +221,45 @@ class OutsideDriver:
                 return found[0]
             time.sleep(0.1)
         return None
+
+
+def _newest_published(run_dir: Path) -> Path | None:
+    published = sorted(
+        d for d in RunDir(run_dir).steps_dir.glob("step-?????????") if (d / "COMMITTED").exists()
+    )
+    return published[-1] if published else None
+
+
+def flip_byte(run_dir: Path, where: float) -> tuple[str, int, int] | None:
+    """Invert one byte of the newest published step's largest file, in place (bit rot: the
+    checksums in its manifest are left as they were); (path, offset, new value), or None."""
+    newest = _newest_published(run_dir)
+    files = [p for p in newest.rglob("*") if p.is_file()] if newest is not None else []
+    target = max(files, key=lambda p: p.stat().st_size, default=None)
+    if target is None or target.stat().st_size == 0:
+        return None
+    at = min(int(where * target.stat().st_size), target.stat().st_size - 1)
+    fd = os.open(target, os.O_RDWR)
+    try:
+        value = os.pread(fd, 1, at)[0] ^ 0xFF
+        os.pwrite(fd, bytes([value]), at)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return str(target), at, value
+
+
+def _still_flipped(injection: Injection) -> bool:
+    """The flipped byte is still published at its path (the step neither refused nor saved
+    anew)."""
+    try:
+        fd = os.open(injection.flipped, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        return os.pread(fd, 1, injection.flipped_at) == bytes([injection.flipped_to])
+    finally:
+        os.close(fd)
 
 
 # ft_launcher / torchrun: "failed (exitcode: -9) local_rank: 0 (pid: 123) of binary: ...".
@@ -237,6 +302,12 @@ def confirm(injection: Injection, launcher_log: bytes) -> None:
         if hits
         else f"launcher log shows no effect on rank {injection.rank} after the fault"
     )
+    if injection.kind == "flip":
+        rotten = _still_flipped(injection)
+        injection.confirmed = injection.confirmed and not rotten
+        injection.evidence += f"; {injection.flipped}@{injection.flipped_at} " + (
+            "STILL PUBLISHED with the flipped byte" if rotten else "no longer published"
+        )
 
 
 def _is_zombie(pid: int) -> bool:

@@ -589,7 +589,8 @@ class Checkpointer:
     ) -> int:
         """Load a step chosen, topology-validated and re-hashed by restore/plan.py;
         ``early``: its shards, read already while its files were re-hashed."""
-        self.faults.at_checkpoint("restore", manifest.step)
+        if early is None:  # an early read met train.fault's restore point already
+            self.faults.at_checkpoint("restore", manifest.step)
         started = time.perf_counter() - (early.seconds if early else 0.0)
         cfg, train_state = self.cfg, state_io.read_train_state(step_dir)
         if manifest.weights_only:

@@ -221,6 +221,9 @@ class CheckpointHook(TrainHook):
         explains it when a file is bad (``restore()`` raises it otherwise). Any other error is
         raised here, as it was after the confirm."""
         assert self.plan is not None
+        # train.fault's restore point: where the restore's reading begins (restore() then
+        # only applies what was read here, and does not stop again).
+        trainer.faults.at_checkpoint("restore", self.plan.manifest.step)
         if self.plan.check_metadata_files(self.cfg.full_verify) is not None:
             return None
         started = time.perf_counter()

@@ -14,14 +14,22 @@ from pathlib import Path
 
 import pytest
 
-from drill.soak.outside import OUTSIDE_KINDS, Injection, confirm, losses, plan_outside
+from drill.soak.outside import (
+    OUTSIDE_KINDS,
+    Injection,
+    confirm,
+    flip_byte,
+    losses,
+    plan_outside,
+)
 from tests.helpers import REPO
 
 
 def test_the_plan_is_the_seeds() -> None:
     one = plan_outside(random.Random(5), 9, 10.0, 2, OUTSIDE_KINDS)
     assert one == plan_outside(random.Random(5), 9, 10.0, 2, OUTSIDE_KINDS)
-    assert {f.kind for f in one[:3]} == set(OUTSIDE_KINDS)  # a deck: every kind comes up
+    assert {f.kind for f in one[:4]} == set(OUTSIDE_KINDS)  # a deck: every kind comes up
+    assert all(0 <= f.where < 1 for f in one) and any(f.where for f in one if f.kind == "flip")
     assert {f.rank for f in one} <= {0, 1} and all(f.gap_s > 0 for f in one)
 
 
@@ -65,6 +73,39 @@ def test_a_live_target_is_not_confirmed() -> None:
     assert not injection.confirmed and "STILL ALIVE" in injection.evidence
 
 
+def _published_step(run_dir: Path, step: int, payload: bytes) -> Path:
+    step_dir = run_dir / "steps" / f"step-{step:09d}"
+    (step_dir / "model").mkdir(parents=True)
+    (step_dir / "model" / "__0_0.distcp").write_bytes(payload)
+    (step_dir / "manifest.json").write_text("{}")
+    (step_dir / "COMMITTED").write_text("x")
+    return step_dir / "model" / "__0_0.distcp"
+
+
+def test_a_flip_inverts_one_byte_of_the_newest_published_step(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    older = _published_step(run_dir, 4, bytes(range(200)))
+    newest = _published_step(run_dir, 8, bytes(range(100)))
+    (run_dir / "steps" / "step-000000012.tmp-attempt-02").mkdir()  # not published: ignored
+    path, at, value = flip_byte(run_dir, 0.5)
+    assert (path, at, value) == (str(newest), 50, 50 ^ 0xFF)
+    data = newest.read_bytes()
+    assert (
+        data[50] == 50 ^ 0xFF
+        and data[:50] + data[51:] == bytes(range(100))[:50] + bytes(range(100))[51:]
+    )
+    assert older.read_bytes() == bytes(range(200))
+    # Confirmed only when the launcher saw the kill AND the flipped byte is no longer
+    # published at that path.
+    flip = Injection("flip", 1, _dead_pid(), 0.0, 0, flipped=path, flipped_at=at, flipped_to=value)
+    confirm(flip, LOG.encode())
+    assert not flip.confirmed and "STILL PUBLISHED" in flip.evidence
+    newest.write_bytes(bytes(range(100)))  # the step saved anew
+    confirm(flip, LOG.encode())
+    assert flip.confirmed, flip.evidence
+    assert flip_byte(tmp_path / "empty", 0.5) is None
+
+
 def _own_losses(run_dir: Path) -> dict[int, str]:
     """This test's own reading: the last line per step, the loss as written (repr)."""
     found = {}
@@ -97,7 +138,10 @@ def test_an_outside_soak_loses_nothing(tmp_path: Path, tiny_overrides: list[str]
     launcher_log = (out / "logs" / "soak.log").read_bytes()
     ends = [i["log_offset"] for i in injected[1:]] + [len(launcher_log)]
     for kill, end in zip(injected, ends):
-        if kill["kind"] != "sigkill":
+        if kill["kind"] == "flip":  # read here: the flipped byte is no longer published
+            path = Path(kill["flipped"])
+            assert not path.exists() or path.read_bytes()[kill["flipped_at"]] != kill["flipped_to"]
+        if kill["kind"] not in ("sigkill", "flip"):
             continue
         after = launcher_log[kill["log_offset"] : end].decode(errors="replace")
         assert re.search(rf"failed \(exitcode: -9\) local_rank: {kill['rank']}\b", after), kill
