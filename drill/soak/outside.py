@@ -4,10 +4,10 @@ The soak process itself, not the trainer, injects each fault into the running jo
 a rank's trainer (``sigkill``), SIGSTOP of one (``sigstop``: a hang the launcher's rank monitor
 must catch), SIGKILL of a rank's checkpoint writer (``kill_writer``) and bit rot in the newest
 published step followed by a rank's SIGKILL (``flip``: one byte of its largest file inverted
-in place, at a position drawn from the seed, so the restart must refuse that step and restore
-the one before), at moments drawn from the seed it prints: after the job trains again (one new
-step since the last fault), an exponential gap with mean ``--mtbf`` seconds, then the fault,
-on a rank drawn from the seed.
+in place, at a position drawn from the seed, once an older step is published too, so the
+restart must refuse that step and restore the one before), at moments drawn from the seed it
+prints: after the job trains again (one new step since the last fault), an exponential gap
+with mean ``--mtbf`` seconds, then the fault, on a rank drawn from the seed.
 
 Each fault's effect is confirmed from evidence the trainer does not write: the process it hit
 is gone (the operating system), and the launcher's log, after the moment of the fault, reports
@@ -224,15 +224,19 @@ class OutsideDriver:
 
 
 def _newest_published(run_dir: Path) -> Path | None:
+    """The newest published step, if an older one is published too: rotting the only
+    verified step stops the run by design (exit 10, nothing to fall back to), which is not
+    what a soak that must finish measures."""
     published = sorted(
         d for d in RunDir(run_dir).steps_dir.glob("step-?????????") if (d / "COMMITTED").exists()
     )
-    return published[-1] if published else None
+    return published[-1] if len(published) >= 2 else None
 
 
 def flip_byte(run_dir: Path, where: float) -> tuple[str, int, int] | None:
     """Invert one byte of the newest published step's largest file, in place (bit rot: the
-    checksums in its manifest are left as they were); (path, offset, new value), or None."""
+    checksums in its manifest are left as they were); (path, offset, new value), or None
+    while fewer than two steps are published."""
     newest = _newest_published(run_dir)
     files = [p for p in newest.rglob("*") if p.is_file()] if newest is not None else []
     target = max(files, key=lambda p: p.stat().st_size, default=None)

@@ -85,6 +85,7 @@ def _published_step(run_dir: Path, step: int, payload: bytes) -> Path:
 def test_a_flip_inverts_one_byte_of_the_newest_published_step(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     older = _published_step(run_dir, 4, bytes(range(200)))
+    assert flip_byte(run_dir, 0.5) is None  # the only published step: never rotted
     newest = _published_step(run_dir, 8, bytes(range(100)))
     (run_dir / "steps" / "step-000000012.tmp-attempt-02").mkdir()  # not published: ignored
     path, at, value = flip_byte(run_dir, 0.5)
