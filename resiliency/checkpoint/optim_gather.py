@@ -125,7 +125,6 @@ def build(
     write) leaves whole host tensors of a DP=1 optimizer in place instead of copying them."""
     # megatron-core: imported after the CPU shim is applied (pretrain/platform/distributed.py)
     from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
     from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 
     model_tensors, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
@@ -162,18 +161,9 @@ def build(
                     )
                     out.view(-1).copy_(source)
                 outputs[key] = out
-            tensors = {}
-            for key, data in outputs.items():
-                kwargs = dict(
-                    key=f"{PREFIX}.{key}.{sharded.key}",
-                    data=data,
-                    dtype=data.dtype,
-                    replica_id=sharded.replica_id,
-                )
-                if isinstance(sharded, ShardedTensorFactory):
-                    kwargs.pop("dtype")
-                tensors[key] = replace(sharded, **kwargs)
-                tensors[key].validate_metadata_integrity()
+            tensors = {key: _state_tensor(sharded, key, data) for key, data in outputs.items()}
+            for tensor in tensors.values():
+                tensor.validate_metadata_integrity()
             state[param_idx] = tensors
             param_idx += 1
     return state
@@ -184,7 +174,6 @@ def build_for_load(opt: Any, model_sharded_state_dict: dict[str, Any]) -> dict |
     every tensor a view of the optimizer's own state; None where that is not possible."""
     # megatron-core: imported after the CPU shim is applied (pretrain/platform/distributed.py)
     from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
     from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 
     # Precision-aware optimizers hand out unscaled copies of their state, not the state.
@@ -213,16 +202,7 @@ def build_for_load(opt: Any, model_sharded_state_dict: dict[str, Any]) -> dict |
                     or target.numel() != sharded.data.numel()
                 ):
                     return None
-                data = target.detach().view(sharded.data.shape)
-                kwargs = dict(
-                    key=f"{PREFIX}.{key}.{sharded.key}",
-                    data=data,
-                    dtype=data.dtype,
-                    replica_id=sharded.replica_id,
-                )
-                if isinstance(sharded, ShardedTensorFactory):
-                    kwargs.pop("dtype")
-                tensors[key] = replace(sharded, **kwargs)
+                tensors[key] = _state_tensor(sharded, key, target.detach().view(sharded.data.shape))
             state[param_idx] = tensors
             param_idx += 1
     return state
@@ -240,6 +220,23 @@ def live_fully_reshardable(optimizer: Any) -> Iterator[None]:
                 )
             )
         yield
+
+
+def _state_tensor(sharded: Any, key: str, data: torch.Tensor) -> Any:
+    """The optimizer state ``key`` of the model tensor ``sharded``, as megatron keys it (same
+    sharding and replica id), holding ``data``."""
+    # megatron-core: imported after the CPU shim is applied (pretrain/platform/distributed.py)
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    kwargs = dict(
+        key=f"{PREFIX}.{key}.{sharded.key}",
+        data=data,
+        dtype=data.dtype,
+        replica_id=sharded.replica_id,
+    )
+    if isinstance(sharded, ShardedTensorFactory):
+        kwargs.pop("dtype")
+    return replace(sharded, **kwargs)
 
 
 def _distributed_optimizers(optimizer: Any) -> list[Any]:
