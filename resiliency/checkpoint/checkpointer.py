@@ -25,20 +25,19 @@ from torch.distributed.checkpoint.api import CheckpointException
 from pretrain.context import exit_codes, startup_clock
 from pretrain.context.failures import ClassifiedError, classify
 from pretrain.data.dataset import dataset_fingerprint
-from pretrain.platform.compat import checkpoint_reader, fix_orphaned_writer_manager
+from pretrain.platform.compat import fix_orphaned_writer_manager
 from pretrain.platform.distributed import broadcast_object
 from pretrain.train.fault_injection import FaultInjector
 from resiliency.checkpoint import rank_state as state_io
 from resiliency.checkpoint.fingerprint import differences, state_fingerprint
+from resiliency.checkpoint.restore.load import EarlyLoad, read_shards
 from resiliency.checkpoint.restore.resume_lr import (
     scale_lr_for_batch_change,
     schedule_from_config,
     set_group_lrs,
 )
-from resiliency.checkpoint.restore.streaming import StreamingReader
 from resiliency.checkpoint.state_dict import (
     chunks_by_key,
-    load_targets,
     sharded_training_state,
 )
 from resiliency.checkpoint.write.async_writer import SpawnedWriterQueue
@@ -51,7 +50,7 @@ from resiliency.checkpoint.write.staging import (
 )
 from resiliency.storage.checksum import describe_files, describe_written, share_of
 from resiliency.storage.corpus import index_files
-from resiliency.storage.layout import payload_files
+from resiliency.storage.layout import MODEL_DIR, payload_files
 from resiliency.storage.lease import LeaseLostError, RunLease
 from resiliency.storage.manifest import (
     Manifest,
@@ -78,7 +77,6 @@ if TYPE_CHECKING:
     from resiliency.run_context import RunContext
 
 log = logging.getLogger(__name__)
-MODEL_DIR = "model"
 # torch DCP reports failed writes (e.g. ENOSPC on any rank) as a BaseException subclass.
 SAVE_ERRORS = (Exception, CheckpointException)
 
@@ -111,39 +109,6 @@ class SaveStats:
     durations_s: list[float] = field(default_factory=list)
     last_success_time: float | None = None
     last_step: int | None = None
-
-
-@dataclass
-class EarlyLoad:
-    """A step's shards read into the model and optimizer-state buffers (or why not)."""
-
-    loaded: dict[str, Any] = field(default_factory=dict)
-    error: BaseException | None = None
-    seconds: float = 0.0
-
-
-def read_shards(parts: Any, step_dir: Path, manifest: Manifest, cfg: CheckpointConfig) -> EarlyLoad:
-    """Collective: the step's sharded state read into place (megatron's torch_dist load,
-    through the single-pass reader); nothing applied yet (optimizer state, loop state, RNG)."""
-    # megatron-core: imported after the CPU shim is applied (pretrain/platform/distributed.py)
-    from megatron.core import dist_checkpointing
-
-    started = time.perf_counter()
-    with_optimizer = cfg.load_optimizer and not manifest.weights_only
-    targets = load_targets(parts, manifest.optim_format, with_optimizer)
-    built = time.perf_counter()
-    model_dir = step_dir / MODEL_DIR
-    reader = StreamingReader(model_dir)  # each tensor's bytes read once, into place
-    with checkpoint_reader(lambda _: reader):
-        loaded = dist_checkpointing.load(targets, str(model_dir))
-    done = time.perf_counter()
-    log.info(
-        "restore: %s in %.2f s (load targets %.2f s)",
-        reader.stats.describe(),
-        done - built,
-        built - started,
-    )
-    return EarlyLoad(loaded, seconds=done - started)
 
 
 class Checkpointer:

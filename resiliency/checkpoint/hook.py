@@ -20,8 +20,9 @@ from pretrain.platform.compat import vpp_tied_embedding_save_problem
 from pretrain.platform.distributed import broadcast_object
 from pretrain.train.hooks import StepResult, TrainHook
 from recipes import ConfigError
-from resiliency.checkpoint.checkpointer import Checkpointer, EarlyLoad, read_shards
+from resiliency.checkpoint.checkpointer import Checkpointer
 from resiliency.checkpoint.local.tier import LocalTier
+from resiliency.checkpoint.restore.load import EarlyLoad, read_shards
 from resiliency.checkpoint.restore.plan import RestorePlan, plan_restore
 from resiliency.checkpoint.restore.resume_policy import ResumeDecision, reconcile
 from resiliency.checkpoint.write.async_writer import SpawnedWriterQueue

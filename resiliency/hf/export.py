@@ -18,9 +18,9 @@ from pretrain.data.tokenizer import Tokenizer, build_tokenizer
 from recipes import ConfigError
 from recipes.config.run import RunConfig
 from recipes.load import load_config_dict
-from resiliency.checkpoint.checkpointer import MODEL_DIR
 from resiliency.hf.convert import hf_config, to_hf
 from resiliency.hf.tokenizer_files import write_tokenizer_dir
+from resiliency.storage.layout import MODEL_DIR
 from resiliency.storage.manifest import Manifest
 from resiliency.storage.tokenizer_copy import TOKENIZER_DIR
 from resiliency.storage.verify import expected_run_id, verify_step_dir

@@ -28,6 +28,7 @@ COMMITTED_NAME = "COMMITTED"
 RESERVED_NAMES = frozenset({MANIFEST_NAME, COMMITTED_NAME})
 # Rank 0's loop state (step, samples, scheduler); its step must agree with the dir and manifest.
 TRAIN_STATE_NAME = "train_state.json"
+MODEL_DIR = "model"  # megatron dist_checkpointing's directory inside a step
 
 
 def step_name(step: int) -> str:

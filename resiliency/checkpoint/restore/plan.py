@@ -29,7 +29,7 @@ from resiliency.checkpoint.restore.topology import (
     validate,
 )
 from resiliency.storage.corpus import INDEX_SUFFIX, corpus_changes, describe_change
-from resiliency.storage.layout import RunLayout
+from resiliency.storage.layout import MODEL_DIR, RunLayout
 from resiliency.storage.manifest import Manifest, read_manifest
 from resiliency.storage.object_retry import ObjectStoreAccessError, ObjectStoreUnavailable
 from resiliency.storage.object_store import ObjectStore
@@ -88,7 +88,7 @@ class RestorePlan:
 def _read_before_shards(rel_path: str) -> bool:
     """A file of the step's model dir that megatron's load reads before any shard."""
     parts = rel_path.split("/")
-    return len(parts) == 2 and parts[0] == "model" and not parts[1].endswith(".distcp")
+    return len(parts) == 2 and parts[0] == MODEL_DIR and not parts[1].endswith(".distcp")
 
 
 class UnrecoverableRunError(ClassifiedError):
