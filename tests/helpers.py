@@ -42,6 +42,20 @@ def run_pretrain(
     return proc
 
 
+def worker_report(name: str, out: Path, timeout: float = 300) -> dict:
+    """Run tests/workers/<name>.py (one process) and return the JSON report it wrote to
+    ``out``."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "workers" / f"{name}.py"), str(out)],
+        cwd=REPO,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
 def read_steps(run_dir: Path) -> dict[int, dict]:
     """Per-step metrics; a step logged twice (re-done after a restart) keeps its last record."""
     steps: dict[int, dict] = {}

@@ -36,10 +36,7 @@ from resiliency.checkpoint.restore.resume_lr import (
     schedule_from_config,
     set_group_lrs,
 )
-from resiliency.checkpoint.state_dict import (
-    chunks_by_key,
-    sharded_training_state,
-)
+from resiliency.checkpoint.state_dict import chunks_by_key, sharded_training_state
 from resiliency.checkpoint.write.async_writer import SpawnedWriterQueue
 from resiliency.checkpoint.write.shard_writer import in_process_writes, writer_checksums
 from resiliency.checkpoint.write.staging import (

@@ -28,6 +28,7 @@ from resiliency.checkpoint.restore.topology import (
     TopologyReport,
     validate,
 )
+from resiliency.storage.checksum import FileEntry
 from resiliency.storage.corpus import INDEX_SUFFIX, corpus_changes, describe_change
 from resiliency.storage.layout import MODEL_DIR, RunLayout
 from resiliency.storage.manifest import Manifest, read_manifest
@@ -63,26 +64,34 @@ class RestorePlan:
         pickle scan). All ranks get the same answer, so they enter the load together or not
         at all."""
         names = [e for e in self.manifest.files if _read_before_shards(e.path)]
-        problem = None
-        try:
-            if checksums:
-                problem = next(
-                    (p for e in names if (p := checksum_problem(self.step_dir / e.path, e))), None
-                )
-            problem = problem or step_pickle_problem(self.step_dir, [e.path for e in names])
-        except OSError as exc:
-            problem = f"rank {dist.get_rank()}: {io_problem(exc)}"
-        problems: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(problems, problem)
-        return next((p for p in problems if p is not None), None)
+        return _first_on_any_rank(files_problem(self.step_dir, names, checksums))
 
     def confirm(self) -> str | None:
         """Collective: the first checksum or pickle problem any rank found in its share."""
         if self.rehash is None:
             return None
-        problems: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(problems, self.rehash.result())
-        return next((p for p in problems if p is not None), None)
+        return _first_on_any_rank(self.rehash.result())
+
+
+def _first_on_any_rank(problem: str | None) -> str | None:
+    """Collective: the first rank's problem, if any rank has one (the same answer on all)."""
+    problems: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    return next((p for p in problems if p is not None), None)
+
+
+def files_problem(step_dir: Path, entries: list[FileEntry], checksums: bool) -> str | None:
+    """The first checksum mismatch (unless ``checksums`` is off) or inadmissible pickle among
+    ``entries`` of ``step_dir``; an I/O error is this rank's problem with the step."""
+    try:
+        problem = None
+        if checksums:
+            problem = next(
+                (p for e in entries if (p := checksum_problem(step_dir / e.path, e))), None
+            )
+        return problem or step_pickle_problem(step_dir, [e.path for e in entries])
+    except OSError as exc:
+        return f"rank {dist.get_rank()}: {io_problem(exc)}"
 
 
 def _read_before_shards(rel_path: str) -> bool:
@@ -210,14 +219,9 @@ def start_rehash(
         try:
             if faults is not None:
                 faults.at_rehash(manifest.step)
-            problem = None
-            if checksums:
-                problem = next(
-                    (p for e in mine if (p := checksum_problem(step_dir / e.path, e))), None
-                )
-            return problem or step_pickle_problem(step_dir, [e.path for e in mine])
         except OSError as exc:
             return f"rank {rank}: {io_problem(exc)}"
+        return files_problem(step_dir, mine, checksums)
 
     pool = ThreadPoolExecutor(1, thread_name_prefix="rehash")
     future = pool.submit(first_problem)

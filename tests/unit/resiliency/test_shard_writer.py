@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import worker_report
 
 pytestmark = [pytest.mark.current_stack]
-WORKER = str(REPO / "tests" / "workers" / "shard_writes.py")
 
 
 def _forking_megatron() -> bool:
@@ -24,12 +19,7 @@ def _forking_megatron() -> bool:
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    out = tmp_path_factory.mktemp("shard-writes") / "report.json"
-    proc = subprocess.run(
-        [sys.executable, WORKER, str(out)], cwd=REPO, text=True, capture_output=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return worker_report("shard_writes", tmp_path_factory.mktemp("shard-writes") / "report.json")
 
 
 def test_in_process_writes_load_back_equal(report: dict) -> None:

@@ -3,27 +3,18 @@ reader loads, on the shards megatron writes and on ours (tests/workers/streaming
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import worker_report
 
 pytestmark = [pytest.mark.current_stack]
-WORKER = str(REPO / "tests" / "workers" / "streaming_load.py")
 CASES = [f"{w}/{p}" for w in ("megatron", "ours") for p in ("whole", "rows", "columns")]
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("streaming-load") / "report.json"
-    proc = subprocess.run(
-        [sys.executable, WORKER, str(out)], cwd=REPO, text=True, capture_output=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return worker_report("streaming_load", out)
 
 
 def test_the_compat_hook_hands_megatron_our_reader(report: dict) -> None:
