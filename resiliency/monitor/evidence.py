@@ -27,7 +27,7 @@ from pretrain.context.failures import Failure, classify
 from pretrain.context.startup_clock import host_clock, host_identity
 from pretrain.train.hooks import StepResult, TrainHook
 from resiliency.monitor.postmortem import failure_path, last_step_between, lost_steps, read_record
-from resiliency.monitor.stacks import COLLECTIVE_MARKERS
+from resiliency.monitor.stacks import waits_on_peers
 from resiliency.storage.attempts import recorded_attempts
 from resiliency.storage.layout import atomic_write_json
 
@@ -39,9 +39,26 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+# What a process group's transport says when a peer went away under a collective, wherever
+# the Python frame that waited on it was (our own timed waits wrap it in a TimeoutError).
+_TRANSPORT_MARKERS = ("gloo/transport/", "ProcessGroupGloo", "ProcessGroupNCCL", "NCCL error")
+
+
 def raised_in_collective(exc: BaseException) -> bool:
-    frames = traceback.extract_tb(exc.__traceback__)
-    return any(m in frame.filename for frame in frames for m in COLLECTIVE_MARKERS)
+    """Whether ``exc``, or an exception it was raised from, came out of a collective."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        frames = traceback.extract_tb(current.__traceback__)[::-1]  # innermost first
+        if waits_on_peers([(f.filename, f.lineno or 0) for f in frames]):
+            return True
+        if isinstance(current, (dist.DistBackendError, dist.DistNetworkError)) or any(
+            m in str(current) for m in _TRANSPORT_MARKERS
+        ):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def failure_cause(failure: Failure, in_collective: bool) -> str:

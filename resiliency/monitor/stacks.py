@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import linecache
 import os
 import re
 import threading
@@ -33,8 +34,24 @@ ARM_BYTES = 864  # the arm header; the heartbeat slot is the rest of HEADER_BYTE
 BEAT_S = 0.5
 DUMP_FRACTION = 0.9  # of the section timeout: dump before the monitor's SIGKILL
 COLLECTIVE_MARKERS = ("torch/distributed/", "torch\\distributed\\")
+# megatron-core waits on the work handle of a collective it started asynchronously (the
+# tensor-parallel backward, DDP's grad reduce, pipeline p2p): ``handle.wait()`` is C++, so the
+# innermost Python frame of a rank blocked there (or failing there) is megatron's own line.
+_MEGATRON = ("megatron/core/", "megatron\\core\\")
+_HANDLE_WAIT = re.compile(r"\.wait\(\s*\)")
 _THREAD_RE = re.compile(r"^(?:Current thread|Thread) 0x([0-9a-f]+)", re.MULTILINE)
 _FRAME_RE = re.compile(r'^\s+File "([^"]+)", line (\d+) in (\S+)', re.MULTILINE)
+
+
+def waits_on_peers(frames: list[tuple[str, int]]) -> bool:
+    """Whether a stack, innermost frame first, as (file, line), is inside a collective: a
+    ``torch.distributed`` frame anywhere, or megatron-core's wait on an async collective's
+    handle as the innermost frame."""
+    if any(m in file for file, _ in frames for m in COLLECTIVE_MARKERS):
+        return True
+    if not frames or not any(m in frames[0][0] for m in _MEGATRON):
+        return False
+    return bool(_HANDLE_WAIT.search(linecache.getline(frames[0][0], frames[0][1])))
 
 
 def stack_path(stacks_dir: Path, rank: int, pid: int) -> Path:
@@ -160,7 +177,7 @@ def read_stack_dump(path: Path) -> dict[str, Any] | None:
         **header,
         "dumped": True,
         "dumped_at": path.stat().st_mtime,
-        "in_collective": any(m in f for f, _, _ in frames for m in COLLECTIVE_MARKERS),
+        "in_collective": waits_on_peers([(f, int(line)) for f, line, _ in frames]),
         "top_frames": [f"{Path(f).name}:{line} {func}" for f, line, func in frames[:6]],
     }
 

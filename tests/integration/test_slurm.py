@@ -863,7 +863,10 @@ def test_a_spare_node_replaces_a_killed_one_inside_the_job(
     # from the reaping parent's record, and measures the recovery phase by phase.
     first, second = _attempts(run_dir)
     killed = before[victim][1]
-    assert (first["first_failing_rank"], first["failure_cause"]) == (killed, "killed by SIGKILL")
+    assert (first["first_failing_rank"], first["failure_cause"]) == (
+        killed,
+        "killed by SIGKILL",
+    ), first.get("evidence", first)
     assert first["exit_codes"][str(killed)] == -signal.SIGKILL, first["exit_codes"]
     assert second["restored_step"] >= 10 and first["rto"]["total_s"] > 0, first.get("rto")
     assert first["rto"]["fault_source"] == "the worker's parent reaped it", first["rto"]
