@@ -1,11 +1,13 @@
 """P9: soaks with faults from outside, over several seeds (``python -m bench --only P9``).
 
 Each seed runs ``python -m drill.soak --outside`` through its public CLI: the soak process
-SIGKILLs and SIGSTOPs ranks and SIGKILLs checkpoint writers of the running job at moments drawn
-from the seed. This module grades each soak itself, not by the soak's verdict: it reads both
-runs' ``metrics/steps.jsonl`` and compares the losses bit for bit, and finds each SIGKILL the
-soak reports in the launcher's own log (that rank's -9 exit after the fault's moment). The
-soak's own exit code and confirmations are reported beside, for comparison.
+SIGKILLs and SIGSTOPs ranks, SIGKILLs checkpoint writers, flips a byte of a published step and
+(as root) fills the run's disk, at moments drawn from the seed. This module grades each soak
+itself, not by the soak's verdict: it reads both runs' ``metrics/steps.jsonl`` and compares the
+losses bit for bit, finds each SIGKILL the soak reports in the launcher's own log (that rank's
+-9 exit after the fault's moment), and each full disk there as a worker's exit 10, the
+launcher's stop and the relaunch after it. The soak's own exit code and confirmations are
+reported beside, for comparison.
 """
 
 from __future__ import annotations
@@ -53,6 +55,24 @@ def _kills_in_launcher_log(out: Path, injected: list[dict]) -> tuple[int, int]:
     return len(windows), seen
 
 
+def _full_disks_in_launcher_log(out: Path, injected: list[dict]) -> tuple[int, int]:
+    """(disks the soak reports it filled, those after which the launcher's log shows a
+    worker's exit 10, the launcher's stop, and a new launch before the next fault)."""
+    text = (out / "logs" / "soak.log").read_bytes()
+    ends = [i["log_offset"] for i in injected[1:]] + [len(text)]
+    windows = [
+        text[i["log_offset"] : end].decode(errors="replace")
+        for i, end in zip(injected, ends)
+        if i["kind"] == "full_disk"
+    ]
+    seen = sum(
+        bool(re.search(r"failed \(exitcode: 10\) local_rank: \d", window))
+        and bool(re.search(r"launch local: stop 10 .*\n(?s:.*)launch local: node \S+: ", window))
+        for window in windows
+    )
+    return len(windows), seen
+
+
 def _flips_gone(injected: list[dict]) -> tuple[int, int]:
     """(bytes the soak flipped, those no published file holds any more at the end): read
     here, from the file system."""
@@ -88,6 +108,7 @@ def one_soak(work: Path, data: str, seed: int, env: dict[str, str]) -> dict[str,
     clean, soak = _losses(out / "runs" / "clean" / "soak"), _losses(out / "runs" / "soak" / "soak")
     kills, kills_seen = _kills_in_launcher_log(out, injected)
     flips, flips_gone = _flips_gone(injected)
+    disks, disks_seen = _full_disks_in_launcher_log(out, injected)
     return {
         "seed": seed,
         "faults": len(injected),
@@ -98,6 +119,8 @@ def one_soak(work: Path, data: str, seed: int, env: dict[str, str]) -> dict[str,
         "kills_in_launcher_log": kills_seen,
         "flips": flips,
         "flips_no_longer_published": flips_gone,
+        "full_disks": disks,
+        "full_disks_stopped_and_relaunched": disks_seen,
         "steps_complete": sorted(soak) == list(range(1, STEPS + 1)),
         "bit_exact": soak == clean,
         "wall_s": round(wall, 1),
@@ -114,6 +137,7 @@ def bench_outside(work: Path, data: str, seeds: list[int], env: dict[str, str]) 
             and r["steps_complete"]
             and r["kills"] == r["kills_in_launcher_log"]
             and r["flips"] == r["flips_no_longer_published"]
+            and r["full_disks"] == r["full_disks_stopped_and_relaunched"]
             for r in runs
         ),
     }

@@ -212,11 +212,13 @@ def _outside_rows(outside: dict[str, Any] | None, row: Rows) -> None:
     """P9: one row per seed, graded by the bench's own reading (not the soak's verdict)."""
     for r in (outside or {}).get("P9_runs", []):
         flips, gone = r.get("flips", 0), r.get("flips_no_longer_published", 0)
+        disks, stopped = r.get("full_disks", 0), r.get("full_disks_stopped_and_relaunched", 0)
         ok = (
             r["bit_exact"]
             and r["steps_complete"]
             and r["kills"] == r["kills_in_launcher_log"]
             and flips == gone
+            and disks == stopped
         )
         row(
             f"P9 soak, faults from outside, seed {r['seed']}: bit-exact",
@@ -227,7 +229,8 @@ def _outside_rows(outside: dict[str, Any] | None, row: Rows) -> None:
             0,
             note=f"{r['faults']} faults ({', '.join(r['kinds'])}); SIGKILLs in the launcher's "
             f"log {r['kills_in_launcher_log']}/{r['kills']}; flipped bytes no longer "
-            f"published {gone}/{flips}; the soak's own exit "
+            f"published {gone}/{flips}; full disks stopped (exit 10) and relaunched "
+            f"{stopped}/{disks}; the soak's own exit "
             f"{r['soak_exit']}, confirmed {r['soak_confirmed']}/{r['faults']}; {r['wall_s']:.0f} s",
         )
 

@@ -241,7 +241,15 @@ class LocalSupervisor:
 
     def _decide(self, before: int) -> Decision:
         finalize_attempts(self.layout, self._attempts(before), self.events, self.tokens_per_step)
-        decision = decide(self.plan.run_dir, self._restarts_used(before), self.max_restarts, before)
+        started = self.events.launches[-1][0] if self.events.launches else 0.0
+        seen = tuple(e["exit_code"] for e in self.events.exits if e["time"] >= started)
+        decision = decide(
+            self.plan.run_dir,
+            self._restarts_used(before),
+            self.max_restarts,
+            before,
+            seen_exits=seen,
+        )
         log.info("launch local: %s", decision.line())
         return decision
 
@@ -255,23 +263,32 @@ class LocalSupervisor:
         standby = standby_env(self.plan.run_dir) if self.plan.run.launch.standby else {}
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **standby, **rank_env(self.plan.run)}
         started = time.time()
-        with open(self.plan.run_dir / LOG_NAME, "a") as keep:
+        keep = _open_kept_log(self.plan.run_dir / LOG_NAME)
+        try:
             self.child = subprocess.Popen(
                 cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=1
             )
             assert self.child.stdout is not None
             self._pump(self.child.stdout, keep)
             code = self.child.wait()
+        finally:
+            _close_quietly(keep)
         self.events.launches.append([started, time.time()])
         self.child = None
         log.info("launch local: %s exited %d", Path(cmd[0]).name, code)
         return code
 
-    def _pump(self, stream: IO[str], keep: IO[str]) -> None:
+    def _pump(self, stream: IO[str], keep: IO[str] | None) -> None:
         for line in stream:
             self.events.feed(line, time.time(), host_clock())
             sys.stderr.write(line)
-            keep.write(line)
+            if keep is not None:
+                try:
+                    keep.write(line)
+                except OSError as exc:  # a full disk: the job's failure, not the launcher's
+                    log.warning("launch local: stopped keeping %s: %s", LOG_NAME, exc)
+                    _close_quietly(keep)
+                    keep = None
         sys.stderr.flush()
 
     def _forward(self, signum: int, frame: FrameType | None) -> None:
@@ -279,3 +296,22 @@ class LocalSupervisor:
         if self.child is not None and self.child.poll() is None:
             log.warning("launch local: forwarding %s to the launcher", signal.Signals(signum).name)
             self.child.send_signal(signum)
+
+
+def _open_kept_log(path: Path) -> IO[str] | None:
+    """The launcher's output kept in the run dir, line by line (a write that fails, fails at
+    its line); None, with a warning, when the run dir cannot take it (a full disk)."""
+    try:
+        return open(path, "a", buffering=1)  # noqa: SIM115 - closed by _close_quietly
+    except OSError as exc:
+        log.warning("launch local: cannot keep %s: %s", path, exc)
+        return None
+
+
+def _close_quietly(keep: IO[str] | None) -> None:
+    if keep is None:
+        return
+    try:
+        keep.close()
+    except OSError:
+        pass  # its last line did not fit: already said

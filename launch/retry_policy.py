@@ -4,7 +4,9 @@ The Slurm batch script calls this after its ``srun`` step ends. Launcher exit co
 information (torchrun exits 1 with ChildFailedError whatever its workers returned), so the
 decision reads ``<run_dir>/attempts/attempt-NN.json``, where the trainer's rank 0 records
 ``status`` and ``exit_code`` at exit. A record still saying starting/running means the process
-was killed (node loss, OOM killer, time limit): an infrastructure failure.
+was killed (node loss, OOM killer, time limit): an infrastructure failure, unless the launcher
+logged a worker exit with a documented "do not retry" code (the ranks exited 10 on a full disk
+that also kept them from finishing the record): that code stops the job.
 
 ``python -m launch.retry_policy RUN_DIR --restart-count N --max-requeues M [--after-attempt K]``
 prints ``requeue|stop <exit code> <reason>`` and exits with the code the batch script should
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from launch.requeues import append_ledger, excluded_so_far, failures_used, plan_exclusion
-from launch.slurm.postmortem import finalize_job
+from launch.slurm.postmortem import finalize_job, launcher_events
 from pretrain.context import exit_codes
 from resiliency.monitor.health import unhealthy_nodes
 from resiliency.storage.attempts import recorded_attempts
@@ -93,12 +95,14 @@ def decide(
     max_requeues: int,
     after_attempt: int = 0,
     unhealthy: tuple[str, ...] = (),
+    seen_exits: tuple[int, ...] = (),
 ) -> Decision:
     """Requeue planned exits always, failures under the budget; stop on the rest.
 
     ``failures_used``: failure requeues this job already had (planned ones do not count);
     ``unhealthy``: nodes that failed the health check this attempt (a failure, requeued
-    without them when the launcher can exclude them)."""
+    without them when the launcher can exclude them); ``seen_exits``: the exit codes the
+    launcher logged for its workers this attempt, for a record the ranks could not finish."""
     outcome = read_outcome(run_dir, after_attempt)
     if outcome.status == "finished":
         return Decision(STOP, outcome.exit_code or exit_codes.OK, f"finished ({outcome.detail})")
@@ -118,7 +122,18 @@ def decide(
         return Decision(
             STOP, outcome.exit_code, f"deterministic failure, not retried ({outcome.detail})"
         )
-    if outcome.status is None or outcome.status in KILLED_STATUSES:
+    unrecorded = outcome.status is None or outcome.status in KILLED_STATUSES
+    deterministic = [c for c in seen_exits if c in exit_codes.DO_NOT_RETRY]
+    if unrecorded and deterministic:
+        # The ranks exited with a documented code but could not record it (the full disk that
+        # stopped them): the launcher's own view of their exit decides, not a blind retry.
+        return Decision(
+            STOP,
+            deterministic[0],
+            f"deterministic failure, not retried: a worker exited {deterministic[0]} "
+            f"(the launcher's log; {outcome.detail})",
+        )
+    if unrecorded:
         return _requeue(
             f"infrastructure: process killed or never recorded ({outcome.detail})",
             failures_used,
@@ -191,15 +206,21 @@ def main(argv: list[str]) -> int:
     if args.newest_attempt:
         print(newest_attempt(args.run_dir))
         return 0
+    seen: tuple[int, ...] = ()
     if args.job_log is not None and args.job_log.is_file():
         finalize_job(args.run_dir, args.after_attempt, args.job_log, args.tokens_per_step)
+        seen = tuple(e["exit_code"] for e in launcher_events(args.job_log).exits)
     unhealthy = sorted({n for d in args.health_dir for n in unhealthy_nodes(d)})
     if args.job_id is None:
-        decision = decide(args.run_dir, args.restart_count, args.max_requeues, args.after_attempt)
+        decision = decide(
+            args.run_dir, args.restart_count, args.max_requeues, args.after_attempt, (), seen
+        )
         print(decision.line(), flush=True)
         return decision.exit_code
     used = failures_used(args.run_dir, args.job_id)
-    decision = decide(args.run_dir, used, args.max_requeues, args.after_attempt, tuple(unhealthy))
+    decision = decide(
+        args.run_dir, used, args.max_requeues, args.after_attempt, tuple(unhealthy), seen
+    )
     update = ""
     if decision.action == REQUEUE:
         update = _requeue_update(args, unhealthy, decision)

@@ -5,14 +5,18 @@ a rank's trainer (``sigkill``), SIGSTOP of one (``sigstop``: a hang the launcher
 must catch), SIGKILL of a rank's checkpoint writer (``kill_writer``) and bit rot in the newest
 published step followed by a rank's SIGKILL (``flip``: one byte of its largest file inverted
 in place, at a position drawn from the seed, once an older step is published too, so the
-restart must refuse that step and restore the one before), at moments drawn from the seed it
+restart must refuse that step and restore the one before) and a full disk (``full_disk``: the
+soak run's own tmpfs, :mod:`drill.soak.disk`, filled to the last byte; the run must stop at its
+next save with exit 10, not retried, its published steps untouched; the soak then acts as the
+operator, deletes the filler and relaunches the same command), at moments drawn from the seed it
 prints: after the job trains again (one new step since the last fault), an exponential gap
 with mean ``--mtbf`` seconds, then the fault, on a rank drawn from the seed.
 
 Each fault's effect is confirmed from evidence the trainer does not write: the process it hit
 is gone (the operating system), and the launcher's log, after the moment of the fault, reports
 that rank's death with the expected exit (-9 for a kill; 1, a lost writer, at the rank's next
-save) or, for a stopped rank, its rank monitor's timeout; for a flipped byte, in addition,
+save) or, for a stopped rank, its rank monitor's timeout; for a full disk, the launch's own exit
+status (10) and the file system's free bytes after the fill (none); for a flipped byte, in addition,
 that by the end of the run no published step holds it at that path (the refused step set aside
 or saved anew). The trajectory is read straight from
 ``metrics/steps.jsonl`` by :func:`losses`, apart from the soak's report code, and compared bit
@@ -29,17 +33,22 @@ import re
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
 
+from drill.soak import disk
 from launch.processes import rank_workers, writers
+from pretrain.context import exit_codes
 from pretrain.context.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
-OUTSIDE_KINDS = ("sigkill", "sigstop", "kill_writer", "flip")
+OUTSIDE_KINDS = ("sigkill", "sigstop", "kill_writer", "flip", "full_disk")
+NEEDS_ROOT = ("full_disk",)  # the soak mounts a tmpfs of its own to fill
+FULL_BYTES = 64 << 10  # free bytes at most after a fill: a full disk (a block or two of slack)
 TARGET_WAIT_S = 20.0  # a rank's trainer or writer not there yet (between attempts)
 EFFECT_WAIT_S = 180.0  # the longest a fault's effect may take to show (a hang: its timeout)
 
@@ -64,6 +73,8 @@ class Injection:
     flipped: str = ""  # flip: the file (absolute path) ...
     flipped_at: int = -1  # ... the byte's offset in it ...
     flipped_to: int = -1  # ... and the value written there
+    free_bytes: int = -1  # full_disk: what the file system had left after the fill ...
+    exit_code: int | None = None  # ... and how the launch it hit ended
 
 
 @dataclass
@@ -121,14 +132,18 @@ class OutsideDriver:
         run: OutsideRun,
         hang_after_steps: int = 0,
         timeout_s: float = 3600.0,
+        disk_root: Path | None = None,
     ) -> None:
         self.run_dir, self.launcher_log, self.run = run_dir, launcher_log, run
+        self.disk_root = disk_root  # full_disk: the soak run's own tmpfs
         self.deadline = time.monotonic() + timeout_s  # the job's, like its launch timeout
         # A hang is caught by the learned timeouts (resiliency.ft.learn_after_steps); before
         # them the launcher waits the untrained default (minutes).
         self.earliest = {"sigstop": hang_after_steps}
 
-    def drive(self, job: subprocess.Popen) -> None:
+    def drive(self, job: subprocess.Popen, relaunch: Callable[[], subprocess.Popen]) -> None:
+        """Inject the plan into ``job``; ``relaunch()`` starts the job again (after a full
+        disk, which the launcher does not retry)."""
         for fault in self.run.plan:
             ready = self._wait_training(
                 job, self.earliest.get(fault.kind, 0), published=fault.kind == "flip"
@@ -136,7 +151,7 @@ class OutsideDriver:
             if not ready or not self._sleep(job, fault.gap_s):
                 self.run.skipped.append(f"{fault.kind} on rank {fault.rank}: the job had ended")
                 continue
-            injection = self._inject(fault)
+            injection = self._inject(fault, job)
             if injection is None:
                 self.run.skipped.append(f"{fault.kind} on rank {fault.rank}: no target process")
                 continue
@@ -144,7 +159,10 @@ class OutsideDriver:
             log.info(
                 "soak: %s rank %d (pid %d) from outside", fault.kind, fault.rank, injection.pid
             )
-            self._await_effect(job, injection)
+            if fault.kind == "full_disk":
+                job = self._operate(job, injection, relaunch)
+            else:
+                self._await_effect(job, injection)
         try:
             self.run.exit_code = job.wait(timeout=max(self.deadline - time.monotonic(), 1))
         except subprocess.TimeoutExpired:
@@ -164,6 +182,22 @@ class OutsideDriver:
             if _GROUP_FAILED.search(text.decode(errors="replace")):
                 return
             time.sleep(0.1)
+
+    def _operate(
+        self, job: subprocess.Popen, injection: Injection, relaunch: Callable[[], subprocess.Popen]
+    ) -> subprocess.Popen:
+        """A full disk: wait for the launch to end, free the disk (the operator's fix), and
+        relaunch the same command when it stopped as a full disk must (exit 10)."""
+        try:
+            injection.exit_code = job.wait(timeout=max(self.deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            injection.exit_code = None
+        assert self.disk_root is not None
+        disk.empty(self.disk_root)
+        if injection.exit_code != exit_codes.CHECKPOINT_IO:
+            return job  # finished before a save needed the disk, or failed otherwise: judged
+        log.info("soak: the run stopped on the full disk (exit 10); filler deleted, relaunching")
+        return relaunch()
 
     def _wait_training(self, job: subprocess.Popen, earliest: int, published: bool) -> bool:
         """Until a step was logged since the last fault, and ``earliest`` steps in all (and,
@@ -190,7 +224,13 @@ class OutsideDriver:
             time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
         return job.poll() is None
 
-    def _inject(self, fault: OutsideFault) -> Injection | None:
+    def _inject(self, fault: OutsideFault, job: subprocess.Popen) -> Injection | None:
+        if fault.kind == "full_disk":
+            if self.disk_root is None:
+                return None
+            offset = _size(self.launcher_log)
+            left = disk.fill(self.disk_root)
+            return Injection(fault.kind, fault.rank, job.pid, time.time(), offset, free_bytes=left)
         target = self._target(fault)
         if target is None:
             return None
@@ -285,6 +325,9 @@ def confirm(injection: Injection, launcher_log: bytes) -> None:
     fault's (``launcher_log`` ends there) shows its effect on that rank, and the process it hit
     is gone (or, stopped, was killed)."""
     after = launcher_log[injection.log_offset :].decode(errors="replace")
+    if injection.kind == "full_disk":
+        _confirm_full_disk(injection, after)
+        return
     gone = not psutil.pid_exists(injection.pid) or _is_zombie(injection.pid)
     if injection.kind == "sigstop":
         hits = [
@@ -312,6 +355,23 @@ def confirm(injection: Injection, launcher_log: bytes) -> None:
         injection.evidence += f"; {injection.flipped}@{injection.flipped_at} " + (
             "STILL PUBLISHED with the flipped byte" if rotten else "no longer published"
         )
+
+
+def _confirm_full_disk(injection: Injection, after: str) -> None:
+    """The file system had no room left after the fill (the soak's own reading), the launch
+    ended with 10 (its exit status), and the launcher logged a rank's exit 10."""
+    hits = [
+        m.group(0) for m in _EXIT.finditer(after) if int(m.group(1)) == exit_codes.CHECKPOINT_IO
+    ]
+    full = 0 <= injection.free_bytes <= FULL_BYTES
+    stopped = injection.exit_code == exit_codes.CHECKPOINT_IO
+    injection.confirmed = bool(hits) and full and stopped
+    injection.evidence = (
+        f"{injection.free_bytes} bytes free after the fill; the launch exited "
+        f"{injection.exit_code}; launcher: {hits[0]!r}"
+        if hits
+        else f"launcher log shows no exit 10 after the fill (launch exit {injection.exit_code})"
+    )
 
 
 def _is_zombie(pid: int) -> bool:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from drill.experiment import prepare_out
 from drill.jobs import DrillError, _job_env
+from drill.soak import disk
 from drill.soak.outside import OUTSIDE_KINDS, OutsideDriver, OutsideRun, plan_outside
 from pretrain.context.run_dir import RunDir, read_jsonl
 from recipes import ConfigError, RunConfig, load_config
@@ -170,16 +171,19 @@ class SoakLauncher:
         self.cfg, self.logs = cfg, logs
 
     def run(self, name: str, overrides: list[str], max_restarts: int = 0) -> tuple[int, float]:
-        return self.watch(name, overrides, max_restarts, lambda job: None)
+        return self.watch(name, overrides, max_restarts, lambda job, relaunch: None)
 
     def watch(
         self,
         name: str,
         overrides: list[str],
         max_restarts: int,
-        beside: Callable[[subprocess.Popen], None],
+        beside: Callable[[subprocess.Popen, Callable[[], subprocess.Popen]], None],
     ) -> tuple[int, float]:
-        """Launch, run ``beside(job)`` while it runs (the outside faults), wait for its end."""
+        """Launch, run ``beside(job, relaunch)`` while it runs (the outside faults), wait for
+        the end of the last launch. ``relaunch()`` starts the same command again, its output
+        appended to the same log (an operator's relaunch after a fault the launcher does not
+        retry, e.g. a full disk), and returns it."""
         cmd = [
             sys.executable,
             "-m",
@@ -190,19 +194,30 @@ class SoakLauncher:
             *overrides,
         ]
         self.logs.mkdir(parents=True, exist_ok=True)
+        path = self.logs / f"{name}.log"
         started = time.time()
-        log.info("soak: %s launch (%s)", name, self.logs / f"{name}.log")
-        with (self.logs / f"{name}.log").open("w") as out:
-            job = subprocess.Popen(cmd, env=_job_env({}), stdout=out, stderr=subprocess.STDOUT)
-            try:
-                beside(job)
-                code = job.wait(timeout=max(self.cfg.launch_timeout_s - (time.time() - started), 1))
-            except subprocess.TimeoutExpired:
-                job.kill()
-                job.wait()
-                code = 124
+        log.info("soak: %s launch (%s)", name, path)
+        jobs: list[subprocess.Popen] = []
+
+        def launch(mode: str) -> subprocess.Popen:
+            with path.open(mode) as out:
+                jobs.append(
+                    subprocess.Popen(cmd, env=_job_env({}), stdout=out, stderr=subprocess.STDOUT)
+                )
+            return jobs[-1]
+
+        launch("w")
+        try:
+            beside(jobs[0], lambda: launch("a"))
+            code = jobs[-1].wait(
+                timeout=max(self.cfg.launch_timeout_s - (time.time() - started), 1)
+            )
+        except subprocess.TimeoutExpired:
+            jobs[-1].kill()
+            jobs[-1].wait()
+            code = 124
         wall = time.time() - started
-        log.info("soak: %s exit %d in %.0f s", name, code, wall)
+        log.info("soak: %s exit %d in %.0f s (%d launch(es))", name, code, wall, len(jobs))
         return code, wall
 
 
@@ -300,13 +315,29 @@ def _soak_from_outside(
     plan = plan_outside(random.Random(runs.seed), count, mtbf, cfg.nproc, kinds)
     runs.outside = OutsideRun(runs.seed, plan)
     run_dir = runs.run_dir("soak")
-    driver = OutsideDriver(
-        run_dir, launcher.logs / "soak.log", runs.outside, learn_after + 2, cfg.launch_timeout_s
-    )
     overrides = [*runs.overrides, f"output_dir={run_dir.parent}", "run_id=soak"]
-    runs.exits["soak"], runs.wall_s["soak"] = launcher.watch(
-        "soak", overrides, count + 1, driver.drive
+    disk_root = None
+    if "full_disk" in kinds:  # the soak run on a tmpfs of its own, sized by the clean run
+        disk_root = run_dir.parent
+        size = disk.SIZE_FACTOR * disk.bytes_under(runs.run_dir("clean")) + disk.HEADROOM
+        disk.mount_tmpfs(disk_root, size)
+        # That tmpfs is smaller than the node check's default free-space floor.
+        overrides.append("resiliency.health.min_free_gib=0")
+    driver = OutsideDriver(
+        run_dir,
+        launcher.logs / "soak.log",
+        runs.outside,
+        learn_after + 2,
+        cfg.launch_timeout_s,
+        disk_root,
     )
+    try:
+        runs.exits["soak"], runs.wall_s["soak"] = launcher.watch(
+            "soak", overrides, count + 1, driver.drive
+        )
+    finally:
+        if disk_root is not None:
+            disk.unmount_keeping(disk_root)
 
 
 def _probe(launcher: SoakLauncher, base: list[str], out: Path) -> Path:

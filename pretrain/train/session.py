@@ -57,8 +57,7 @@ def train(run: RunConfig, device: str, dp: int) -> int:
         trainer.fit()
         code = trainer.exit_code
     except Exception as exc:  # noqa: BLE001 - every failure gets its class and exit code
-        for hook in hooks:
-            hook.on_exception(trainer, exc)
+        _tell_all(hooks, trainer, exc)
         failure = classify(exc)
         _log_failure(failure)
         return failure.exit_code
@@ -114,6 +113,16 @@ def _log_failure(failure: Failure) -> None:
         )
     else:
         log.exception("training failed (%s, exit %d, %s)", failure.kind, failure.exit_code, summary)
+
+
+def _tell_all(hooks: list[TrainHook], trainer: Trainer | None, exc: Exception) -> None:
+    """Every hook hears of the failure; one that fails while it records it (the disk that
+    stopped the run is full) must not replace the run's failure and its exit code."""
+    for hook in hooks:
+        try:
+            hook.on_exception(trainer, exc)
+        except Exception as own:  # noqa: BLE001
+            log.error("%s could not record the failure: %s", type(hook).__name__, own)
 
 
 def _close_all(hooks: list[TrainHook]) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shlex
 import shutil
@@ -28,6 +29,8 @@ from recipes import RunConfig
 from recipes.config.resiliency import HealthConfig
 from recipes.inputs import existing_ancestor
 from recipes.load import load_config_file
+
+log = logging.getLogger(__name__)
 
 HEALTH_DIR_ENV = "MCORE_RECIPES_HEALTH_DIR"  # where this attempt's node reports are
 NODE_ENV = "MCORE_RECIPES_NODE"  # the node's name, as the scheduler spells it
@@ -175,7 +178,11 @@ def preflight(run: RunConfig, directory: Path) -> NodeReport | None:
     if not run.resiliency.health.enabled:
         return None
     report = check_node(run)
-    write_report(report, directory)
+    try:
+        write_report(report, directory)
+    except OSError as exc:  # a full disk: the verdict stands, the ranks just cannot read it
+        log.warning("health: report not written to %s: %s", directory, exc)
+        return report
     os.environ[HEALTH_DIR_ENV] = str(directory)
     return report
 

@@ -20,6 +20,7 @@ step, and the work lost), built from the launcher's log and the next attempt's o
 from __future__ import annotations
 
 import json
+import logging
 import re
 import signal
 import time
@@ -40,6 +41,8 @@ from resiliency.monitor.recovery import (
 )
 from resiliency.monitor.stacks import STACKS_DIR, read_stack_dump
 from resiliency.storage.layout import RunLayout, atomic_write_json
+
+log = logging.getLogger(__name__)
 
 # Per-rank files live below attempts/, so globs for attempt records never pick them up.
 FAILURES_DIR = "ranks"
@@ -479,6 +482,9 @@ def finalize_attempts(
             continue
         following = records.get(attempts[index + 1]) if index + 1 < len(attempts) else None
         summary = summarize(layout, attempt, record, following, events, tokens_per_step)
-        atomic_write_json(
-            layout.attempt_path(attempt), {**record, **summary, "finalized_at": time.time()}
-        )
+        try:
+            atomic_write_json(
+                layout.attempt_path(attempt), {**record, **summary, "finalized_at": time.time()}
+            )
+        except OSError as exc:  # a full disk: the record stays as the ranks wrote it
+            log.warning("post-mortem of attempt %d not recorded: %s", attempt, exc)

@@ -87,6 +87,25 @@ def test_no_record_is_infrastructure(tmp_path: Path) -> None:
     assert (exhausted.action, exhausted.exit_code) == (STOP, exit_codes.RETRY_BUDGET_EXHAUSTED)
 
 
+@pytest.mark.parametrize(
+    "status, seen, action, exit_code",
+    [
+        # The ranks exited 10 on a full disk that also kept them from finishing their record.
+        ("running", (-9, exit_codes.CHECKPOINT_IO), STOP, exit_codes.CHECKPOINT_IO),
+        (None, (exit_codes.CHECKPOINT_IO,), STOP, exit_codes.CHECKPOINT_IO),
+        ("running", (-9, exit_codes.INFRASTRUCTURE), REQUEUE, 0),  # killed: retried
+        ("running", (42,), REQUEUE, 0),  # a code nobody documented decides nothing here
+    ],
+)
+def test_an_unfinished_record_yields_to_the_exits_the_launcher_saw(
+    tmp_path: Path, status: str | None, seen: tuple[int, ...], action: str, exit_code: int
+) -> None:
+    if status is not None:
+        _record(tmp_path, 1, status)
+    decision = decide(tmp_path, 0, 3, seen_exits=seen)
+    assert (decision.action, decision.exit_code) == (action, exit_code), decision
+
+
 def test_newest_record_decides(tmp_path: Path) -> None:
     _record(tmp_path, 1, "preempted", 75)
     _record(tmp_path, 2, "failed", exit_codes.NUMERIC)

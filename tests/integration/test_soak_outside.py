@@ -28,7 +28,7 @@ from tests.helpers import REPO
 def test_the_plan_is_the_seeds() -> None:
     one = plan_outside(random.Random(5), 9, 10.0, 2, OUTSIDE_KINDS)
     assert one == plan_outside(random.Random(5), 9, 10.0, 2, OUTSIDE_KINDS)
-    assert {f.kind for f in one[:4]} == set(OUTSIDE_KINDS)  # a deck: every kind comes up
+    assert {f.kind for f in one[:5]} == set(OUTSIDE_KINDS)  # a deck: every kind comes up
     assert all(0 <= f.where < 1 for f in one) and any(f.where for f in one if f.kind == "flip")
     assert {f.rank for f in one} <= {0, 1} and all(f.gap_s > 0 for f in one)
 
@@ -153,3 +153,40 @@ def test_an_outside_soak_loses_nothing(tmp_path: Path, tiny_overrides: list[str]
     assert sorted(soak) == sorted(clean) == list(range(1, 37))
     assert soak == clean
     assert losses(out / "runs" / "soak" / "soak") == {s: float(v) for s, v in soak.items()}
+
+
+# ~60 s: a clean run, then a soak whose disk the soak fills twice from outside.
+@pytest.mark.slow
+def test_a_disk_filled_from_outside_stops_the_run_and_the_relaunch_loses_nothing(
+    tmp_path: Path, tiny_overrides: list[str]
+) -> None:
+    """The soak mounts a tmpfs for its run and fills it at moments drawn from the seed: each
+    time the launcher must stop with exit 10 (a full disk is not retried) without crashing on
+    its own writes, and after the soak deletes the filler and relaunches the same command the
+    run resumes; its losses, read here, equal the clean run's at every step."""
+    if os.geteuid() != 0:
+        pytest.skip("the soak mounts a tmpfs for the full disk: needs root")
+    out = tmp_path / "soak"
+    cmd = [
+        sys.executable, "-m", "drill.soak", "--outside", "--kinds=full_disk", f"--out={out}",
+        "--steps=18", "--mtbf-steps=9", "--seed=7", *tiny_overrides,
+        "checkpoint.save_interval=3", "checkpoint.async_save=true",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    fills = json.loads((out / "soak.json").read_text())["outside"]["injected"]
+    assert fills and {f["kind"] for f in fills} == {"full_disk"}, fills
+    text = (out / "logs" / "soak.log").read_text(errors="replace")
+    ends = [f["log_offset"] for f in fills[1:]] + [len(text.encode())]
+    for fill, end in zip(fills, ends):
+        after = text.encode()[fill["log_offset"] : end].decode(errors="replace")
+        assert re.search(r"failed \(exitcode: 10\) local_rank: \d", after), after[-3000:]
+        assert "launch local: stop 10 deterministic failure, not retried" in after, after[-3000:]
+        assert f'File "{REPO / "launch"}/' not in after, "the launcher crashed"
+    assert text.count("launch local: stop 0 finished") == 1
+    assert len(re.findall(r"launch local: node \S+: healthy", text)) == len(fills) + 1
+    run_dir = out / "runs" / "soak"
+    assert not os.path.ismount(run_dir) and (run_dir / "soak" / "metrics").is_dir()
+    clean, soak = _own_losses(out / "runs" / "clean" / "soak"), _own_losses(run_dir / "soak")
+    assert sorted(soak) == sorted(clean) == list(range(1, 19))
+    assert soak == clean
