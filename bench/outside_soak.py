@@ -2,7 +2,8 @@
 
 Each seed runs ``python -m drill.soak --outside`` through its public CLI: the soak process
 SIGKILLs and SIGSTOPs ranks, SIGKILLs checkpoint writers, flips a byte of a published step and
-(as root) fills the run's disk, at moments drawn from the seed. This module grades each soak
+(as root) fills the run's disk, and cuts the run's object store (a real S3 server started
+here, behind the soak's proxy), at moments drawn from the seed. This module grades each soak
 itself, not by the soak's verdict: it reads both runs' ``metrics/steps.jsonl`` and compares the
 losses bit for bit, finds each SIGKILL the soak reports in the launcher's own log (that rank's
 -9 exit after the fault's moment), and each full disk there as a worker's exit 10, the
@@ -20,7 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.s3_server import S3Server, running_s3_server
 from pretrain.context.run_dir import RunDir
+from resiliency.storage.object_store import ObjectStore
+from resiliency.storage.remote import committed_remote_steps
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, MTBF_STEPS, SAVE_EVERY = 48, 8, 4
@@ -89,15 +93,22 @@ def _flips_gone(injected: list[dict]) -> tuple[int, int]:
     return len(flips), gone
 
 
-def one_soak(work: Path, data: str, seed: int, env: dict[str, str]) -> dict[str, Any]:
+def one_soak(
+    work: Path, data: str, seed: int, env: dict[str, str], s3: S3Server | None = None
+) -> dict[str, Any]:
     out = work / f"outside-{seed}"
+    remote = []
+    if s3 is not None:  # the soak cuts it from outside (s3_outage)
+        env = {**env, **s3.env, "AWS_ENDPOINT_URL": s3.endpoint_url}
+        remote = [f"checkpoint.remote.url={s3.url(f'p9-{seed}')}",
+                  "checkpoint.remote.follow_interval_s=1"]  # fmt: skip
     cmd = [
         sys.executable, "-m", "drill.soak", "--outside", f"--out={out}", f"--steps={STEPS}",
         f"--mtbf-steps={MTBF_STEPS}", f"--seed={seed}", "recipe=gpt_tiny",
         f"data.paths=[{data}]", f"checkpoint.save_interval={SAVE_EVERY}",
         "checkpoint.async_save=true", "resiliency.ft.timeout_floor_s=4",
         "resiliency.ft.learn_after_steps=3", "resiliency.ft.check_interval_s=0.5",
-        "logging.level=WARNING",
+        "logging.level=WARNING", *remote,
     ]  # fmt: skip
     started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, text=True, capture_output=True, check=False)
@@ -109,8 +120,16 @@ def one_soak(work: Path, data: str, seed: int, env: dict[str, str]) -> dict[str,
     kills, kills_seen = _kills_in_launcher_log(out, injected)
     flips, flips_gone = _flips_gone(injected)
     disks, disks_seen = _full_disks_in_launcher_log(out, injected)
+    outages = sum(i["kind"] == "s3_outage" for i in injected)
+    remote_newest = None
+    if s3 is not None:  # read here, straight from the server (not through the soak's proxy)
+        committed = committed_remote_steps(
+            ObjectStore(s3.url(f"p9-{seed}/soak"), s3.endpoint_url), "soak"
+        )
+        remote_newest = committed[-1] if committed else None
     return {
         "seed": seed,
+        "steps": STEPS,
         "faults": len(injected),
         "kinds": sorted({i["kind"] for i in injected}),
         "soak_exit": proc.returncode,
@@ -121,6 +140,8 @@ def one_soak(work: Path, data: str, seed: int, env: dict[str, str]) -> dict[str,
         "flips_no_longer_published": flips_gone,
         "full_disks": disks,
         "full_disks_stopped_and_relaunched": disks_seen,
+        "outages": outages,
+        "remote_newest_step": remote_newest,
         "steps_complete": sorted(soak) == list(range(1, STEPS + 1)),
         "bit_exact": soak == clean,
         "wall_s": round(wall, 1),
@@ -128,7 +149,8 @@ def one_soak(work: Path, data: str, seed: int, env: dict[str, str]) -> dict[str,
 
 
 def bench_outside(work: Path, data: str, seeds: list[int], env: dict[str, str]) -> dict[str, Any]:
-    runs = [one_soak(work, data, seed, env) for seed in seeds]
+    with running_s3_server(work / "p9-s3") as s3:
+        runs = [one_soak(work, data, seed, env, s3) for seed in seeds]
     return {
         "P9_runs": runs,
         "P9_faults": sum(r["faults"] for r in runs),
@@ -138,6 +160,7 @@ def bench_outside(work: Path, data: str, seeds: list[int], env: dict[str, str]) 
             and r["kills"] == r["kills_in_launcher_log"]
             and r["flips"] == r["flips_no_longer_published"]
             and r["full_disks"] == r["full_disks_stopped_and_relaunched"]
+            and (not r["outages"] or r["remote_newest_step"] == STEPS)
             for r in runs
         ),
     }

@@ -213,12 +213,14 @@ def _outside_rows(outside: dict[str, Any] | None, row: Rows) -> None:
     for r in (outside or {}).get("P9_runs", []):
         flips, gone = r.get("flips", 0), r.get("flips_no_longer_published", 0)
         disks, stopped = r.get("full_disks", 0), r.get("full_disks_stopped_and_relaunched", 0)
+        outages, remote = r.get("outages", 0), r.get("remote_newest_step")
         ok = (
             r["bit_exact"]
             and r["steps_complete"]
             and r["kills"] == r["kills_in_launcher_log"]
             and flips == gone
             and disks == stopped
+            and (not outages or remote == r.get("steps", remote))
         )
         row(
             f"P9 soak, faults from outside, seed {r['seed']}: bit-exact",
@@ -230,7 +232,8 @@ def _outside_rows(outside: dict[str, Any] | None, row: Rows) -> None:
             note=f"{r['faults']} faults ({', '.join(r['kinds'])}); SIGKILLs in the launcher's "
             f"log {r['kills_in_launcher_log']}/{r['kills']}; flipped bytes no longer "
             f"published {gone}/{flips}; full disks stopped (exit 10) and relaunched "
-            f"{stopped}/{disks}; the soak's own exit "
+            f"{stopped}/{disks}; S3 outages {outages}, newest step in the object store at "
+            f"the end {remote}; the soak's own exit "
             f"{r['soak_exit']}, confirmed {r['soak_confirmed']}/{r['faults']}; {r['wall_s']:.0f} s",
         )
 

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from bench.s3_server import S3Server, running_s3_server
+from drill.fault_proxy import FaultProxy
 from pretrain.data.prepare.corpus import dataset_prefix, prepare_corpus, stdlib_documents
 from pretrain.data.tokenizer import build_tokenizer
-from tests.fault_proxy import FaultProxy
 
 CORPUS_BYTES = 1 << 20
 
@@ -48,6 +48,6 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
 
 @pytest.fixture()
 def proxy(s3: S3Server) -> Iterator[FaultProxy]:
-    """A fault-injecting TCP proxy in front of the server (tests/fault_proxy.py)."""
+    """A fault-injecting TCP proxy in front of the server (drill/fault_proxy.py)."""
     with FaultProxy(s3.endpoint_url) as fault_proxy:
         yield fault_proxy

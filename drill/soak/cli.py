@@ -13,8 +13,7 @@ import sys
 from pathlib import Path
 
 from drill.jobs import DrillError
-from drill.soak.disk import can_mount
-from drill.soak.outside import NEEDS_ROOT, OUTSIDE_KINDS, judge_outside, trajectory_problems
+from drill.soak.outside import OUTSIDE_KINDS, judge_outside, trajectory_problems
 from drill.soak.plan import KINDS, SoakConfig, SoakRuns, run_soak
 from drill.soak.report import judge
 from resiliency.cli import configure_cli_logging
@@ -38,8 +37,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--outside",
         action="store_true",
         help="the soak process injects the faults into the running job (signals to ranks and "
-        f"writers, a flipped byte, a full disk: {','.join(OUTSIDE_KINDS)}), not the trainer's "
-        "own injection points; full_disk needs root (the soak run gets a tmpfs of its own)",
+        "writers, a flipped byte, a full disk, an S3 outage: "
+        f"{','.join(OUTSIDE_KINDS)}), not the trainer's own injection points; full_disk "
+        "needs root (the soak run gets a tmpfs of its own), s3_outage "
+        "checkpoint.remote.url and an http:// AWS_ENDPOINT_URL",
     )
     p.add_argument(
         "--kinds",
@@ -55,17 +56,6 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
     unknown = sorted(set(kinds) - set(known))
     if unknown or not kinds:
         raise DrillError(f"--kinds: unknown {unknown or 'none given'}; choose from {list(known)}")
-    rooted = [k for k in kinds if k in NEEDS_ROOT]
-    if args.outside and rooted and not can_mount():
-        if args.kinds:
-            raise DrillError(
-                f"--kinds {','.join(rooted)} needs root: the soak mounts a tmpfs of its own for "
-                "the run to fill; run it as root or leave it out of --kinds"
-            )
-        kinds = tuple(k for k in kinds if k not in NEEDS_ROOT)
-        print(
-            f"soak: {','.join(rooted)} left out (it needs root to mount a tmpfs)", file=sys.stderr
-        )
     if min(args.mtbf, args.minutes, args.mtbf_steps or 1, args.mtbf_x_cost or 1) <= 0:
         raise DrillError("--mtbf, --mtbf-steps, --mtbf-x-cost and --minutes must be > 0")
     if args.steps is not None and args.steps < 4:
@@ -82,6 +72,7 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
         seed=args.seed,
         kinds=kinds,
         outside=args.outside,
+        kinds_given=args.kinds is not None,
     )
 
 

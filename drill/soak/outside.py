@@ -1,26 +1,30 @@
 """Faults from outside the trainer (``python -m drill.soak --outside``).
 
-The soak process itself, not the trainer, injects each fault into the running job: SIGKILL of
-a rank's trainer (``sigkill``), SIGSTOP of one (``sigstop``: a hang the launcher's rank monitor
-must catch), SIGKILL of a rank's checkpoint writer (``kill_writer``) and bit rot in the newest
-published step followed by a rank's SIGKILL (``flip``: one byte of its largest file inverted
-in place, at a position drawn from the seed, once an older step is published too, so the
-restart must refuse that step and restore the one before) and a full disk (``full_disk``: the
-soak run's own tmpfs, :mod:`drill.soak.disk`, filled to the last byte; the run must stop at its
-next save with exit 10, not retried, its published steps untouched; the soak then acts as the
-operator, deletes the filler and relaunches the same command), at moments drawn from the seed it
-prints: after the job trains again (one new step since the last fault), an exponential gap
-with mean ``--mtbf`` seconds, then the fault, on a rank drawn from the seed.
+The soak process itself, not the trainer, injects each fault into the running job: SIGKILL of a
+rank's trainer (``sigkill``), SIGSTOP of one (``sigstop``: a hang the launcher's rank monitor
+must catch), SIGKILL of a rank's checkpoint writer (``kill_writer``), bit rot in the newest
+published step followed by a rank's SIGKILL (``flip``: one byte of its largest file inverted in
+place, at a position drawn from the seed, once an older step is published too, so the restart
+must refuse that step and restore the one before), a full disk (``full_disk``: the soak run's
+own tmpfs, :mod:`drill.soak.disk`, filled to the last byte; the run must stop at its next save
+with exit 10, not retried, its published steps untouched; the soak then acts as the operator,
+deletes the filler and relaunches the same command) and an object-store outage (``s3_outage``,
+for a run with ``checkpoint.remote.url``: the soak puts the job's S3 endpoint behind
+:class:`~drill.fault_proxy.FaultProxy`, which answers every request 503 for a duration drawn
+from the seed; the uploader must ride it out), at moments drawn from the seed it prints: after
+the job trains again (one new step since the last fault), an exponential gap with mean
+``--mtbf`` seconds, then the fault, on a rank drawn from the seed.
 
-Each fault's effect is confirmed from evidence the trainer does not write: the process it hit
-is gone (the operating system), and the launcher's log, after the moment of the fault, reports
-that rank's death with the expected exit (-9 for a kill; 1, a lost writer, at the rank's next
-save) or, for a stopped rank, its rank monitor's timeout; for a full disk, the launch's own exit
-status (10) and the file system's free bytes after the fill (none); for a flipped byte, in addition,
-that by the end of the run no published step holds it at that path (the refused step set aside
-or saved anew). The trajectory is read straight from
-``metrics/steps.jsonl`` by :func:`losses`, apart from the soak's report code, and compared bit
-for bit with the clean run's.
+Each fault's effect is confirmed from evidence the trainer does not write: the process it hit is
+gone (the operating system), and the launcher's log, after the moment of the fault, reports that
+rank's death with the expected exit (-9 for a kill; 1, a lost writer, at the rank's next save)
+or, for a stopped rank, its rank monitor's timeout; for a full disk, the launch's own exit
+status (10) and the file system's free bytes after the fill (none); for an outage, the proxy's
+count of requests it refused, and at the end the run's newest published step committed in the
+object store (read past the proxy); for a flipped byte, in addition, that by the end of the run
+no published step holds it at that path (the refused step set aside or saved anew). The
+trajectory is read straight from ``metrics/steps.jsonl`` by :func:`losses`, apart from the
+soak's report code, and compared bit for bit with the clean run's.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from pathlib import Path
 
 import psutil
 
+from drill.fault_proxy import FaultProxy
 from drill.soak import disk
 from launch.processes import rank_workers, writers
 from pretrain.context import exit_codes
@@ -46,8 +51,8 @@ from pretrain.context.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
-OUTSIDE_KINDS = ("sigkill", "sigstop", "kill_writer", "flip", "full_disk")
-NEEDS_ROOT = ("full_disk",)  # the soak mounts a tmpfs of its own to fill
+OUTSIDE_KINDS = ("sigkill", "sigstop", "kill_writer", "flip", "full_disk", "s3_outage")
+OUTAGE_S = (5.0, 20.0)  # s3_outage: its duration, uniform in this range
 FULL_BYTES = 64 << 10  # free bytes at most after a fill: a full disk (a block or two of slack)
 TARGET_WAIT_S = 20.0  # a rank's trainer or writer not there yet (between attempts)
 EFFECT_WAIT_S = 180.0  # the longest a fault's effect may take to show (a hang: its timeout)
@@ -59,6 +64,7 @@ class OutsideFault:
     rank: int
     gap_s: float  # after the job trains again (a new step since the previous fault)
     where: float = 0.0  # flip: the byte's position, a fraction of the file's size
+    outage_s: float = 0.0  # s3_outage: how long the object store answers 503
 
 
 @dataclass
@@ -75,6 +81,10 @@ class Injection:
     flipped_to: int = -1  # ... and the value written there
     free_bytes: int = -1  # full_disk: what the file system had left after the fill ...
     exit_code: int | None = None  # ... and how the launch it hit ended
+    outage_s: float = 0.0  # s3_outage: how long it lasted ...
+    refused: int = 0  # ... the requests the proxy answered 503 meanwhile ...
+    remote_newest: int | None = None  # ... and the newest step committed remotely at the end
+    local_newest: int | None = None  # (the run's newest published step then)
 
 
 @dataclass
@@ -104,7 +114,9 @@ def plan_outside(
         deck = deck or rng.sample(list(kinds), len(kinds))
         kind = deck.pop()
         rank, gap = rng.randrange(nproc), rng.expovariate(1 / mtbf_s)
-        plan.append(OutsideFault(kind, rank, gap, rng.random() if kind == "flip" else 0.0))
+        where = rng.random() if kind == "flip" else 0.0
+        outage = rng.uniform(*OUTAGE_S) if kind == "s3_outage" else 0.0
+        plan.append(OutsideFault(kind, rank, gap, where, outage))
     return plan
 
 
@@ -133,9 +145,14 @@ class OutsideDriver:
         hang_after_steps: int = 0,
         timeout_s: float = 3600.0,
         disk_root: Path | None = None,
+        proxy: FaultProxy | None = None,
+        remote_newest: Callable[[], int | None] | None = None,
     ) -> None:
         self.run_dir, self.launcher_log, self.run = run_dir, launcher_log, run
         self.disk_root = disk_root  # full_disk: the soak run's own tmpfs
+        # s3_outage: the proxy in front of the job's object store, and the newest step
+        # committed there, read past the proxy
+        self.proxy, self.remote_newest = proxy, remote_newest
         self.deadline = time.monotonic() + timeout_s  # the job's, like its launch timeout
         # A hang is caught by the learned timeouts (resiliency.ft.learn_after_steps); before
         # them the launcher waits the untrained default (minutes).
@@ -161,6 +178,8 @@ class OutsideDriver:
             )
             if fault.kind == "full_disk":
                 job = self._operate(job, injection, relaunch)
+            elif fault.kind == "s3_outage":
+                self._outage(job, injection)
             else:
                 self._await_effect(job, injection)
         try:
@@ -168,6 +187,7 @@ class OutsideDriver:
         except subprocess.TimeoutExpired:
             job.kill()
             self.run.exit_code = job.wait()
+        self._read_remote()
         text = self.launcher_log.read_bytes()
         ends = [i.log_offset for i in self.run.injected[1:]] + [len(text)]
         for injection, end in zip(self.run.injected, ends):
@@ -198,6 +218,32 @@ class OutsideDriver:
             return job  # finished before a save needed the disk, or failed otherwise: judged
         log.info("soak: the run stopped on the full disk (exit 10); filler deleted, relaunching")
         return relaunch()
+
+    def _outage(self, job: subprocess.Popen, injection: Injection) -> None:
+        """The object store answers 503 for the outage's length (cut short only by the
+        deadline), then serves again; the proxy counts what it refused."""
+        assert self.proxy is not None
+        before = self.proxy.faults_injected
+        end = min(time.monotonic() + injection.outage_s, self.deadline)
+        while time.monotonic() < end:
+            time.sleep(0.1)
+        self.proxy.set_mode("pass")
+        injection.refused = self.proxy.faults_injected - before
+
+    def _read_remote(self) -> None:
+        """After the job: its newest published step and the newest committed remotely."""
+        outages = [i for i in self.run.injected if i.kind == "s3_outage"]
+        if not outages or self.remote_newest is None:
+            return
+        published = sorted(
+            int(d.name.split("-")[1])
+            for d in RunDir(self.run_dir).steps_dir.glob("step-?????????")
+            if (d / "COMMITTED").exists()
+        )
+        newest = self.remote_newest()
+        for injection in outages:
+            injection.local_newest = published[-1] if published else None
+            injection.remote_newest = newest
 
     def _wait_training(self, job: subprocess.Popen, earliest: int, published: bool) -> bool:
         """Until a step was logged since the last fault, and ``earliest`` steps in all (and,
@@ -231,6 +277,14 @@ class OutsideDriver:
             offset = _size(self.launcher_log)
             left = disk.fill(self.disk_root)
             return Injection(fault.kind, fault.rank, job.pid, time.time(), offset, free_bytes=left)
+        if fault.kind == "s3_outage":
+            if self.proxy is None:
+                return None
+            offset = _size(self.launcher_log)
+            self.proxy.set_mode("http_503", count=1 << 40)
+            return Injection(
+                fault.kind, fault.rank, job.pid, time.time(), offset, outage_s=fault.outage_s
+            )
         target = self._target(fault)
         if target is None:
             return None
@@ -328,6 +382,9 @@ def confirm(injection: Injection, launcher_log: bytes) -> None:
     if injection.kind == "full_disk":
         _confirm_full_disk(injection, after)
         return
+    if injection.kind == "s3_outage":
+        _confirm_outage(injection)
+        return
     gone = not psutil.pid_exists(injection.pid) or _is_zombie(injection.pid)
     if injection.kind == "sigstop":
         hits = [
@@ -371,6 +428,20 @@ def _confirm_full_disk(injection: Injection, after: str) -> None:
         f"{injection.exit_code}; launcher: {hits[0]!r}"
         if hits
         else f"launcher log shows no exit 10 after the fill (launch exit {injection.exit_code})"
+    )
+
+
+def _confirm_outage(injection: Injection) -> None:
+    """The proxy refused requests during the outage (the job met it), and at the end the
+    object store holds the run's newest published step (the job rode it out)."""
+    caught_up = injection.local_newest is not None and (
+        injection.remote_newest == injection.local_newest
+    )
+    injection.confirmed = injection.refused > 0 and caught_up
+    injection.evidence = (
+        f"proxy: {injection.refused} request(s) answered 503 in {injection.outage_s:.1f} s; "
+        f"newest step committed remotely at the end {injection.remote_newest} "
+        f"(published locally {injection.local_newest})"
     )
 
 

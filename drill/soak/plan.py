@@ -34,8 +34,8 @@ from pathlib import Path
 
 from drill.experiment import prepare_out
 from drill.jobs import DrillError, _job_env
-from drill.soak import disk
 from drill.soak.outside import OUTSIDE_KINDS, OutsideDriver, OutsideRun, plan_outside
+from drill.soak.resources import around_soak, remote_url, usable_kinds
 from pretrain.context.run_dir import RunDir, read_jsonl
 from recipes import ConfigError, RunConfig, load_config
 
@@ -79,6 +79,7 @@ class SoakConfig:
     kinds: tuple[str, ...] = KINDS
     launch_timeout_s: float = 3600.0
     outside: bool = False  # faults injected by the soak process (drill.soak.outside)
+    kinds_given: bool = False  # --kinds named them: one this machine cannot inject is refused
 
 
 @dataclass
@@ -179,6 +180,7 @@ class SoakLauncher:
         overrides: list[str],
         max_restarts: int,
         beside: Callable[[subprocess.Popen, Callable[[], subprocess.Popen]], None],
+        env: dict[str, str] | None = None,
     ) -> tuple[int, float]:
         """Launch, run ``beside(job, relaunch)`` while it runs (the outside faults), wait for
         the end of the last launch. ``relaunch()`` starts the same command again, its output
@@ -202,7 +204,9 @@ class SoakLauncher:
         def launch(mode: str) -> subprocess.Popen:
             with path.open(mode) as out:
                 jobs.append(
-                    subprocess.Popen(cmd, env=_job_env({}), stdout=out, stderr=subprocess.STDOUT)
+                    subprocess.Popen(
+                        cmd, env=_job_env(env or {}), stdout=out, stderr=subprocess.STDOUT
+                    )
                 )
             return jobs[-1]
 
@@ -251,6 +255,7 @@ def run_soak(cfg: SoakConfig) -> SoakRuns:
     save_every = run.checkpoint.save_interval
     if not run.checkpoint.enabled or save_every < 1:
         raise DrillError("a soak needs checkpoints: checkpoint.enabled=true, save_interval >= 1")
+    kinds = usable_kinds(cfg.kinds, cfg.kinds_given, run) if cfg.outside else cfg.kinds
     steps = cfg.steps
     if steps is None:  # sized to --minutes by a probe's step time
         steps = max(
@@ -264,7 +269,7 @@ def run_soak(cfg: SoakConfig) -> SoakRuns:
     # possible being one per step (the clean run's config must be the soak's).
     runs.overrides.append(f"train.guard.max_rollbacks={steps}")
     log.info("soak: seed %d, %d steps, a save every %d", seed, steps, save_every)
-    _launch(launcher, runs, "clean", [], 0)
+    _launch(launcher, runs, "clean", remote_url(run, "clean"), 0)
     if runs.exits["clean"] != 0:
         raise DrillError(
             f"the clean run failed (exit {runs.exits['clean']}); see {out / 'logs' / 'clean.log'}"
@@ -279,7 +284,7 @@ def run_soak(cfg: SoakConfig) -> SoakRuns:
             cfg.mtbf_cost_multiple,
         )
     if cfg.outside:
-        _soak_from_outside(launcher, runs, cfg, learn_after)
+        _soak_from_outside(launcher, runs, cfg, kinds, run)
         (out / "soak.json").write_text(json.dumps(_plan_record(runs), indent=1))
         return runs
     if cfg.mtbf_steps is not None:  # planned on a nominal 1 s step: reproducible in steps
@@ -290,7 +295,8 @@ def run_soak(cfg: SoakConfig) -> SoakRuns:
         runs.faults = plan_faults(random.Random(seed), shape, runs.mtbf_s or cfg.mtbf_s, cfg.kinds)
     restarts = sum(f.kind not in IN_PLACE for f in runs.faults)
     schedule = f'train.fault="{";".join(f.spec() for f in runs.faults)}"'
-    _launch(launcher, runs, "soak", [schedule] if runs.faults else [], restarts + 1)
+    extra = [*remote_url(run, "soak"), *([schedule] if runs.faults else [])]
+    _launch(launcher, runs, "soak", extra, restarts + 1)
     (out / "soak.json").write_text(json.dumps(_plan_record(runs), indent=1))
     return runs
 
@@ -304,40 +310,44 @@ def _launch(
 
 
 def _soak_from_outside(
-    launcher: SoakLauncher, runs: SoakRuns, cfg: SoakConfig, learn_after: int
+    launcher: SoakLauncher,
+    runs: SoakRuns,
+    cfg: SoakConfig,
+    kinds: tuple[str, ...],
+    run: RunConfig,
 ) -> None:
     """The soak run with faults the soak process injects (:mod:`drill.soak.outside`): as many
     as the clean run's training time holds at the MTBF; those the job outlives are skipped.
-    ``learn_after``: resiliency.ft.learn_after_steps (a hang before it waits minutes)."""
+    ``kinds``: those this machine allows (:func:`usable_kinds`); ``run``: the resolved config."""
     mtbf = runs.mtbf_s or (cfg.mtbf_steps * runs.step_s if cfg.mtbf_steps else cfg.mtbf_s)
     count = max(1, math.ceil(runs.steps * runs.step_s / mtbf))
-    kinds = tuple(k for k in cfg.kinds if k in OUTSIDE_KINDS) or OUTSIDE_KINDS
+    kinds = tuple(k for k in kinds if k in OUTSIDE_KINDS) or OUTSIDE_KINDS
     plan = plan_outside(random.Random(runs.seed), count, mtbf, cfg.nproc, kinds)
     runs.outside = OutsideRun(runs.seed, plan)
     run_dir = runs.run_dir("soak")
-    overrides = [*runs.overrides, f"output_dir={run_dir.parent}", "run_id=soak"]
-    disk_root = None
-    if "full_disk" in kinds:  # the soak run on a tmpfs of its own, sized by the clean run
-        disk_root = run_dir.parent
-        size = disk.SIZE_FACTOR * disk.bytes_under(runs.run_dir("clean")) + disk.HEADROOM
-        disk.mount_tmpfs(disk_root, size)
-        # That tmpfs is smaller than the node check's default free-space floor.
-        overrides.append("resiliency.health.min_free_gib=0")
-    driver = OutsideDriver(
-        run_dir,
-        launcher.logs / "soak.log",
-        runs.outside,
-        learn_after + 2,
-        cfg.launch_timeout_s,
-        disk_root,
-    )
-    try:
-        runs.exits["soak"], runs.wall_s["soak"] = launcher.watch(
-            "soak", overrides, count + 1, driver.drive
+    # A hang is caught by learned timeouts only after resiliency.ft.learn_after_steps.
+    hang_after = run.resiliency.ft.learn_after_steps + 2
+    with around_soak(kinds, run, run_dir, runs.run_dir("clean")) as around:
+        driver = OutsideDriver(
+            run_dir,
+            launcher.logs / "soak.log",
+            runs.outside,
+            hang_after,
+            cfg.launch_timeout_s,
+            around.disk_root,
+            around.proxy,
+            around.remote_newest,
         )
-    finally:
-        if disk_root is not None:
-            disk.unmount_keeping(disk_root)
+        overrides = [
+            *runs.overrides,
+            *remote_url(run, "soak"),
+            *around.overrides,
+            f"output_dir={run_dir.parent}",
+            "run_id=soak",
+        ]
+        runs.exits["soak"], runs.wall_s["soak"] = launcher.watch(
+            "soak", overrides, count + 1, driver.drive, around.env
+        )
 
 
 def _probe(launcher: SoakLauncher, base: list[str], out: Path) -> Path:
@@ -346,6 +356,7 @@ def _probe(launcher: SoakLauncher, base: list[str], out: Path) -> Path:
         *base,
         f"train.train_steps={PROBE_STEPS}",
         "checkpoint.enabled=false",
+        *remote_url(resolve(base), "probe"),
         f"output_dir={run_dir.parent}",
         "run_id=soak",
     ]

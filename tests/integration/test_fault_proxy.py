@@ -1,4 +1,4 @@
-"""The fault proxy (tests/fault_proxy.py) in front of a real S3 server (SeaweedFS): every mode as
+"""The fault proxy (drill/fault_proxy.py) in front of a real S3 server (SeaweedFS): every mode as
 boto3 sees it, and the proxy's HTTP framing against a stdlib server that speaks chunked, HEAD,
 204 and 100-continue on one keep-alive connection."""
 
@@ -26,7 +26,7 @@ from botocore.exceptions import (
 )
 
 from bench.s3_server import S3Server
-from tests.fault_proxy import FaultProxy
+from drill.fault_proxy import FaultProxy
 
 MIB = 1 << 20
 

@@ -1,5 +1,5 @@
 """The object-store tier through a flaky network: a real S3 server (SeaweedFS) behind a
-fault-injecting TCP proxy (tests/fault_proxy.py) that refuses, resets, truncates, answers 503
+fault-injecting TCP proxy (drill/fault_proxy.py) that refuses, resets, truncates, answers 503
 or strips conditional headers, switched from the test while the code under test runs."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from bench.s3_server import S3Server
+from drill.fault_proxy import FaultProxy
 from pretrain.context import exit_codes
 from recipes.config.checkpoint import RemoteCheckpointConfig
 from resiliency.monitor.fault_tolerance import newest_rank_bytes
@@ -31,7 +32,6 @@ from resiliency.storage.remote import (
     verify_remote_step,
 )
 from resiliency.storage.synthetic import write_random_step, write_synthetic_step
-from tests.fault_proxy import FaultProxy
 from tests.helpers import REPO, losses, run_pretrain
 
 MIB = 1 << 20

@@ -10,10 +10,12 @@ import random
 import re
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
 
+from bench.s3_server import S3Server
 from drill.soak.outside import (
     OUTSIDE_KINDS,
     Injection,
@@ -22,14 +24,19 @@ from drill.soak.outside import (
     losses,
     plan_outside,
 )
+from resiliency.storage.object_store import ObjectStore
+from resiliency.storage.remote import committed_remote_steps
 from tests.helpers import REPO
 
 
 def test_the_plan_is_the_seeds() -> None:
     one = plan_outside(random.Random(5), 9, 10.0, 2, OUTSIDE_KINDS)
     assert one == plan_outside(random.Random(5), 9, 10.0, 2, OUTSIDE_KINDS)
-    assert {f.kind for f in one[:5]} == set(OUTSIDE_KINDS)  # a deck: every kind comes up
+    assert {f.kind for f in one[:6]} == set(OUTSIDE_KINDS)  # a deck: every kind comes up
     assert all(0 <= f.where < 1 for f in one) and any(f.where for f in one if f.kind == "flip")
+    outages = [f.outage_s for f in one if f.kind == "s3_outage"]
+    assert outages and all(5.0 <= o <= 20.0 for o in outages)  # the documented range
+    assert not any(f.outage_s for f in one if f.kind != "s3_outage")
     assert {f.rank for f in one} <= {0, 1} and all(f.gap_s > 0 for f in one)
 
 
@@ -107,6 +114,46 @@ def test_a_flip_inverts_one_byte_of_the_newest_published_step(tmp_path: Path) ->
     assert flip_byte(tmp_path / "empty", 0.5) is None
 
 
+@pytest.mark.parametrize(
+    "refused, remote, local, confirmed",
+    [
+        (12, 18, 18, True),  # refused while it lasted, and caught up by the end
+        (0, 18, 18, False),  # nobody met it: no evidence it happened to the job
+        (12, 15, 18, False),  # the object store never got the last step
+        (12, None, None, False),  # nothing published or committed at all
+    ],
+)
+def test_an_outage_is_confirmed_by_the_proxy_and_the_object_store(
+    refused: int, remote: int | None, local: int | None, confirmed: bool
+) -> None:
+    outage = Injection("s3_outage", 0, _dead_pid(), 0.0, 0, outage_s=9.0, refused=refused)
+    outage.remote_newest, outage.local_newest = remote, local
+    confirm(outage, LOG.encode())
+    assert outage.confirmed is confirmed, outage.evidence
+
+
+def test_a_kind_this_machine_cannot_inject_is_refused_before_any_run(
+    tmp_path: Path, tiny_overrides: list[str]
+) -> None:
+    """Asked for by --kinds, an outage without an object store to cut is one line and exit 2,
+    before any run starts."""
+    out = tmp_path / "soak"
+    base = [sys.executable, "-m", "drill.soak", "--outside", f"--out={out}", "--steps=8"]
+    env = {k: v for k, v in os.environ.items() if k != "AWS_ENDPOINT_URL"}
+    asked = subprocess.run(
+        [*base, "--kinds=sigkill,s3_outage", *tiny_overrides],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert asked.returncode == 2, asked.stderr[-2000:]
+    lines = [line for line in asked.stderr.splitlines() if line.startswith("soak: ")]
+    assert lines == [
+        "soak: --kinds s3_outage needs checkpoint.remote.url and an http:// AWS_ENDPOINT_URL (a "
+        "local S3 server the soak can put behind its proxy): provide it or leave the kind out "
+        "of --kinds"
+    ], asked.stderr[-2000:]
+    assert not (out / "logs").exists()  # no run started
+
+
 def _own_losses(run_dir: Path) -> dict[int, str]:
     """This test's own reading: the last line per step, the loss as written (repr)."""
     found = {}
@@ -155,38 +202,53 @@ def test_an_outside_soak_loses_nothing(tmp_path: Path, tiny_overrides: list[str]
     assert losses(out / "runs" / "soak" / "soak") == {s: float(v) for s, v in soak.items()}
 
 
-# ~60 s: a clean run, then a soak whose disk the soak fills twice from outside.
+# ~70 s: a clean run, then a soak whose disk is filled and whose object store goes away, from
+# outside, at moments drawn from the seed.
 @pytest.mark.slow
-def test_a_disk_filled_from_outside_stops_the_run_and_the_relaunch_loses_nothing(
-    tmp_path: Path, tiny_overrides: list[str]
+def test_a_full_disk_and_an_object_store_outage_from_outside_lose_nothing(
+    tmp_path: Path, tiny_overrides: list[str], s3: S3Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The soak mounts a tmpfs for its run and fills it at moments drawn from the seed: each
-    time the launcher must stop with exit 10 (a full disk is not retried) without crashing on
-    its own writes, and after the soak deletes the filler and relaunches the same command the
-    run resumes; its losses, read here, equal the clean run's at every step."""
+    """The soak mounts a tmpfs for its run and puts the run's S3 endpoint behind its proxy.
+    A fill must stop the job with exit 10 (a full disk is not retried) without crashing the
+    launcher on its own writes; the soak deletes the filler and relaunches the same command.
+    An outage (every request answered 503) must be ridden out by the uploader: the launcher's
+    log shows it retrying, and at the end the object store holds the run's last step. The
+    losses, read here, equal the clean run's at every step."""
     if os.geteuid() != 0:
         pytest.skip("the soak mounts a tmpfs for the full disk: needs root")
-    out = tmp_path / "soak"
+    out, prefix = tmp_path / "soak", f"soak-{uuid.uuid4().hex[:8]}"
     cmd = [
-        sys.executable, "-m", "drill.soak", "--outside", "--kinds=full_disk", f"--out={out}",
-        "--steps=18", "--mtbf-steps=9", "--seed=7", *tiny_overrides,
+        sys.executable, "-m", "drill.soak", "--outside", "--kinds=full_disk,s3_outage",
+        f"--out={out}", "--steps=18", "--mtbf-steps=6", "--seed=7", *tiny_overrides,
         "checkpoint.save_interval=3", "checkpoint.async_save=true",
+        f"checkpoint.remote.url={s3.url(prefix)}", "checkpoint.remote.follow_interval_s=1",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    env = {**os.environ, **s3.env, "AWS_ENDPOINT_URL": s3.endpoint_url}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    fills = json.loads((out / "soak.json").read_text())["outside"]["injected"]
-    assert fills and {f["kind"] for f in fills} == {"full_disk"}, fills
-    text = (out / "logs" / "soak.log").read_text(errors="replace")
-    ends = [f["log_offset"] for f in fills[1:]] + [len(text.encode())]
-    for fill, end in zip(fills, ends):
-        after = text.encode()[fill["log_offset"] : end].decode(errors="replace")
+    faults = json.loads((out / "soak.json").read_text())["outside"]["injected"]
+    assert {f["kind"] for f in faults} == {"full_disk", "s3_outage"}, faults
+    text = (out / "logs" / "soak.log").read_bytes()
+    ends = [f["log_offset"] for f in faults[1:]] + [len(text)]
+    for fault, end in zip(faults, ends):
+        after = text[fault["log_offset"] : end].decode(errors="replace")
+        if fault["kind"] == "s3_outage":  # the uploader met it and retried
+            assert "object store:" in after and "retry" in after, after[-3000:]
+            continue
         assert re.search(r"failed \(exitcode: 10\) local_rank: \d", after), after[-3000:]
         assert "launch local: stop 10 deterministic failure, not retried" in after, after[-3000:]
         assert f'File "{REPO / "launch"}/' not in after, "the launcher crashed"
-    assert text.count("launch local: stop 0 finished") == 1
-    assert len(re.findall(r"launch local: node \S+: healthy", text)) == len(fills) + 1
+    log = text.decode(errors="replace")
+    fills = sum(f["kind"] == "full_disk" for f in faults)
+    assert log.count("launch local: stop 0 finished") == 1
+    assert len(re.findall(r"launch local: node \S+: healthy", log)) == fills + 1
     run_dir = out / "runs" / "soak"
     assert not os.path.ismount(run_dir) and (run_dir / "soak" / "metrics").is_dir()
+    # Past the proxy, straight from the server: the run's last step is committed there.
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION"):
+        monkeypatch.setenv(key, s3.env[key])
+    direct = ObjectStore(s3.url(f"{prefix}/soak"), s3.endpoint_url)
+    assert committed_remote_steps(direct, "soak")[-1] == 18
     clean, soak = _own_losses(out / "runs" / "clean" / "soak"), _own_losses(run_dir / "soak")
     assert sorted(soak) == sorted(clean) == list(range(1, 19))
     assert soak == clean

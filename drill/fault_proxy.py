@@ -1,9 +1,10 @@
 """A fault-injecting TCP proxy: puts a real S3 server (SeaweedFS) behind a flaky network.
 
-Tests point boto3 at `FaultProxy(upstream).endpoint_url` and switch faults on and off with
-`set_mode` while requests run. The proxy parses HTTP/1.1 in both directions (keep-alive, bodies
-framed by Content-Length or chunked, HEAD / 1xx / 204 / 304 responses without a body), so faults
-can target single requests and responses instead of whole TCP streams.
+The outside soak (``drill.soak --outside``, kind ``s3_outage``) puts its job's object store
+behind one; tests point boto3 at `FaultProxy(upstream).endpoint_url` and switch faults on and
+off with `set_mode` while requests run. The proxy parses HTTP/1.1 in both directions (keep-
+alive, bodies framed by Content-Length or chunked, HEAD / 1xx / 204 / 304 responses without a
+body), so faults can target single requests and responses instead of whole TCP streams.
 
 Modes (one at a time; a counted mode whose count is used up behaves as "pass"):
   pass                                  forward everything unchanged (the default)
