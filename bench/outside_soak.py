@@ -14,6 +14,7 @@ reported beside, for comparison.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -123,10 +124,7 @@ def one_soak(
     outages = sum(i["kind"] == "s3_outage" for i in injected)
     remote_newest = None
     if s3 is not None:  # read here, straight from the server (not through the soak's proxy)
-        committed = committed_remote_steps(
-            ObjectStore(s3.url(f"p9-{seed}/soak"), s3.endpoint_url), "soak"
-        )
-        remote_newest = committed[-1] if committed else None
+        remote_newest = _newest_on_server(s3, f"p9-{seed}/soak")
     return {
         "seed": seed,
         "steps": STEPS,
@@ -146,6 +144,21 @@ def one_soak(
         "bit_exact": soak == clean,
         "wall_s": round(wall, 1),
     }
+
+
+def _newest_on_server(s3: S3Server, prefix: str) -> int | None:
+    """The newest step committed under ``prefix``, read with the server's own credentials."""
+    saved = {k: os.environ.get(k) for k in s3.env}
+    os.environ.update(s3.env)  # boto3 takes its credentials from the environment
+    try:
+        committed = committed_remote_steps(ObjectStore(s3.url(prefix), s3.endpoint_url), "soak")
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return committed[-1] if committed else None
 
 
 def bench_outside(work: Path, data: str, seeds: list[int], env: dict[str, str]) -> dict[str, Any]:

@@ -11,6 +11,7 @@ when it may shrink), which Slurm refuses for a running job.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,10 +36,15 @@ def read_ledger(run_dir: Path, job_id: str | None = None) -> list[dict[str, Any]
 
 
 def append_ledger(run_dir: Path, entry: dict[str, Any]) -> None:
+    """Record a requeue; on a disk that cannot take it (full), say so and go on: the requeue
+    itself must not fail (its budget then counts one failure short)."""
     path = run_dir / LEDGER
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        f.write(json.dumps({**entry, "time": time.time()}) + "\n")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.write(json.dumps({**entry, "time": time.time()}) + "\n")
+    except OSError as exc:
+        print(f"requeues: not recorded in {path}: {exc}", file=sys.stderr, flush=True)
 
 
 def failures_used(run_dir: Path, job_id: str) -> int:

@@ -5,8 +5,9 @@ information (torchrun exits 1 with ChildFailedError whatever its workers returne
 decision reads ``<run_dir>/attempts/attempt-NN.json``, where the trainer's rank 0 records
 ``status`` and ``exit_code`` at exit. A record still saying starting/running means the process
 was killed (node loss, OOM killer, time limit): an infrastructure failure, unless the launcher
-logged a worker exit with a documented "do not retry" code (the ranks exited 10 on a full disk
-that also kept them from finishing the record): that code stops the job.
+logged a worker exit with a documented "do not retry" code and no worker killed by a signal
+(the ranks exited 10 on a full disk that also kept them from finishing the record): that code
+stops the job.
 
 ``python -m launch.retry_policy RUN_DIR --restart-count N --max-requeues M [--after-attempt K]``
 prints ``requeue|stop <exit code> <reason>`` and exits with the code the batch script should
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,7 +126,10 @@ def decide(
         )
     unrecorded = outcome.status is None or outcome.status in KILLED_STATUSES
     deterministic = [c for c in seen_exits if c in exit_codes.DO_NOT_RETRY]
-    if unrecorded and deterministic:
+    # A worker killed by a signal (not the launcher's SIGTERM teardown) is an infrastructure
+    # death whatever its peers exited with after it.
+    killed = any(c < 0 and c != -signal.SIGTERM for c in seen_exits)
+    if unrecorded and deterministic and not killed:
         # The ranks exited with a documented code but could not record it (the full disk that
         # stopped them): the launcher's own view of their exit decides, not a blind retry.
         return Decision(

@@ -9,6 +9,7 @@ every fault fired, 1 if not, 2 on bad arguments.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -83,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_args(parser)
     args = parser.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C: the job is stopped, a mounted tmpfs and the proxy undone.
+    signal.signal(signal.SIGTERM, _exit_on_term)
     configure_cli_logging(True)  # minutes of work: progress on stderr, the verdict on stdout
     try:
         runs = run_soak(config_from_args(args))
@@ -96,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     for problem in verdict.problems:
         print(f"  problem: {problem}")
     return EXIT_OK if verdict.passed else EXIT_BAD
+
+
+def _exit_on_term(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _outside_verdict(runs: SoakRuns) -> int:

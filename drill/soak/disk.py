@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 from drill.jobs import DrillError
@@ -31,7 +32,21 @@ class DiskError(DrillError):
 
 
 def can_mount() -> bool:
-    return os.geteuid() == 0 and shutil.which("mount") is not None
+    """Whether this process can mount a tmpfs (root alone is not enough: a container without
+    CAP_SYS_ADMIN cannot): tried on a throwaway directory."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    probe = Path(tempfile.mkdtemp(prefix="soak-mount-probe-"))
+    try:
+        mounted = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(probe)], capture_output=True
+        )
+        if mounted.returncode != 0:
+            return False
+        subprocess.run(["umount", str(probe)], capture_output=True)
+        return True
+    finally:
+        probe.rmdir()
 
 
 def bytes_under(path: Path) -> int:
@@ -57,7 +72,12 @@ def unmount_keeping(where: Path) -> None:
     shutil.copytree(where, copy, symlinks=True, ignore=shutil.ignore_patterns(FILLER))
     proc = subprocess.run(["umount", str(where)], capture_output=True, text=True)
     if proc.returncode != 0:  # a process still holds a file there: detach it
-        subprocess.run(["umount", "-l", str(where)], capture_output=True, text=True)
+        proc = subprocess.run(["umount", "-l", str(where)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise DiskError(
+            f"cannot unmount the soak's tmpfs at {where} ({proc.stderr.strip()}); its files "
+            f"are copied to {copy}: unmount it by hand"
+        )
     where.rmdir()
     copy.rename(where)
 

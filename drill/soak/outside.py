@@ -153,6 +153,7 @@ class OutsideDriver:
         # s3_outage: the proxy in front of the job's object store, and the newest step
         # committed there, read past the proxy
         self.proxy, self.remote_newest = proxy, remote_newest
+        self._refused_before = 0  # the proxy's count when the outage began
         self.deadline = time.monotonic() + timeout_s  # the job's, like its launch timeout
         # A hang is caught by the learned timeouts (resiliency.ft.learn_after_steps); before
         # them the launcher waits the untrained default (minutes).
@@ -223,7 +224,7 @@ class OutsideDriver:
         """The object store answers 503 for the outage's length (cut short only by the
         deadline), then serves again; the proxy counts what it refused."""
         assert self.proxy is not None
-        before = self.proxy.faults_injected
+        before = self._refused_before
         end = min(time.monotonic() + injection.outage_s, self.deadline)
         while time.monotonic() < end:
             time.sleep(0.1)
@@ -281,6 +282,7 @@ class OutsideDriver:
             if self.proxy is None:
                 return None
             offset = _size(self.launcher_log)
+            self._refused_before = self.proxy.faults_injected
             self.proxy.set_mode("http_503", count=1 << 40)
             return Injection(
                 fault.kind, fault.rank, job.pid, time.time(), offset, outage_s=fault.outage_s

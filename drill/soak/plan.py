@@ -220,9 +220,25 @@ class SoakLauncher:
             jobs[-1].kill()
             jobs[-1].wait()
             code = 124
+        except BaseException:  # the soak itself failed or was stopped: so is its job
+            _stop(jobs[-1])
+            raise
         wall = time.time() - started
         log.info("soak: %s exit %d in %.0f s (%d launch(es))", name, code, wall, len(jobs))
         return code, wall
+
+
+def _stop(job: subprocess.Popen) -> None:
+    """Stop a launch: SIGTERM (the launcher passes it on: the ranks save and leave), then
+    SIGKILL if it has not ended within a minute."""
+    if job.poll() is not None:
+        return
+    job.terminate()
+    try:
+        job.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        job.wait()
 
 
 def _mean_step_s(run_dir: Path) -> float:
@@ -321,7 +337,7 @@ def _soak_from_outside(
     ``kinds``: those this machine allows (:func:`usable_kinds`); ``run``: the resolved config."""
     mtbf = runs.mtbf_s or (cfg.mtbf_steps * runs.step_s if cfg.mtbf_steps else cfg.mtbf_s)
     count = max(1, math.ceil(runs.steps * runs.step_s / mtbf))
-    kinds = tuple(k for k in kinds if k in OUTSIDE_KINDS) or OUTSIDE_KINDS
+    kinds = tuple(k for k in kinds if k in OUTSIDE_KINDS)  # usable_kinds: never empty
     plan = plan_outside(random.Random(runs.seed), count, mtbf, cfg.nproc, kinds)
     runs.outside = OutsideRun(runs.seed, plan)
     run_dir = runs.run_dir("soak")

@@ -74,8 +74,11 @@ class RetryBudget:
             return {"retries": 0, "running": False}
 
     def _write(self, retries: int, running: bool) -> bool:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(self.path, {"retries": retries, "running": running})
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(self.path, {"retries": retries, "running": running})
+        except OSError as exc:  # a full state volume: decide anyway, this count unrecorded
+            log.warning("retry budget not recorded in %s: %s", self.path, exc)
         return retries <= self.limit
 
     def start(self) -> bool:

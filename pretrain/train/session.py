@@ -121,8 +121,8 @@ def _tell_all(hooks: list[TrainHook], trainer: Trainer | None, exc: Exception) -
     for hook in hooks:
         try:
             hook.on_exception(trainer, exc)
-        except Exception as own:  # noqa: BLE001
-            log.error("%s could not record the failure: %s", type(hook).__name__, own)
+        except Exception:  # noqa: BLE001
+            log.exception("%s could not record the failure", type(hook).__name__)
 
 
 def _close_all(hooks: list[TrainHook]) -> None:

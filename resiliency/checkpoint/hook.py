@@ -23,7 +23,7 @@ from recipes import ConfigError
 from resiliency.checkpoint.checkpointer import Checkpointer
 from resiliency.checkpoint.local.tier import LocalTier
 from resiliency.checkpoint.restore.load import EarlyLoad, read_shards
-from resiliency.checkpoint.restore.plan import RestorePlan, plan_restore
+from resiliency.checkpoint.restore.plan import RestorePlan, plan_restore, reads_shards_early
 from resiliency.checkpoint.restore.resume_policy import ResumeDecision, reconcile
 from resiliency.checkpoint.write.async_writer import SpawnedWriterQueue
 from resiliency.checkpoint.write.shard_writer import writer_checksums
@@ -178,7 +178,7 @@ class CheckpointHook(TrainHook):
     def on_start(self, trainer: "TrainerView") -> None:
         planned = self.plan
         # With the node-local tier on, a newer local step may win: nothing read in vain.
-        if planned is not None and not self.cfg.local.enabled:
+        if planned is not None and reads_shards_early(self.cfg):
             self._early = self._read_early(trainer)
         self._confirm_plan(trainer)
         early, self._early = self._early, None
@@ -225,13 +225,20 @@ class CheckpointHook(TrainHook):
         # train.fault's restore point: where the restore's reading begins (restore() then
         # only applies what was read here, and does not stop again).
         trainer.faults.at_checkpoint("restore", self.plan.manifest.step)
-        if self.plan.check_metadata_files(self.cfg.full_verify) is not None:
-            return None
-        started = time.perf_counter()
+        check = self.plan.share_check
         try:
-            return read_shards(trainer.parts, self.plan.step_dir, self.plan.manifest, self.cfg)
-        except CheckpointException as exc:  # a BaseException, raised on every rank alike
-            return EarlyLoad(error=exc, seconds=time.perf_counter() - started)
+            if self.plan.check_metadata_files(self.cfg.full_verify) is not None:
+                return None
+            started = time.perf_counter()
+            try:
+                return read_shards(
+                    trainer.parts, self.plan.step_dir, self.plan.manifest, self.cfg, check
+                )
+            except CheckpointException as exc:  # a BaseException, raised on every rank alike
+                return EarlyLoad(error=exc, seconds=time.perf_counter() - started)
+        finally:
+            if check is not None:  # the read is over: the re-hash takes the share's rest
+                check.release()
 
     def _restore(
         self, checkpointer: Checkpointer, early: EarlyLoad | None = None

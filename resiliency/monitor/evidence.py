@@ -40,8 +40,15 @@ log = logging.getLogger(__name__)
 
 
 # What a process group's transport says when a peer went away under a collective, wherever
-# the Python frame that waited on it was (our own timed waits wrap it in a TimeoutError).
-_TRANSPORT_MARKERS = ("gloo/transport/", "ProcessGroupGloo", "ProcessGroupNCCL", "NCCL error")
+# the Python frame that waited on it was (our own timed waits wrap it in a TimeoutError). Not
+# any NCCL error: a rank's own GPU or NIC fault is its failure, not a peer's.
+_TRANSPORT_MARKERS = (
+    "gloo/transport/",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "NCCL communicator was aborted",
+    "remote process exited or there was a network error",
+)
 
 
 def raised_in_collective(exc: BaseException) -> bool:
@@ -53,7 +60,7 @@ def raised_in_collective(exc: BaseException) -> bool:
         frames = traceback.extract_tb(current.__traceback__)[::-1]  # innermost first
         if waits_on_peers([(f.filename, f.lineno or 0) for f in frames]):
             return True
-        if isinstance(current, (dist.DistBackendError, dist.DistNetworkError)) or any(
+        if isinstance(current, dist.DistNetworkError) or any(
             m in str(current) for m in _TRANSPORT_MARKERS
         ):
             return True

@@ -197,7 +197,10 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     run = load_config_file(args.config)
     report = check_node(run, args.cpus)
-    write_report(report, args.out)
+    try:
+        write_report(report, args.out)
+    except OSError as exc:  # a full disk: the verdict still goes out, on stdout and the exit
+        print(f"health: report not written to {args.out}: {exc}", file=sys.stderr, flush=True)
     print(describe(report), flush=True)
     return 0 if report.ok else 1
 

@@ -47,7 +47,7 @@ class _Crc32c:
         return f"{self._value:08x}"
 
 
-def _new_hasher(algorithm: str) -> _Hasher:
+def new_hasher(algorithm: str) -> _Hasher:
     if algorithm == "crc32c":
         return _Crc32c()
     if algorithm == "sha256":
@@ -65,13 +65,13 @@ def _buffer() -> bytearray:
 
 
 def bytes_checksum(data: bytes, algorithm: str = DEFAULT_ALGORITHM) -> str:
-    hasher = _new_hasher(algorithm)
+    hasher = new_hasher(algorithm)
     hasher.update(data)
     return hasher.hexdigest()
 
 
 def file_checksum(path: Path, algorithm: str = DEFAULT_ALGORITHM) -> str:
-    hasher = _new_hasher(algorithm)
+    hasher = new_hasher(algorithm)
     buf = _buffer()
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:

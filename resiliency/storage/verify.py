@@ -6,12 +6,14 @@ import errno
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from resiliency.storage.checksum import ALGORITHMS, FileEntry, file_checksum
 from resiliency.storage.layout import (
     COMMITTED_NAME,
+    MODEL_DIR,
     RESERVED_NAMES,
     TRAIN_STATE_NAME,
     parse_step,
@@ -255,13 +257,33 @@ def checksum_problem(path: Path, entry: FileEntry) -> str | None:
 
 
 def balanced_share(files: list[FileEntry], rank: int, world_size: int) -> list[FileEntry]:
-    """This rank's part of ``files`` when every rank re-hashes some: largest first, each to the
-    rank with the fewest bytes so far (same answer on every rank)."""
+    """This rank's part of ``files`` when every rank re-hashes some (same answer on every
+    rank): each rank's own shard files (torch DCP names them ``__<rank>_<n>.distcp``) go to
+    that rank where it exists, since at the same layout it reads them and its read checks
+    them as it goes (checkpoint/restore/share_check.py); the rest largest first, each to the
+    rank with the fewest bytes so far."""
     loads = [0] * world_size
-    mine = []
-    for entry in sorted(files, key=lambda e: (-e.bytes, e.path)):
+    mine, rest = [], []
+    for entry in files:
+        writer = _shard_writer(entry.path)
+        if writer is None or writer >= world_size:
+            rest.append(entry)
+            continue
+        loads[writer] += entry.bytes
+        if writer == rank:
+            mine.append(entry)
+    for entry in sorted(rest, key=lambda e: (-e.bytes, e.path)):
         owner = loads.index(min(loads))
         loads[owner] += entry.bytes
         if owner == rank:
             mine.append(entry)
     return mine
+
+
+_OWN_SHARD = re.compile(rf"^{MODEL_DIR}/__(\d+)_\d+\.distcp$")
+
+
+def _shard_writer(rel_path: str) -> int | None:
+    """The rank that wrote a shard file of the step's model dir, from its DCP name."""
+    match = _OWN_SHARD.match(rel_path)
+    return int(match.group(1)) if match else None

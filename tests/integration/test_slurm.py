@@ -91,9 +91,10 @@ def test_no_record_is_infrastructure(tmp_path: Path) -> None:
     "status, seen, action, exit_code",
     [
         # The ranks exited 10 on a full disk that also kept them from finishing their record.
-        ("running", (-9, exit_codes.CHECKPOINT_IO), STOP, exit_codes.CHECKPOINT_IO),
+        ("running", (exit_codes.CHECKPOINT_IO, -15), STOP, exit_codes.CHECKPOINT_IO),
         (None, (exit_codes.CHECKPOINT_IO,), STOP, exit_codes.CHECKPOINT_IO),
         ("running", (-9, exit_codes.INFRASTRUCTURE), REQUEUE, 0),  # killed: retried
+        ("running", (-9, exit_codes.DATA), REQUEUE, 0),  # a peer's follow-on exit decides nothing
         ("running", (42,), REQUEUE, 0),  # a code nobody documented decides nothing here
     ],
 )

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from bench.s3_server import S3Server
+from drill.soak.disk import can_mount
 from drill.soak.outside import (
     OUTSIDE_KINDS,
     Injection,
@@ -132,6 +133,26 @@ def test_an_outage_is_confirmed_by_the_proxy_and_the_object_store(
     assert outage.confirmed is confirmed, outage.evidence
 
 
+FULL_LOG = "[2026-12-05 04:11:31,085] [ERROR] failed (exitcode: 10) local_rank: 0 (pid: 77) of x\n"
+
+
+@pytest.mark.parametrize(
+    "free, exit_code, log, confirmed",
+    [
+        (0, 10, FULL_LOG, True),  # full, the launch stopped with 10, a worker's 10 logged
+        (5 << 20, 10, FULL_LOG, False),  # the fill left room: not a full disk
+        (0, 1, FULL_LOG, False),  # the launch ended otherwise
+        (0, 10, LOG, False),  # no worker's exit 10 in the launcher's log
+    ],
+)
+def test_a_full_disk_is_confirmed_by_the_file_system_and_the_launch(
+    free: int, exit_code: int, log: str, confirmed: bool
+) -> None:
+    fill = Injection("full_disk", 0, _dead_pid(), 0.0, 0, free_bytes=free, exit_code=exit_code)
+    confirm(fill, log.encode())
+    assert fill.confirmed is confirmed, fill.evidence
+
+
 def test_a_kind_this_machine_cannot_inject_is_refused_before_any_run(
     tmp_path: Path, tiny_overrides: list[str]
 ) -> None:
@@ -214,8 +235,8 @@ def test_a_full_disk_and_an_object_store_outage_from_outside_lose_nothing(
     An outage (every request answered 503) must be ridden out by the uploader: the launcher's
     log shows it retrying, and at the end the object store holds the run's last step. The
     losses, read here, equal the clean run's at every step."""
-    if os.geteuid() != 0:
-        pytest.skip("the soak mounts a tmpfs for the full disk: needs root")
+    if not can_mount():
+        pytest.skip("the soak mounts a tmpfs for the full disk: needs root with CAP_SYS_ADMIN")
     out, prefix = tmp_path / "soak", f"soak-{uuid.uuid4().hex[:8]}"
     cmd = [
         sys.executable, "-m", "drill.soak", "--outside", "--kinds=full_disk,s3_outage",

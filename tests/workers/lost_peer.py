@@ -29,7 +29,7 @@ def main(rank: int, port: int, out: Path, stacks: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(60))
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     dist.all_reduce(torch.ones(4))  # the pair is connected before the test kills rank 0
     if rank == 0:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
-from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,9 @@ from pretrain.context.run_dir import RunDir
 from pretrain.platform.distributed import broadcast_object
 from pretrain.train.fault_injection import FaultInjector
 from recipes import ConfigError
-from recipes.config.checkpoint import RemoteCheckpointConfig
+from recipes.config.checkpoint import CheckpointConfig, RemoteCheckpointConfig
 from recipes.config.run import RunConfig
+from resiliency.checkpoint.restore.share_check import ShareCheck
 from resiliency.checkpoint.restore.topology import (
     Target,
     TopologyRefusedError,
@@ -53,6 +55,9 @@ class RestorePlan:
     # This rank's share of the step's files, re-hashed (unless checkpoint.full_verify is off)
     # and pickle-scanned in the background while the model is built (I/O next to CPU work).
     rehash: Future[str | None] | None = field(default=None, compare=False)
+    # The shard files of that share the streaming read checks as it reads them (the re-hash
+    # skips those): share_check.py.
+    share_check: ShareCheck | None = field(default=None, compare=False)
     # How the corpus differs from the one the step recorded, resumed anyway because
     # data.allow_changed_corpus=true (corpus.corpus_changes); None when nothing differs.
     corpus_changes: list[dict[str, Any]] | None = None
@@ -70,7 +75,12 @@ class RestorePlan:
         """Collective: the first checksum or pickle problem any rank found in its share."""
         if self.rehash is None:
             return None
-        return _first_on_any_rank(self.rehash.result())
+        if self.share_check is not None:
+            self.share_check.release()  # the read is over: the re-hash takes what is left
+        problem = self.rehash.result()
+        if problem is None and self.share_check is not None:
+            problem = self.share_check.problem
+        return _first_on_any_rank(problem)
 
 
 def _first_on_any_rank(problem: str | None) -> str | None:
@@ -80,14 +90,25 @@ def _first_on_any_rank(problem: str | None) -> str | None:
     return next((p for p in problems if p is not None), None)
 
 
-def files_problem(step_dir: Path, entries: list[FileEntry], checksums: bool) -> str | None:
-    """The first checksum mismatch (unless ``checksums`` is off) or inadmissible pickle among
-    ``entries`` of ``step_dir``; an I/O error is this rank's problem with the step."""
+def files_problem(
+    step_dir: Path,
+    entries: list[FileEntry],
+    checksums: bool,
+    hashes: Callable[[str], bool] = lambda _: True,
+) -> str | None:
+    """The first checksum mismatch (unless ``checksums`` is off; only of the entries
+    ``hashes`` takes) or inadmissible pickle among ``entries`` of ``step_dir``; an I/O error is
+    this rank's problem with the step."""
     try:
         problem = None
         if checksums:
             problem = next(
-                (p for e in entries if (p := checksum_problem(step_dir / e.path, e))), None
+                (
+                    p
+                    for e in entries
+                    if hashes(e.path) and (p := checksum_problem(step_dir / e.path, e))
+                ),
+                None,
             )
         return problem or step_pickle_problem(step_dir, [e.path for e in entries])
     except OSError as exc:
@@ -197,12 +218,19 @@ def _unrecoverable(
     )
 
 
+def reads_shards_early(cfg: CheckpointConfig) -> bool:
+    """Whether the checkpoint hook reads the planned step's shards before the confirm, while
+    the step is re-hashed (with the node-local tier on, that tier may restore instead)."""
+    return not cfg.local.enabled
+
+
 def start_rehash(
     step_dir: Path,
     manifest: Manifest,
     faults: FaultInjector | None = None,
     checksums: bool = True,
-) -> Future[str | None]:
+    reads_shards: bool = False,
+) -> tuple[Future[str | None], ShareCheck]:
     """Re-hash this rank's share of the files on a helper thread (reads and crc32c release
     the GIL); together the ranks read the checkpoint once, next to the load that reads the
     shards into place meanwhile (checkpoint hook: nothing is applied before the confirm).
@@ -211,9 +239,13 @@ def start_rehash(
     pickle in the share that names a global the loader does not admit (pickle_scan.py, found
     statically; the load admits only the same allow-list). Without ``checksums``
     (checkpoint.full_verify=false) only the pickles are read: a forged step is still refused
-    here, and the previous one planned, rather than failing the load."""
+    here, and the previous one planned, rather than failing the load. With ``reads_shards``
+    the shard files of the share are left to the streaming read where it reads them
+    (share_check.py): the small files first, the shard files after the read."""
     rank = dist.get_rank()
     mine = balanced_share(manifest.files, rank, dist.get_world_size())
+    check = ShareCheck({e.path: e for e in mine}, reads_shards and checksums)
+    mine.sort(key=lambda e: ShareCheck.is_shard(e.path))  # stable: small files first
 
     def first_problem() -> str | None:
         try:
@@ -221,12 +253,21 @@ def start_rehash(
                 faults.at_rehash(manifest.step)
         except OSError as exc:
             return f"rank {rank}: {io_problem(exc)}"
-        return files_problem(step_dir, mine, checksums)
+        return files_problem(step_dir, mine, checksums, check.rehash_takes)
 
-    pool = ThreadPoolExecutor(1, thread_name_prefix="rehash")
-    future = pool.submit(first_problem)
-    pool.shutdown(wait=False)  # the thread exits once the job is done
-    return future
+    future: Future[str | None] = Future()
+
+    def run() -> None:
+        future.set_running_or_notify_cancel()
+        try:
+            future.set_result(first_problem())
+        except BaseException as exc:  # noqa: BLE001 - the confirm re-raises it
+            future.set_exception(exc)
+
+    # A daemon: a rank that leaves before the confirm (a refused resume, a failed build)
+    # must not wait at exit for a re-hash nobody reads (nor for the read it waits on).
+    threading.Thread(target=run, name="rehash", daemon=True).start()
+    return future, check
 
 
 def target_for(
@@ -357,7 +398,9 @@ def plan_restore(
         return run, None
     manifest = read_manifest(step_dir)
     faults = FaultInjector.parse(run.train.fault, dist.get_rank())
-    rehash = start_rehash(step_dir, manifest, faults, run.checkpoint.full_verify)
+    rehash, share_check = start_rehash(
+        step_dir, manifest, faults, run.checkpoint.full_verify, reads_shards_early(run.checkpoint)
+    )
     target = target_for(run, world_size, dp, vocab_size)
     if manifest.weights_only:  # nothing of the optimizer to reshard: any layout loads it
         target = dataclasses.replace(target, load_optimizer=False)
@@ -366,5 +409,7 @@ def plan_restore(
     changes = check_corpus(run, manifest, step_dir, layout.run_dir)
     padded = manifest.tokenizer.get("padded_vocab_size")
     model = dataclasses.replace(run.model, padded_vocab_size=padded)
-    plan = RestorePlan(step_dir, manifest, report, tier, rehash, changes)
+    plan = RestorePlan(
+        step_dir, manifest, report, tier, rehash, share_check=share_check, corpus_changes=changes
+    )
     return dataclasses.replace(run, model=model), plan

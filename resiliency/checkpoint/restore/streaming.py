@@ -12,6 +12,10 @@ Anything else (byte items, transformed streams, a layout this does not recognise
 torch's own path, so the loaded state is the same either way (tests/unit/resiliency/
 test_streaming_load.py compares both with the saved tensors).
 
+The files of this rank's re-hash share that it reads are checked on the way (share_check.py):
+read start to end in offset order, the bytes between the wanted tensors too, the crc32c chained
+over each run of bytes as it lands, compared with the manifest at the file's end.
+
 The pickle is read with torch's weights-only unpickler, as ``torch.load(weights_only=True)``
 reads it in the path it replaces, with storages on the meta device: nothing is allocated and no
 global outside torch's allow-list is admitted.
@@ -36,6 +40,10 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
+
+from resiliency.checkpoint.restore.share_check import ShareCheck
+from resiliency.storage.checksum import FileEntry, file_checksum, new_hasher
+from resiliency.storage.layout import MODEL_DIR
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +93,11 @@ class StoredTensor:
 class StreamingReader(FileSystemReader):
     """``FileSystemReader`` with a single-pass tensor read; the metadata is read once."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, share_check: ShareCheck | None = None) -> None:
         super().__init__(path)
         self._metadata: Any = None
         self.stats = ReadStats()
+        self._share_check = share_check
         self._stored: dict[tuple[str, int], StoredTensor | None] = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
@@ -109,9 +118,12 @@ class StreamingReader(FileSystemReader):
         for relative_path, items in per_file.items():
             fd = os.open(Path(self.path) / relative_path, os.O_RDONLY)
             try:  # in file order: one sequential pass over the file
+                crc = self._claim(fd, relative_path)
                 for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
-                    if not self._read_straight(fd, relative_path, item, planner):
+                    if not self._read_straight(fd, relative_path, item, planner, crc):
                         fallback.append(item)
+                if crc is not None and self._share_check is not None:
+                    self._share_check.checked(crc.entry.path, crc.finish())
             finally:
                 os.close(fd)
         self.stats.fallback_items += len(fallback)
@@ -121,8 +133,20 @@ class StreamingReader(FileSystemReader):
         done.set_result(None)
         return done
 
+    def _claim(self, fd: int, relative_path: str) -> FileCrc | None:
+        """The file's checksum, chained as it is read, if the share check gives it to the read."""
+        if self._share_check is None:
+            return None
+        entry = self._share_check.claim(f"{MODEL_DIR}/{relative_path}")
+        return FileCrc(fd, entry, Path(self.path) / relative_path) if entry is not None else None
+
     def _read_straight(
-        self, fd: int, relative_path: str, item: ReadItem, planner: LoadPlanner
+        self,
+        fd: int,
+        relative_path: str,
+        item: ReadItem,
+        planner: LoadPlanner,
+        crc: FileCrc | None = None,
     ) -> bool:
         info = self.storage_data[item.storage_index]
         if item.type == LoadItemType.BYTE_IO or getattr(info, "transform_descriptors", None):
@@ -150,13 +174,69 @@ class StreamingReader(FileSystemReader):
         )
         dest = target if direct else torch.empty(part.size(), dtype=part.dtype)
         start = stored.data_at + part.storage_offset() * part.element_size()
+        if crc is not None:
+            crc.upto(start)
         read_exactly(fd, start, byte_view(dest))
+        if crc is not None:
+            crc.add(byte_view(dest))
         if not direct:
             target.copy_(dest)
         planner.commit_tensor(item, target)
         self.stats.streamed_items += 1
         self.stats.streamed_bytes += dest.numel() * dest.element_size()
         return True
+
+
+class FileCrc:
+    """A file's crc32c chained over its bytes in offset order: the runs the read placed, and
+    the gaps between them read here. Out of order (two parts of one record overlapping), the
+    whole file is re-hashed at the end instead."""
+
+    GAP_BYTES = 8 << 20
+
+    def __init__(self, fd: int, entry: FileEntry, path: Path) -> None:
+        self.fd, self.entry, self.path = fd, entry, path
+        self.size = os.fstat(fd).st_size
+        self.hasher = new_hasher(entry.algorithm)
+        self.pos, self.in_order = 0, True
+        self._buf: bytearray | None = None
+
+    def upto(self, offset: int) -> None:
+        """Chain the bytes in [pos, offset) (not read by the load)."""
+        if offset < self.pos:
+            self.in_order = False
+        if not self.in_order:
+            return
+        want = min(self.GAP_BYTES, offset - self.pos)
+        if self._buf is None or len(self._buf) < want:
+            self._buf = bytearray(want)
+        while self.pos < offset:
+            view = memoryview(self._buf)[: min(len(self._buf), offset - self.pos)]
+            read_exactly(self.fd, self.pos, view)
+            self.hasher.update(view)
+            self.pos += len(view)
+
+    def add(self, data: memoryview) -> None:
+        """Chain ``data``, the file's bytes at pos (just read into place)."""
+        if self.in_order:
+            self.hasher.update(data)
+            self.pos += len(data)
+
+    def finish(self) -> str | None:
+        """The file's verdict against its manifest entry (None: it matches)."""
+        entry = self.entry
+        if self.size != entry.bytes:
+            return f"file {entry.path!r} has {self.size} bytes, manifest says {entry.bytes}"
+        self.upto(self.size)
+        actual = (
+            self.hasher.hexdigest() if self.in_order else file_checksum(self.path, entry.algorithm)
+        )
+        if actual != entry.checksum:
+            return (
+                f"file {entry.path!r} {entry.algorithm} mismatch: {actual} != manifest "
+                f"{entry.checksum}"
+            )
+        return None
 
 
 def stored_tensor(fd: int, offset: int, length: int) -> StoredTensor:
