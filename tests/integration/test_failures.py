@@ -43,7 +43,8 @@ CASES = {  # exception raised by rank 1 -> (class, exit code, decision)
         STOP,
     ),
     "infrastructure": (
-        RuntimeError("[gloo] Connection closed by peer [10.0.0.2]:5110"),
+        # The rank's own network, not a peer's word that it left (that would make it a victim).
+        RuntimeError("[gloo] connect to [10.0.0.2]:5110 failed: Network is unreachable (socket)"),
         exit_codes.INFRASTRUCTURE,
         REQUEUE,
     ),
