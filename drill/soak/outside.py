@@ -48,6 +48,7 @@ from drill.soak import disk
 from launch.processes import rank_workers, writers
 from pretrain.context import exit_codes
 from pretrain.context.run_dir import RunDir
+from resiliency.storage.layout import RunLayout
 
 log = logging.getLogger(__name__)
 
@@ -236,11 +237,7 @@ class OutsideDriver:
         outages = [i for i in self.run.injected if i.kind == "s3_outage"]
         if not outages or self.remote_newest is None:
             return
-        published = sorted(
-            int(d.name.split("-")[1])
-            for d in RunDir(self.run_dir).steps_dir.glob("step-?????????")
-            if (d / "COMMITTED").exists()
-        )
+        published = RunLayout.from_run_dir(self.run_dir).published_steps()
         newest = self.remote_newest()
         for injection in outages:
             injection.local_newest = published[-1] if published else None
