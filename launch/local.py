@@ -51,7 +51,7 @@ from pretrain.context import exit_codes
 from pretrain.context.startup_clock import host_clock
 from resiliency.monitor.fault_tolerance import write_launcher_config
 from resiliency.monitor.health import describe, preflight
-from resiliency.monitor.postmortem import LauncherEvents, finalize_attempts
+from resiliency.monitor.postmortem import LauncherEvents, finalize_attempts, read_record
 from resiliency.storage.attempts import recorded_attempts
 from resiliency.storage.layout import RunLayout
 
@@ -241,8 +241,13 @@ class LocalSupervisor:
 
     def _decide(self, before: int) -> Decision:
         finalize_attempts(self.layout, self._attempts(before), self.events, self.tokens_per_step)
-        started = self.events.launches[-1][0] if self.events.launches else 0.0
-        seen = tuple(e["exit_code"] for e in self.events.exits if e["time"] >= started)
+        # The exits of the newest attempt only: ft_launcher restarts its workers within one
+        # launch, and an earlier attempt's SIGKILL must not stand for this one's.
+        attempts = self._attempts(before)
+        since = self.events.launches[-1][0] if self.events.launches else 0.0
+        if attempts:
+            since = read_record(self.layout, attempts[-1]).get("start_time", since)
+        seen = tuple(e["exit_code"] for e in self.events.exits if e["time"] >= since)
         decision = decide(
             self.plan.run_dir,
             self._restarts_used(before),
