@@ -241,13 +241,7 @@ class LocalSupervisor:
 
     def _decide(self, before: int) -> Decision:
         finalize_attempts(self.layout, self._attempts(before), self.events, self.tokens_per_step)
-        # The exits of the newest attempt only: ft_launcher restarts its workers within one
-        # launch, and an earlier attempt's SIGKILL must not stand for this one's.
-        attempts = self._attempts(before)
-        since = self.events.launches[-1][0] if self.events.launches else 0.0
-        if attempts:
-            since = read_record(self.layout, attempts[-1]).get("start_time", since)
-        seen = tuple(e["exit_code"] for e in self.events.exits if e["time"] >= since)
+        seen = newest_attempt_exits(self.layout, self._attempts(before), self.events)
         decision = decide(
             self.plan.run_dir,
             self._restarts_used(before),
@@ -320,3 +314,15 @@ def _close_quietly(keep: IO[str] | None) -> None:
         keep.close()
     except OSError:
         pass  # its last line did not fit: already said
+
+
+def newest_attempt_exits(
+    layout: RunLayout, attempts: list[int], events: LauncherEvents
+) -> tuple[int, ...]:
+    """The worker exit codes the launcher logged during the newest of ``attempts`` (from its
+    record's start; else during the last launch): ft_launcher restarts its workers within one
+    launch, and an earlier attempt's SIGKILL must not stand for this one's."""
+    since = events.launches[-1][0] if events.launches else 0.0
+    if attempts:
+        since = read_record(layout, attempts[-1]).get("start_time", since)
+    return tuple(e["exit_code"] for e in events.exits if e["time"] >= since)

@@ -23,9 +23,11 @@ import pytest
 
 from drill.jobs import SLURM_TERMINAL as TERMINAL  # states after which a job never runs again
 from launch.__main__ import main as launch_main
+from launch.local import newest_attempt_exits
 from launch.retry_policy import REQUEUE, STOP, decide
 from pretrain.context import exit_codes
 from pretrain.context.run_dir import RunDir, read_jsonl
+from resiliency.monitor.postmortem import LauncherEvents
 from resiliency.storage.layout import RunLayout, atomic_write_json
 from resiliency.storage.lease import RunLease
 from tests.helpers import REPO, read_steps
@@ -105,6 +107,27 @@ def test_an_unfinished_record_yields_to_the_exits_the_launcher_saw(
         _record(tmp_path, 1, status)
     decision = decide(tmp_path, 0, 3, seen_exits=seen)
     assert (decision.action, decision.exit_code) == (action, exit_code), decision
+
+
+def test_only_the_newest_attempts_exits_decide_an_unfinished_record(tmp_path: Path) -> None:
+    """ft_launcher restarts its workers within one launch: attempt 1 lost a rank to SIGKILL,
+    attempt 2 then stopped on a full disk (exit 10) before rank 0 could finish its record. The
+    launcher's log holds both; only attempt 2's exits may decide, and they say stop with 10."""
+    start = time.time() - 100
+    _record(tmp_path, 1, "failed", exit_codes.INFRASTRUCTURE, start_time=start)
+    _record(tmp_path, 2, "running", start_time=start + 50)
+    events = LauncherEvents()
+    events.launches.append([start - 1, start + 90])
+    for at, code in ((start + 20, -9), (start + 21, 1), (start + 80, 10), (start + 81, -15)):
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at))
+        events.feed(f"[{stamp},000] [ERROR] failed (exitcode: {code}) local_rank: 0 (pid: 7)", at)
+    layout = RunLayout.from_run_dir(tmp_path)
+    seen = newest_attempt_exits(layout, [1, 2], events)
+    assert seen == (10, -15)
+    decision = decide(tmp_path, 0, 3, seen_exits=seen)
+    assert (decision.action, decision.exit_code) == (STOP, exit_codes.CHECKPOINT_IO), decision
+    every = decide(tmp_path, 0, 3, seen_exits=tuple(e["exit_code"] for e in events.exits))
+    assert every.action == REQUEUE  # what the whole launch's exits said: the bug this guards
 
 
 def test_newest_record_decides(tmp_path: Path) -> None:
