@@ -275,7 +275,8 @@ def run_soak(cfg: SoakConfig) -> SoakRuns:
     steps = cfg.steps
     if steps is None:  # sized to --minutes by a probe's step time
         steps = max(
-            4 * save_every, math.ceil(cfg.minutes * 60 / _mean_step_s(_probe(launcher, base, out)))
+            4 * save_every,
+            math.ceil(cfg.minutes * 60 / _mean_step_s(_probe(launcher, base, run, out))),
         )
     runs = SoakRuns(out, steps, 0.0, seed, save_every)
     # A rotten newest step falls back to the one before it: at least two are kept.
@@ -366,13 +367,13 @@ def _soak_from_outside(
         )
 
 
-def _probe(launcher: SoakLauncher, base: list[str], out: Path) -> Path:
+def _probe(launcher: SoakLauncher, base: list[str], run: RunConfig, out: Path) -> Path:
     run_dir = out / "runs" / "probe" / "soak"
     overrides = [
         *base,
         f"train.train_steps={PROBE_STEPS}",
         "checkpoint.enabled=false",
-        *remote_url(resolve(base), "probe"),
+        *remote_url(run, "probe"),
         f"output_dir={run_dir.parent}",
         "run_id=soak",
     ]

@@ -57,11 +57,17 @@ def _endpoint(run: RunConfig) -> str | None:
     return endpoint if usable else None
 
 
-def remote_url(run: RunConfig, name: str) -> list[str]:
-    """The override giving launch ``name`` (clean, soak) a remote prefix of its own: both runs
-    are called ``soak`` and must not meet in one object store."""
+def remote_prefix(run: RunConfig, name: str) -> str | None:
+    """Launch ``name``'s (clean, soak) own prefix of the run's object store: both runs are
+    called ``soak`` and must not meet there."""
     url = run.checkpoint.remote.url
-    return [f"checkpoint.remote.url={url.rstrip('/')}/{name}"] if url else []
+    return f"{url.rstrip('/')}/{name}" if url else None
+
+
+def remote_url(run: RunConfig, name: str) -> list[str]:
+    """The override that gives launch ``name`` its prefix (none without an object store)."""
+    prefix = remote_prefix(run, name)
+    return [f"checkpoint.remote.url={prefix}"] if prefix else []
 
 
 @dataclass
@@ -93,7 +99,8 @@ def around_soak(
         if "s3_outage" in kinds and endpoint is not None:
             around.proxy = stack.enter_context(FaultProxy(endpoint))
             around.env["AWS_ENDPOINT_URL"] = around.proxy.endpoint_url
-            url = remote_url(run, "soak")[0].split("=", 1)[1]
+            url = remote_prefix(run, "soak")
+            assert url is not None  # an endpoint is only usable with checkpoint.remote.url
             around.remote_newest = lambda: _newest(ObjectStore(url, endpoint), run_dir.name)
             log.info("soak: the soak run's object store is behind %s", around.proxy.endpoint_url)
         yield around
