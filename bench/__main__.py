@@ -463,6 +463,8 @@ def main(argv: list[str]) -> int:
         unknown = sorted(set(configs) - set(CONFIGS))
         if unknown:
             parser.error(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
+    if args.workdir is not None:
+        args.workdir.mkdir(parents=True, exist_ok=True)  # the disk under test, as named
     work = Path(tempfile.mkdtemp(prefix="bench-", dir=args.workdir))
     warnings.simplefilter("ignore")
     sys.path.insert(0, str(REPO))

@@ -10,6 +10,7 @@ import sys
 from omegaconf import OmegaConf
 
 from pretrain.context import exit_codes
+from pretrain.context.early_start import start_early
 from pretrain.fit.timing import resolve_save_interval
 from pretrain.platform.logs import setup_logging
 from recipes import ConfigError, RunConfig, load_config, to_yaml
@@ -64,6 +65,7 @@ def main(argv: list[str]) -> int:
         # Every rank composed the same config and found the same error: said once, by rank 0.
         log.log(logging.ERROR if _first_rank() else logging.DEBUG, "config error: %s", exc)
         return exit_codes.DATA if isinstance(exc, DataInputError) else exit_codes.CONFIG_ERROR
+    start_early(run)  # e.g. the checkpoint's files read ahead while torch imports
     # torch and megatron-core: not for --help/--cfg
     from pretrain.train.session import train
 

@@ -104,6 +104,11 @@ class CheckpointConfig:
     # steps whose checkpoints are never collected; None: none
     milestone_interval: Optional[int] = None
     full_verify: bool = True  # checksum every byte at restore, not only sizes (pickles: always)
+    # At process start, before torch is imported, read this rank's share of the newest
+    # published step into the page cache on a background thread, so the disk works while the
+    # process imports and builds the model; skipped where the host's shares would take more
+    # than half its available memory. The restore still checks every byte it reads.
+    prefetch: bool = True
     lease_timeout_s: float = 60.0  # a run dir's lease is stale after this long without a heartbeat
     # Restoring with a different train.global_batch_size: refuse, or scale the LR by this rule.
     batch_change_lr_scaling: str = "refuse"
