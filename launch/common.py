@@ -59,17 +59,27 @@ def plan_launch(
     return LaunchPlan(run, list(overrides), Path(run.output_dir) / run.run_id, device, dp)
 
 
+def shrink_sizes(run: RunConfig) -> tuple[str, list[int]]:
+    """The node counts below launch.nodes the job may train at, and the key that allows them
+    (parallel.elastic's launch.min_nodes, or launch.slurm.min_nodes at a requeue)."""
+    if run.parallel.elastic:
+        key, low = "launch.min_nodes", run.launch.min_nodes
+    else:
+        key, low = "launch.slurm.min_nodes", run.launch.slurm.min_nodes
+    return key, list(range(low or run.launch.nodes, run.launch.nodes))
+
+
 def _check_shrunk_layout(run: RunConfig, device: str) -> None:
-    """A job allowed to shrink (launch.slurm.min_nodes) must train at every size down to it:
-    refused now, not at a requeue hours later."""
-    low = run.launch.slurm.min_nodes
-    for nodes in range(low or run.launch.nodes, run.launch.nodes):
+    """A job allowed to shrink must train at every size down to its minimum: refused now, not
+    at a requeue or a lost node hours later."""
+    key, sizes = shrink_sizes(run)
+    for nodes in sizes:
         try:
             validate_runtime(run, nodes * run.launch.nproc_per_node, device)
         except ConfigError as exc:
+            low = sizes[0]
             raise ConfigError(
-                f"launch.slurm.min_nodes={low}: at {nodes} node(s) x "
-                f"{run.launch.nproc_per_node} ranks: {exc}"
+                f"{key}={low}: at {nodes} node(s) x {run.launch.nproc_per_node} ranks: {exc}"
             ) from None
 
 
@@ -170,8 +180,20 @@ def check_fit(plan: LaunchPlan) -> None:
     here (the tokenizer's files are elsewhere) is reported and skipped, not fatal."""
     if plan.device != "cuda":
         return
+    _check_fit_at(plan, [])
+    key, sizes = shrink_sizes(plan.run)
+    if sizes and plan.run.parallel.elastic:
+        # The fewest nodes hold the largest distributed-optimizer shard per GPU.
+        smallest = [f"launch.nodes={sizes[0]}", "launch.min_nodes=null", "parallel.elastic=false"]
+        try:
+            _check_fit_at(plan, smallest)
+        except ConfigError as exc:
+            raise ConfigError(f"{key}={sizes[0]}: at {sizes[0]} node(s): {exc}") from None
+
+
+def _check_fit_at(plan: LaunchPlan, resize: list[str]) -> None:
     # A process of its own: the plan initialises a fake process group and megatron-core.
-    cmd = [sys.executable, "-m", "pretrain", *plan.overrides, "--plan", "--json"]
+    cmd = [sys.executable, "-m", "pretrain", *plan.overrides, *resize, "--plan", "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if proc.returncode not in (0, 1):
         reason = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -193,7 +215,7 @@ def check_fit(plan: LaunchPlan) -> None:
         f"the layout does not fit {result['gpu']}: pipeline stage {peak['pp_rank']} needs "
         f"{peak['total'] / GIB:.1f} GiB of {result['usable_bytes'] / GIB:.1f} GiB usable; the "
         f"smallest change that fits: {fix} (details: python -m pretrain "
-        f"{' '.join(plan.overrides)} --plan; submit anyway with --skip-fit-check)"
+        f"{' '.join([*plan.overrides, *resize])} --plan; submit anyway with --skip-fit-check)"
     )
 
 

@@ -45,6 +45,7 @@ from launch.common import (
     worker_module,
     write_resolved_config,
 )
+from launch.elastic import LocalNodes
 from launch.retry_policy import STOP, Decision, decide, newest_attempt, read_outcome
 from launch.standby.launch import Standby, standby_env
 from pretrain.context import exit_codes
@@ -86,9 +87,13 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     return LocalSupervisor(plan, config, budget).run()
 
 
-def launcher_command(plan: LaunchPlan, config: Path, restarts: int) -> list[str]:
+def launcher_command(
+    plan: LaunchPlan, config: Path, restarts: int, rendezvous: list[str] | None = None
+) -> list[str]:
+    """The launcher's command line: one node on its own (``--standalone``), or one node of an
+    elastic job (``rendezvous``: launch/elastic.py)."""
     run, bin_dir = plan.run, Path(sys.executable).parent
-    common = ["--standalone", f"--nproc-per-node={run.launch.nproc_per_node}"]
+    common = [*(rendezvous or ["--standalone"]), f"--nproc-per-node={run.launch.nproc_per_node}"]
     tail = ["-m", worker_module(run), "--config", str(config)]
     if run.launch.backend == "torchrun":
         return [str(bin_dir / "torchrun"), *common, "--max-restarts=0", *tail]
@@ -179,6 +184,8 @@ class LocalSupervisor:
         self.events = LauncherEvents()
         self.signal: int | None = None
         self.child: subprocess.Popen[str] | None = None
+        self.nodes: LocalNodes | None = None  # parallel.elastic: the launchers acting as nodes
+        self.keep_lock = threading.Lock()
         run = plan.run
         self.tokens_per_step = run.tokens_per_step
 
@@ -257,10 +264,12 @@ class LocalSupervisor:
         return outcome.status == "preempted" or outcome.exit_code == exit_codes.REQUEUE
 
     def _launch(self, restarts: int) -> int:
-        cmd = launcher_command(self.plan, self.config, restarts)
-        log.info("launch local: %s", " ".join(cmd))
         standby = standby_env(self.plan.run_dir) if self.plan.run.launch.standby else {}
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **standby, **rank_env(self.plan.run)}
+        if self.plan.run.parallel.elastic:
+            return self._launch_nodes(restarts, env)
+        cmd = launcher_command(self.plan, self.config, restarts)
+        log.info("launch local: %s", " ".join(cmd))
         started = time.time()
         keep = _open_kept_log(self.plan.run_dir / LOG_NAME)
         try:
@@ -277,21 +286,49 @@ class LocalSupervisor:
         log.info("launch local: %s exited %d", Path(cmd[0]).name, code)
         return code
 
+    def _launch_nodes(self, restarts: int, env: dict[str, str]) -> int:
+        """parallel.elastic: ``launch.nodes`` launchers of one job on this machine; launcher 0's
+        exit is the launch's (launch/elastic.py)."""
+        started = time.time()
+        keep = _open_kept_log(self.plan.run_dir / LOG_NAME)
+        holder = [keep]
+
+        def sink(index: int, line: str) -> None:
+            line = f"[node {index}] {line}"
+            self.events.feed(line, time.time(), host_clock())
+            with self.keep_lock:
+                sys.stderr.write(line)
+                holder[0] = _keep_line(holder[0], line)
+
+        nodes = LocalNodes(
+            self.plan.run,
+            lambda rendezvous: launcher_command(self.plan, self.config, restarts, rendezvous),
+            env,
+            sink,
+        )
+        self.nodes = nodes
+        try:
+            nodes.start()
+            code = nodes.wait()
+        finally:
+            self.nodes = None
+            _close_quietly(holder[0])
+        self.events.launches.append([started, time.time()])
+        log.info("launch local: node 0's launcher exited %d", code)
+        return code
+
     def _pump(self, stream: IO[str], keep: IO[str] | None) -> None:
         for line in stream:
             self.events.feed(line, time.time(), host_clock())
             sys.stderr.write(line)
-            if keep is not None:
-                try:
-                    keep.write(line)
-                except OSError as exc:  # a full disk: the job's failure, not the launcher's
-                    log.warning("launch local: stopped keeping %s: %s", LOG_NAME, exc)
-                    _close_quietly(keep)
-                    keep = None
+            keep = _keep_line(keep, line)
         sys.stderr.flush()
 
     def _forward(self, signum: int, frame: FrameType | None) -> None:
         self.signal = signum
+        if self.nodes is not None:
+            log.warning("launch local: forwarding %s to the nodes", signal.Signals(signum).name)
+            self.nodes.signal_all(signum)
         if self.child is not None and self.child.poll() is None:
             log.warning("launch local: forwarding %s to the launcher", signal.Signals(signum).name)
             self.child.send_signal(signum)
@@ -304,6 +341,19 @@ def _open_kept_log(path: Path) -> IO[str] | None:
         return open(path, "a", buffering=1)  # noqa: SIM115 - closed by _close_quietly
     except OSError as exc:
         log.warning("launch local: cannot keep %s: %s", path, exc)
+        return None
+
+
+def _keep_line(keep: IO[str] | None, line: str) -> IO[str] | None:
+    """``line`` appended to the kept log; None from the first line that does not fit."""
+    if keep is None:
+        return None
+    try:
+        keep.write(line)
+        return keep
+    except OSError as exc:  # a full disk: the job's failure, not the launcher's
+        log.warning("launch local: stopped keeping %s: %s", LOG_NAME, exc)
+        _close_quietly(keep)
         return None
 
 

@@ -7,6 +7,7 @@ cursor resumes exactly, and a DP-size change neither skips nor repeats a sample.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,13 +108,31 @@ def dataset_fingerprint(cfg: DataConfig) -> dict[str, Any]:
     }
 
 
-def microbatches(dataset: Any, plan: BatchPlan, consumed: int) -> list[dict[str, torch.Tensor]]:
-    """This DP rank's microbatches for the global batch starting at ``consumed``."""
+def microbatches(
+    dataset: Any, plan: BatchPlan, consumed: int, digests: list[int] | None = None
+) -> list[dict[str, torch.Tensor]]:
+    """This DP rank's microbatches for the global batch starting at ``consumed``; with
+    ``digests``, each sample's :func:`sample_digest` appended to it."""
     batches = []
     for k in range(plan.num_microbatches):
-        samples = [dataset[i] for i in plan.sample_indices(consumed, k)]
+        indices = plan.sample_indices(consumed, k)
+        samples = [dataset[i] for i in indices]
+        if digests is not None:
+            digests.extend(sample_digest(i, s) for i, s in zip(indices, samples))
         batches.append({key: torch.stack([s[key] for s in samples]) for key in samples[0]})
     return batches
+
+
+SAMPLE_DIGEST_BITS = 32
+
+
+def sample_digest(index: int, sample: dict[str, torch.Tensor]) -> int:
+    """A 32-bit digest of one training sample: its index in the training split and its
+    tokens. A step's sample hash is the sum of its samples' digests over every DP rank: the
+    same whichever rank drew which sample, so runs at different DP sizes compare."""
+    hasher = hashlib.blake2b(index.to_bytes(8, "little"), digest_size=SAMPLE_DIGEST_BITS // 8)
+    hasher.update(sample["tokens"].numpy().tobytes())
+    return int.from_bytes(hasher.digest(), "little")
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

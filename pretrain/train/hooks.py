@@ -46,6 +46,9 @@ class StepResult:
     # train.guard: this step's update was not applied (policy skip, or rollback), and why
     skipped: bool = False
     anomaly: str | None = None  # non-finite loss or gradients, a loss spike; None: a normal step
+    # The sum of the step's samples' digests over all DP ranks (pretrain/data/dataset.py):
+    # equal for two runs that trained this step on the same samples, at any DP size.
+    sample_hash: int | None = None
 
 
 @dataclass

@@ -39,6 +39,10 @@ from recipes import ConfigError
 from recipes.config.run import RunConfig
 from recipes.validate import num_microbatches
 
+# The sample hash travels in the step's float64 all-reduce: exact while the sum of a global
+# batch's 32-bit digests stays below 2**53.
+SAMPLE_HASH_MAX_SAMPLES = 1 << (53 - data.SAMPLE_DIGEST_BITS)
+
 log = logging.getLogger(__name__)
 
 
@@ -359,7 +363,8 @@ class Trainer:
         # lr for step s is the scheduler's value at s: advance before the update, not after.
         parts.scheduler.step(increment=1)
         lr, gbs = self.lr, parts.plan.global_batch_size
-        batches = data.microbatches(parts.dataset, parts.plan, self.state.consumed_samples)
+        digests: list[int] = []
+        batches = data.microbatches(parts.dataset, parts.plan, self.state.consumed_samples, digests)
         losses = run_schedule(
             parts,
             self.env.torch_device,
@@ -369,7 +374,7 @@ class Trainer:
             loss_scale=self.faults.loss_scale(self.state.consumed_samples // gbs + 1),
         )
         self.faults.after_backward(self.state.step + 1, parts.ddp)
-        loss, stop_asked, bad_grads = self._reduce_loss(losses)
+        loss, stop_asked, bad_grads, sample_hash = self._reduce_loss(losses, sum(digests))
         anomaly = self.guard.inspect(loss, bad_grads) if self.guard.active else None
         skipped = anomaly is not None
         if skipped:
@@ -393,6 +398,7 @@ class Trainer:
             stop_asked,
             skipped=skipped,
             anomaly=anomaly,
+            sample_hash=sample_hash,
         )
 
     def _drop_update(self, anomaly: str) -> float:
@@ -481,23 +487,36 @@ class Trainer:
                 f"training split has {have}. Not retrying a numeric failure"
             )
 
-    def _reduce_loss(self, losses: list[dict]) -> tuple[float, bool, bool]:
+    def _reduce_loss(
+        self, losses: list[dict], digest_sum: int
+    ) -> tuple[float, bool, bool, int | None]:
         """Mean loss over microbatches and DP ranks, whether any rank's hook wants to stop,
-        and (train.guard) whether any rank has a non-finite gradient: known on every rank
-        from one all-reduce, before the optimizer step."""
+        (train.guard) whether any rank has a non-finite gradient, and the step's sample hash
+        (the sum of every DP rank's sample digests): known on every rank from one all-reduce,
+        before the optimizer step."""
         # megatron-core: imported after the CPU shim is applied (pretrain/platform/distributed.py)
         from megatron.core import parallel_state as ps
 
-        local = torch.zeros(3, dtype=torch.float64, device=self.env.torch_device)
+        local = torch.zeros(4, dtype=torch.float64, device=self.env.torch_device)
         if losses and ps.is_pipeline_last_stage(ignore_virtual=True):
             local[0] += torch.stack([x["lm loss"].double() for x in losses]).mean()
         local[1] = float(any(hook.wants_stop(self) for hook in self.hooks))
         if self.guard.checks_grads:
             local[2] = nonfinite_grads(self.parts.ddp)
+        # One rank per DP replica adds its samples (its TP, PP and CP peers drew the same).
+        counts_samples = (
+            ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_pipeline_model_parallel_rank() == 0
+            and ps.get_context_parallel_rank() == 0
+        )
+        hash_exact = self.parts.plan.global_batch_size < SAMPLE_HASH_MAX_SAMPLES
+        if counts_samples and hash_exact:
+            local[3] = float(digest_sum)
         dist.all_reduce(local)
-        loss_sum, stop_votes, bad_grads = local.tolist()
+        loss_sum, stop_votes, bad_grads, hash_sum = local.tolist()
         last_stage_ranks = self.env.world_size // self.run.parallel.pp
-        return loss_sum / last_stage_ranks, stop_votes > 0, bad_grads > 0
+        sample_hash = int(hash_sum) if hash_exact else None
+        return loss_sum / last_stage_ranks, stop_votes > 0, bad_grads > 0, sample_hash
 
     def _log(self, result: StepResult) -> None:
         """Throughput on every rank's result (hooks read it); the line and steps.jsonl on 0."""
@@ -511,7 +530,13 @@ class Trainer:
             line = self.progress.line(result)
             result.memory_gib = self.progress.last_memory
             log.info("%s", line)
-        record = {**asdict(result), "consumed_tokens": extra["consumed_tokens"]}
+        record = {
+            **asdict(result),
+            "consumed_tokens": extra["consumed_tokens"],
+            # The size the step ran at (throughput per size, a resize visible per step).
+            "world_size": self.env.world_size,
+            "dp": self.parts.plan.dp_size,
+        }
         append_jsonl(self.metrics_path, {**record, "time": time.time()})
 
     def report(self, scalars: dict[str, float], step: int) -> None:

@@ -224,6 +224,8 @@ def _is_gib(value: str) -> bool:
 class LaunchConfig:
     backend: str = "torchrun"  # torchrun | ft_launcher
     nodes: int = 1  # nodes (one launcher each)
+    # parallel.elastic: the fewest nodes the job keeps training on (None: launch.nodes)
+    min_nodes: Optional[int] = None
     nproc_per_node: int = 1  # ranks per node
     gpus_per_node: int = 0  # 0: CPU; else one GPU per rank
     # A standby per node that has imported torch, megatron-core and the trainer and forks each
@@ -247,6 +249,10 @@ class LaunchConfig:
         require(
             find_gpu(self.gpu) is not None or _is_gib(self.gpu),
             f"launch.gpu={self.gpu!r} must be one of {known_gpus()} or a memory in GiB",
+        )
+        require(
+            self.min_nodes is None or 1 <= self.min_nodes <= self.nodes,
+            f"launch.min_nodes={self.min_nodes} must be between 1 and launch.nodes={self.nodes}",
         )
         require(
             self.slurm.min_nodes is None or self.slurm.min_nodes <= self.nodes,

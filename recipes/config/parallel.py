@@ -18,6 +18,12 @@ class ParallelConfig:
     dp: Optional[int] = None  # None: derived from the world size
     # shard activations along the sequence in TP regions (needs tp > 1)
     sequence_parallel: bool = False
+    # Elastic data parallelism (docs/fault-tolerance.md): a lost node leaves the job training
+    # at a smaller DP (down to launch.min_nodes) with the same global batch, sample order and
+    # LR schedule, and a returning node grows it back. Needs launch.backend=ft_launcher,
+    # checkpoint.optim_format=fully_reshardable and parallel.dp=null.
+    elastic: bool = False
+    elastic_min_interval_s: float = 300.0  # at most one resize (shrink or grow) per interval
 
     def __post_init__(self) -> None:
         positive(
@@ -26,6 +32,15 @@ class ParallelConfig:
         require(
             not self.sequence_parallel or self.tp > 1,
             "parallel.sequence_parallel=true needs parallel.tp > 1",
+        )
+        require(
+            self.elastic_min_interval_s >= 0,
+            f"parallel.elastic_min_interval_s={self.elastic_min_interval_s} must be >= 0",
+        )
+        require(
+            not self.elastic or self.dp is None,
+            f"parallel.elastic=true resizes DP: parallel.dp={self.dp} must be null (derived "
+            "from the world size at each size)",
         )
         require(
             self.vpp is None or self.pp > 1,

@@ -91,3 +91,42 @@ class RunConfig:
                 par.sequence_parallel,
                 "MoE with parallel.tp > 1 needs parallel.sequence_parallel=true (Megatron-Core)",
             )
+        if par.elastic:
+            self._check_elastic()
+
+    def _check_elastic(self) -> None:
+        """parallel.elastic: what a resize inside the job relies on, refused with the reason."""
+        launch, ckpt = self.launch, self.checkpoint
+        require(
+            launch.backend == "ft_launcher",
+            "parallel.elastic=true needs launch.backend=ft_launcher (its rendezvous re-forms "
+            "the group at the new size inside the job)",
+        )
+        require(
+            launch.min_nodes is not None and launch.min_nodes < launch.nodes,
+            f"parallel.elastic=true needs launch.min_nodes below launch.nodes={launch.nodes} "
+            f"(got {launch.min_nodes}): the fewest nodes the job keeps training on",
+        )
+        require(
+            ckpt.enabled and ckpt.resume,
+            "parallel.elastic=true needs checkpoint.enabled=true and checkpoint.resume=true: "
+            "every resize restores the newest committed step at the new size",
+        )
+        require(
+            ckpt.optim_format == "fully_reshardable",
+            "parallel.elastic=true needs checkpoint.optim_format=fully_reshardable: a "
+            "dp_reshardable step holds each DP rank's flat optimizer shard in the bucket layout "
+            "of the DP size that saved it, while a resize restores at any size between "
+            "launch.min_nodes and launch.nodes; the fully_reshardable format keeps the "
+            "optimizer state in model space, which any DP size reads",
+        )
+        require(
+            launch.slurm.min_nodes is None and launch.slurm.spare_nodes == 0,
+            "parallel.elastic=true replaces launch.slurm.min_nodes (shrink at a requeue) and "
+            "launch.slurm.spare_nodes (hot spares): set neither",
+        )
+        require(
+            not launch.standby,
+            "parallel.elastic=true does not run with launch.standby=true yet (one standby per "
+            "run dir and host, while elastic nodes may share a host)",
+        )

@@ -161,6 +161,7 @@ class FaultToleranceHook(TrainHook):
         self.timeouts = SectionTimeouts(cfg)
         self.sent: dict[str, float] = {}  # the timeouts the rank monitor has
         self.failed = False  # this rank raised: its liveness file is kept
+        self.detached = False  # the launcher closed the monitor connection: it stops us
 
     # -- lifecycle
     def configure(self, run: "RunConfig", dp: int) -> "RunConfig":
@@ -206,7 +207,7 @@ class FaultToleranceHook(TrainHook):
     def before_step(self, trainer: "TrainerView") -> None:
         self.step = trainer.state.step + 1
         if self.heartbeats_only:
-            self.client.send_heartbeat()
+            self._tell("send_heartbeat")
             return
         if "setup" in self.open:
             self._close("setup", restored=self._restored())
@@ -238,15 +239,15 @@ class FaultToleranceHook(TrainHook):
         if self.stacks is not None:
             self.stacks.close(keep=self.failed)
         if self.client is not None and self.client.is_initialized:
-            self.client.end_all_sections()
-            self.client.shutdown_workload_monitoring()
+            self._tell("end_all_sections")
+            self._tell("shutdown_workload_monitoring")
 
     # -- sections
     def _open(self, section: str) -> None:
         now = time.time()
         if not self.open and self.idle_since is not None:
             self.timeouts.observe(OUT_OF_SECTION, now - self.idle_since)
-        self.client.start_section(section)
+        self._tell("start_section", section)
         self.open[section] = now
         if self.stacks is not None:
             self.stacks.arm(section, self.sent.get(section), step=self.step)
@@ -254,7 +255,7 @@ class FaultToleranceHook(TrainHook):
     def _close(self, section: str, observe: bool = True, restored: bool = False) -> None:
         if self.stacks is not None:
             self.stacks.disarm()
-        self.client.end_section(section)
+        self._tell("end_section", section)
         opened = self.open.pop(section)
         now = time.time()
         self.idle_since = now if not self.open else None
@@ -320,7 +321,7 @@ class FaultToleranceHook(TrainHook):
             "calculated_sections": learned,
             "is_out_of_section_calculated": self.timeouts.learned(OUT_OF_SECTION),
         }
-        self.client.load_state_dict({"current_timeouts": {"section": section}})
+        self._tell("load_state_dict", {"current_timeouts": {"section": section}})
         changed = [k for k in current if self.sent.get(k) != current[k]]
         self.sent = current
         if self.env.rank != 0:
@@ -334,6 +335,25 @@ class FaultToleranceHook(TrainHook):
             state = {**self.timeouts.state(), "step": self.step, "time": time.time()}
             atomic_write_json(RunDir(self.run_dir).timeouts_path, state)
 
+    def _tell(self, call: str, *args: Any) -> None:
+        """One message to the rank monitor. A connection the launcher closed is not this
+        rank's failure: ft_launcher closes every worker's monitor connection just before it
+        stops the group (a restart, a node joining an elastic job, the end of the job) and
+        SIGTERM follows, so monitoring stops for the rest of this process instead."""
+        if self.detached:
+            return
+        try:
+            getattr(self.client, call)(*args)
+        except Exception as exc:
+            if not _connection_closed(exc):
+                raise
+            self.detached = True
+            log.warning(
+                "ft: the launcher closed this rank's monitor connection (%s); it is stopping "
+                "the worker group: section monitoring off for the rest of this process",
+                type(_connection_error(exc)).__name__,
+            )
+
     def _request_shutdown(self, reason: str) -> None:
         # nvrx: loaded only where the feature runs
         from nvidia_resiliency_ext.fault_tolerance import WorkloadAction, WorkloadControlRequest
@@ -344,3 +364,19 @@ class FaultToleranceHook(TrainHook):
             )
         except Exception as exc:  # noqa: BLE001 - best effort while the rank is failing
             log.warning("ft: could not ask ft_launcher to stop (%s)", exc)
+
+
+def _connection_error(exc: BaseException) -> BaseException | None:
+    """The closed-connection error behind ``exc`` (its cause or context chain), if any."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, (ConnectionError, EOFError)):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _connection_closed(exc: BaseException) -> bool:
+    return _connection_error(exc) is not None

@@ -40,6 +40,10 @@ RULES: tuple[tuple[str, KeyClass], ...] = (
     ("train.train_steps", "grows"),
     ("train.global_batch_size", "topology"),
     ("train.micro_batch_size", "topology"),
+    # Whether and how often DP may resize in the job: the sizes themselves are checked by the
+    # topology validator at each restore.
+    ("parallel.elastic", "free"),
+    ("parallel.elastic_min_interval_s", "free"),
     ("parallel.", "topology"),
     ("optimizer.name", "must_match"),
     ("optimizer.use_distributed_optimizer", "topology"),  # how the state is sharded over DP

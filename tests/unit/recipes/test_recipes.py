@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -146,3 +147,53 @@ def test_cli_show_config_prints_resolved_yaml() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "num_layers: 80" in proc.stdout and "vpp: 5" in proc.stdout
+
+
+ELASTIC = [
+    "parallel.elastic=true",
+    "parallel.tp=1",
+    "launch.backend=ft_launcher",
+    "launch.nodes=3",
+    "launch.min_nodes=1",
+]
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["launch.backend=torchrun"], "needs launch.backend=ft_launcher"),
+        (["launch.min_nodes=3"], "needs launch.min_nodes below launch.nodes=3"),
+        (["checkpoint.optim_format=dp_reshardable"], "bucket layout of the DP size that saved"),
+        (["parallel.dp=3"], "parallel.dp=3 must be null"),
+        (["checkpoint.resume=false"], "every resize restores"),
+        (["launch.slurm.min_nodes=2"], "replaces launch.slurm.min_nodes"),
+        (["launch.standby=true"], "launch.standby=true"),
+        (["launch.min_nodes=4"], "launch.min_nodes=4 must be between 1 and launch.nodes=3"),
+    ],
+)
+def test_an_elastic_run_that_cannot_resize_is_refused_with_the_reason(
+    overrides: list[str], expected: str
+) -> None:
+    load_config(["recipe=gpt_tiny", *ELASTIC])  # the base composes
+    with pytest.raises(ConfigError, match=expected):
+        load_config(["recipe=gpt_tiny", *ELASTIC, *overrides])
+
+
+def test_an_elastic_layout_must_train_at_every_size_down_to_the_minimum() -> None:
+    # gbs 3 / mbs 1 trains on 3 nodes (dp 3) but not on 2 (dp 2): refused before any
+    # process starts, by the same check through the CLI (exit 2, one line)
+    from launch.common import plan_launch
+
+    sizes = ["launch.nodes=3", "launch.min_nodes=2", "launch.nproc_per_node=1",
+             "train.global_batch_size=3", "train.micro_batch_size=1"]  # fmt: skip
+    expected = "launch.min_nodes=2: at 2 node(s) x 1 ranks"
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        plan_launch(["recipe=gpt_tiny", *ELASTIC, *sizes])
+    plan_launch(["recipe=gpt_tiny", *ELASTIC, *sizes, "launch.min_nodes=3", "launch.nodes=4",
+                 "train.global_batch_size=12"])  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch", "local", "recipe=gpt_tiny", *ELASTIC, *sizes],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert expected in proc.stderr

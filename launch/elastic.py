@@ -1,0 +1,188 @@
+"""Elastic data parallelism on one machine: ``launch.nodes`` ft_launcher processes acting as
+nodes of one job (``parallel.elastic=true``).
+
+Each launcher joins one c10d rendezvous with ``--nnodes=launch.min_nodes:launch.nodes``;
+launcher 0 hosts its store. When a node is lost (its launcher and workers killed from
+outside), the survivors' workers fail on their next collective, their launchers restart them,
+and the rendezvous re-forms without the lost node once its keep-alive lapses (nvrx: 3 x 5 s):
+the trainer restores the newest committed step at the smaller DP, with the same global batch
+(more micro-batches per rank), sample order and LR schedule. Playing the cluster's part, the
+supervisor brings a lost node back after ``parallel.elastic_min_interval_s`` since the last
+resize; the waiting node makes the running launchers stop their workers (SIGTERM: an
+emergency save at the next step boundary) and the group re-forms at the larger size, which
+restores that save. Launcher 0 is never a victim here: it holds the store (on a cluster, the
+job's first node), and its exit is the job's.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from recipes.config.run import RunConfig
+
+log = logging.getLogger(__name__)
+# A waiting node must join within this much of the first one for the start to include it
+# (the launchers start together); a re-formed group waits as long after the lost node left.
+LAST_CALL_S = 5.0
+STOP_GRACE_S = 30.0
+# A lost node's keep-alive lapses after 3 x 5 s (nvrx), then the last call: a group that has
+# not re-formed by then will not without the node.
+REFORM_WAIT_S = 15.0 + LAST_CALL_S + 30.0
+# ft_launcher's line when its node joins a round: the group's size in nodes.
+_JOINED = re.compile(r"has joined round \d+ of the rendezvous .* in a world of size (\d+)")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def rendezvous_args(run: RunConfig, endpoint: str, rdzv_id: str, is_host: bool) -> list[str]:
+    """ft_launcher's arguments for one node of an elastic job (instead of ``--standalone``)."""
+    launch = run.launch
+    conf = f"is_host={int(is_host)},last_call_timeout={LAST_CALL_S:g}"
+    return [
+        f"--nnodes={launch.min_nodes}:{launch.nodes}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={rdzv_id}",
+        f"--rdzv-conf={conf}",
+    ]
+
+
+@dataclass
+class Node:
+    index: int
+    proc: subprocess.Popen[str] | None = None
+    pump: threading.Thread | None = None
+    lost_at: float | None = None
+    done: bool = False  # left with exit 0: the job finished
+    exits: list[int] = field(default_factory=list)
+
+
+class LocalNodes:
+    """Runs the nodes, brings lost ones back, and returns launcher 0's exit code."""
+
+    def __init__(
+        self,
+        run: RunConfig,
+        command: Callable[[list[str]], list[str]],
+        env: dict[str, str],
+        sink: Callable[[int, str], None],
+    ) -> None:
+        self.run, self.command, self.env, self.sink = run, command, env, sink
+        self.endpoint = f"127.0.0.1:{free_port()}"
+        self.rdzv_id = uuid.uuid4().hex[:12]
+        self.nodes = [Node(i) for i in range(run.launch.nodes)]
+        self.last_resize = time.monotonic()
+        self.group_nodes = 0  # nodes in the group launcher 0 last joined
+        self.stopping = threading.Event()
+
+    def start(self) -> None:
+        for node in self.nodes:
+            self._spawn(node)
+
+    def _spawn(self, node: Node) -> None:
+        rdzv = rendezvous_args(self.run, self.endpoint, self.rdzv_id, is_host=node.index == 0)
+        cmd = self.command(rdzv)
+        log.info("launch local: node %d: %s", node.index, " ".join(cmd))
+        node.proc = subprocess.Popen(
+            cmd,
+            env=self.env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            bufsize=1,
+            start_new_session=True,  # a node is killed from outside as a group of its own
+        )
+        node.lost_at = None
+        node.pump = threading.Thread(target=self._pump, args=(node,), daemon=True)
+        node.pump.start()
+
+    def _pump(self, node: Node) -> None:
+        """The node's output to the supervisor; a group formed at a new size restarts the
+        resize interval (it counts from when the group trains at that size)."""
+        assert node.proc is not None and node.proc.stdout is not None
+        for line in node.proc.stdout:
+            if node.index == 0 and (m := _JOINED.search(line)):
+                self.last_resize = time.monotonic()
+                self.group_nodes = int(m.group(1))
+            self.sink(node.index, line)
+
+    def wait(self) -> int:
+        """Until launcher 0 exits: lost nodes come back after the resize interval."""
+        host = self.nodes[0]
+        assert host.proc is not None
+        while host.proc.poll() is None:
+            for node in self.nodes[1:]:
+                self._tend(node)
+            time.sleep(0.2)
+        self.stopping.set()
+        self._stop_others()
+        if host.pump is not None:
+            host.pump.join(timeout=5)
+        return host.proc.returncode
+
+    def _tend(self, node: Node) -> None:
+        assert node.proc is not None
+        now = time.monotonic()
+        if node.lost_at is None:
+            code = node.proc.poll()
+            if code is None:
+                return
+            node.exits.append(code)
+            node.lost_at = now
+            if code == 0:
+                node.done = True  # the job finished: the node left with it
+                return
+            log.warning(
+                "launch local: node %d lost (its launcher exited %d); it returns %.0f s after the "
+                "group re-forms without it (parallel.elastic_min_interval_s)",
+                node.index,
+                code,
+                self.run.parallel.elastic_min_interval_s,
+            )
+            return
+        if not node.done and self._may_return(node, now):
+            log.warning(
+                "launch local: node %d returns; the group grows at its next step", node.index
+            )
+            self.last_resize = now
+            self._spawn(node)
+
+    def _may_return(self, node: Node, now: float) -> bool:
+        """A lost node returns once the group has trained without it for the resize interval
+        (re-formed smaller after the loss), or, where it never re-forms (fewer nodes than
+        launch.min_nodes left), after the interval plus the rendezvous' own wait."""
+        assert node.lost_at is not None
+        interval = self.run.parallel.elastic_min_interval_s
+        reformed = self.last_resize > node.lost_at and self.group_nodes < len(self.nodes)
+        if reformed:
+            return now - self.last_resize >= interval
+        return now - node.lost_at >= interval + REFORM_WAIT_S
+
+    def _stop_others(self) -> None:
+        live = [n.proc for n in self.nodes[1:] if n.proc is not None and n.proc.poll() is None]
+        for proc in live:
+            proc.terminate()
+        deadline = time.monotonic() + STOP_GRACE_S
+        for proc in live:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def signal_all(self, signum: int) -> None:
+        for node in self.nodes:
+            if node.proc is not None and node.proc.poll() is None:
+                node.proc.send_signal(signum)
