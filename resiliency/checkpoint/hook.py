@@ -25,6 +25,7 @@ from resiliency.checkpoint.local.tier import LocalTier
 from resiliency.checkpoint.restore.load import EarlyLoad, read_shards
 from resiliency.checkpoint.restore.plan import RestorePlan, plan_restore, reads_shards_early
 from resiliency.checkpoint.restore.resume_policy import ResumeDecision, reconcile
+from resiliency.checkpoint.restore.topology import resize_of
 from resiliency.checkpoint.write.async_writer import SpawnedWriterQueue
 from resiliency.checkpoint.write.shard_writer import writer_checksums
 from resiliency.storage.object_retry import ObjectStoreUnavailable
@@ -207,6 +208,11 @@ class CheckpointHook(TrainHook):
             local_dir=self.cfg.local.dir if self.local else None,
             config_changes=self.decision.record() if self.decision else None,
             corpus_changes=self.plan.corpus_changes if self.plan else None,
+            resized=(
+                resize_of(self.plan.manifest, self.env.world_size, self.dp)
+                if self.plan is not None and restored is not None
+                else None
+            ),
         )
 
     def _read_early(self, trainer: "TrainerView") -> EarlyLoad | None:

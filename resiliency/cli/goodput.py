@@ -10,6 +10,7 @@ from pretrain.context.run_dir import RunDir
 from resiliency.cli.base import EXIT_OK, EXIT_USAGE, Command
 from resiliency.monitor.goodput import build_ledger, format_ledger
 from resiliency.monitor.recovery import format_recovery, recoveries
+from resiliency.monitor.resizes import format_resizes, resizes, throughput_by_size
 
 
 def _add_args(parser: argparse.ArgumentParser) -> None:
@@ -22,12 +23,16 @@ def cmd_goodput(args: argparse.Namespace) -> int:
         print(f"error: {args.run_dir} is not a run dir (no attempts/ in it)")
         return EXIT_USAGE
     ledger, faults = build_ledger(args.run_dir), recoveries(args.run_dir)
+    resized, sizes = resizes(args.run_dir), throughput_by_size(args.run_dir)
     if args.json:
-        print(json.dumps({**ledger.to_dict(), "recoveries": faults}, indent=1))
+        report = {**ledger.to_dict(), "recoveries": faults, "resizes": resized, "sizes": sizes}
+        print(json.dumps(report, indent=1))
         return EXIT_OK
     print(format_ledger(ledger))
     for attempt, rto in faults.items():
         print(format_recovery(attempt, rto))
+    if resized or len(sizes) > 1:
+        print(format_resizes(resized, sizes))
     return EXIT_OK
 
 
@@ -39,6 +44,7 @@ COMMANDS = {
         epilog="Categories: productive, lost (recomputed), checkpoint_save, evaluation, "
         "startup, restore, downtime (between attempts), other; they add up to the wall time. "
         "Then, per fault, its recovery ledger: detection, teardown, spawn, imports, process "
-        "group, setup, model build, restore read and load, first step, and the work lost.",
+        "group, setup, model build, restore read and load, first step, and the work lost; "
+        "for an elastic run (parallel.elastic), each resize and the throughput at each size.",
     ),
 }

@@ -333,3 +333,17 @@ def _options(report: TopologyReport) -> list[str]:
 def scale_lr(value: float, saved_batch: int, target_batch: int, rule: str) -> float:
     ratio = target_batch / saved_batch
     return {"none": value, "linear": value * ratio, "sqrt": value * ratio**0.5}[rule]
+
+
+def resize_of(manifest: Manifest, world_size: int, dp: int) -> dict[str, Any] | None:
+    """The attempt record's ``resized`` field: the restored step's size and this one, when
+    they differ (None when they do not)."""
+    saved_dp = manifest.parallelism.get("dp")
+    if manifest.world_size == world_size and saved_dp in (None, dp):
+        return None
+    return {
+        "kind": "grow" if world_size > manifest.world_size else "shrink",
+        "from": {"world_size": manifest.world_size, "dp": saved_dp},
+        "to": {"world_size": world_size, "dp": dp},
+        "step": manifest.step,
+    }
