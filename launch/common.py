@@ -59,6 +59,19 @@ def plan_launch(
     return LaunchPlan(run, list(overrides), Path(run.output_dir) / run.run_id, device, dp)
 
 
+def refuse_elastic(plan: LaunchPlan, launcher: str) -> None:
+    """parallel.elastic resizes inside one job under ``launch local`` (CPU) only so far: any
+    other launcher would silently run a fixed-size job, so it is refused with the ways it does
+    shrink."""
+    if not plan.run.parallel.elastic:
+        return
+    raise ConfigError(
+        f"parallel.elastic=true: launch {launcher} does not resize inside a job yet (launch "
+        "local does); set parallel.elastic=false, and for a job that outlives a lost node use "
+        "launch.slurm.min_nodes (shrink at a requeue) or launch.slurm.spare_nodes (hot spares)"
+    )
+
+
 def shrink_sizes(run: RunConfig) -> tuple[str, list[int]]:
     """The node counts below launch.nodes the job may train at, and the key that allows them
     (parallel.elastic's launch.min_nodes, or launch.slurm.min_nodes at a requeue)."""

@@ -26,6 +26,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import psutil
+
 from recipes.config.run import RunConfig
 
 log = logging.getLogger(__name__)
@@ -46,10 +48,25 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def nodes_it_may_lose(run: RunConfig) -> int:
+    """Restarts a launch adds to each launcher's budget: a lost node fails the survivors'
+    workers once (the launcher restarts them at the smaller size)."""
+    return run.launch.nodes - (run.launch.min_nodes or run.launch.nodes)
+
+
+def join_timeout_s(run: RunConfig) -> float:
+    """How long a node waits for the group to form: longer than a lost node takes to return
+    (the resize interval plus the re-form wait), or the survivors would give up first."""
+    return max(900.0, run.parallel.elastic_min_interval_s + REFORM_WAIT_S + 300.0)
+
+
 def rendezvous_args(run: RunConfig, endpoint: str, rdzv_id: str, is_host: bool) -> list[str]:
     """ft_launcher's arguments for one node of an elastic job (instead of ``--standalone``)."""
     launch = run.launch
-    conf = f"is_host={int(is_host)},last_call_timeout={LAST_CALL_S:g}"
+    conf = (
+        f"is_host={int(is_host)},last_call_timeout={LAST_CALL_S:g},"
+        f"join_timeout={join_timeout_s(run):.0f}"
+    )
     return [
         f"--nnodes={launch.min_nodes}:{launch.nodes}",
         "--rdzv-backend=c10d",
@@ -85,7 +102,7 @@ class LocalNodes:
         self.nodes = [Node(i) for i in range(run.launch.nodes)]
         self.last_resize = time.monotonic()
         self.group_nodes = 0  # nodes in the group launcher 0 last joined
-        self.stopping = threading.Event()
+        self.draining = False  # a signal was forwarded: nodes that exit are not lost
 
     def start(self) -> None:
         for node in self.nodes:
@@ -123,13 +140,11 @@ class LocalNodes:
         host = self.nodes[0]
         assert host.proc is not None
         while host.proc.poll() is None:
-            for node in self.nodes[1:]:
-                self._tend(node)
+            if not self.draining:
+                for node in self.nodes[1:]:
+                    self._tend(node)
             time.sleep(0.2)
-        self.stopping.set()
-        self._stop_others()
-        if host.pump is not None:
-            host.pump.join(timeout=5)
+        self.stop_all()
         return host.proc.returncode
 
     def _tend(self, node: Node) -> None:
@@ -170,8 +185,13 @@ class LocalNodes:
             return now - self.last_resize >= interval
         return now - node.lost_at >= interval + REFORM_WAIT_S
 
-    def _stop_others(self) -> None:
-        live = [n.proc for n in self.nodes[1:] if n.proc is not None and n.proc.poll() is None]
+    def stop_all(self) -> None:
+        """Every node still running: SIGTERM to its launcher (which stops its workers), then,
+        after a grace, SIGKILL to the launcher and everything under it (the workers run in
+        sessions of their own); then the output pumps are drained."""
+        self.draining = True
+        live = [n.proc for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+        trees = {proc.pid: _tree(proc.pid) for proc in live}
         for proc in live:
             proc.terminate()
         deadline = time.monotonic() + STOP_GRACE_S
@@ -179,10 +199,28 @@ class LocalNodes:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                pass
+        for family in trees.values():
+            for member in family:
+                try:
+                    member.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            psutil.wait_procs(family, timeout=10)
+        for node in self.nodes:
+            if node.pump is not None:
+                node.pump.join(timeout=5)
 
     def signal_all(self, signum: int) -> None:
+        self.draining = True  # the launchers stop on their own now: none of them is lost
         for node in self.nodes:
             if node.proc is not None and node.proc.poll() is None:
                 node.proc.send_signal(signum)
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return []

@@ -45,11 +45,12 @@ from launch.common import (
     worker_module,
     write_resolved_config,
 )
-from launch.elastic import LocalNodes
+from launch.elastic import LocalNodes, nodes_it_may_lose
 from launch.retry_policy import STOP, Decision, decide, newest_attempt, read_outcome
 from launch.standby.launch import Standby, standby_env
 from pretrain.context import exit_codes
 from pretrain.context.startup_clock import host_clock
+from recipes import ConfigError
 from resiliency.monitor.fault_tolerance import write_launcher_config
 from resiliency.monitor.health import describe, preflight
 from resiliency.monitor.postmortem import LauncherEvents, finalize_attempts, read_record
@@ -80,6 +81,11 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.nproc is not None:
         overrides = [*overrides, f"launch.nproc_per_node={args.nproc}"]
     plan = plan_launch(overrides)
+    if plan.run.parallel.elastic and plan.device == "cuda":
+        raise ConfigError(
+            "parallel.elastic=true under launch local runs on CPU only so far: every node "
+            "launcher on this machine would start its ranks on the same GPUs"
+        )
     check_run_dir_free(plan)
     check_remote_tier(plan)
     config = write_resolved_config(plan)
@@ -238,10 +244,14 @@ class LocalSupervisor:
         return report.ok
 
     def _restarts_used(self, before: int) -> int:
-        """Group starts so far (attempt records, or launches that left none) minus the first."""
+        """Group starts so far (attempt records, or launches that left none) minus the first;
+        with parallel.elastic, an attempt that began at a new size was a resize, not a retry."""
         if not self.events.launches:
             return 0
-        return max(len(self._attempts(before)), len(self.events.launches)) - 1
+        attempts = self._attempts(before)
+        if self.plan.run.parallel.elastic:
+            attempts = [a for a in attempts if not read_record(self.layout, a).get("resized")]
+        return max(len(attempts), len(self.events.launches)) - 1
 
     def _attempts(self, before: int) -> list[int]:
         return [a for a in recorded_attempts(self.layout) if a > before]
@@ -294,15 +304,19 @@ class LocalSupervisor:
         holder = [keep]
 
         def sink(index: int, line: str) -> None:
+            self.events.feed(line, time.time(), host_clock())  # unprefixed: its own stamp
             line = f"[node {index}] {line}"
-            self.events.feed(line, time.time(), host_clock())
             with self.keep_lock:
                 sys.stderr.write(line)
                 holder[0] = _keep_line(holder[0], line)
 
         nodes = LocalNodes(
             self.plan.run,
-            lambda rendezvous: launcher_command(self.plan, self.config, restarts, rendezvous),
+            # Each lost node fails the survivors' workers once (a restart of theirs); a grow
+            # does not count (torch elastic: a membership change is not a retry).
+            lambda rendezvous: launcher_command(
+                self.plan, self.config, restarts + nodes_it_may_lose(self.plan.run), rendezvous
+            ),
             env,
             sink,
         )
@@ -311,8 +325,11 @@ class LocalSupervisor:
             nodes.start()
             code = nodes.wait()
         finally:
+            nodes.stop_all()  # however this ends, no node outlives the launch
             self.nodes = None
-            _close_quietly(holder[0])
+            with self.keep_lock:
+                _close_quietly(holder[0])
+                holder[0] = None
         self.events.launches.append([started, time.time()])
         log.info("launch local: node 0's launcher exited %d", code)
         return code
@@ -351,7 +368,7 @@ def _keep_line(keep: IO[str] | None, line: str) -> IO[str] | None:
     try:
         keep.write(line)
         return keep
-    except OSError as exc:  # a full disk: the job's failure, not the launcher's
+    except (OSError, ValueError) as exc:  # a full disk (or closed): not the launcher's failure
         log.warning("launch local: stopped keeping %s: %s", LOG_NAME, exc)
         _close_quietly(keep)
         return None

@@ -65,7 +65,6 @@ def main(argv: list[str]) -> int:
         # Every rank composed the same config and found the same error: said once, by rank 0.
         log.log(logging.ERROR if _first_rank() else logging.DEBUG, "config error: %s", exc)
         return exit_codes.DATA if isinstance(exc, DataInputError) else exit_codes.CONFIG_ERROR
-    start_early(run)  # e.g. the checkpoint's files read ahead while torch imports
     # torch and megatron-core: not for --help/--cfg
     from pretrain.train.session import train
 
@@ -203,13 +202,13 @@ def _prepare(run: RunConfig) -> tuple[RunConfig, str, int]:
     run = resolve_save_interval(run)  # "auto" (a launcher pins the number it resolved)
     check_inputs(run)  # before torch, megatron-core and the process group
     check_environment(run)
+    # torchrun's environment, read here: torch is not imported yet
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    named = resolve_run_id(run, os.environ.get(LAUNCH_ID_ENV), world_size)
+    start_early(named)  # e.g. the checkpoint's files read ahead while torch imports
     # torch: not for --help/--cfg
     import torch
 
-    from pretrain.platform.distributed import launch_env
-
-    rank, world_size, _ = launch_env()
-    named = resolve_run_id(run, os.environ.get(LAUNCH_ID_ENV), world_size)
     device = resolve_device(run.train.device, torch.cuda.is_available())
     try:
         dp = validate_runtime(named, world_size, device)

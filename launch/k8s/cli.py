@@ -39,6 +39,7 @@ from launch.common import (
     check_run_dir_free,
     plan_launch,
     record_submission,
+    refuse_elastic,
     write_resolved_config,
 )
 from launch.k8s import api as k8s_api
@@ -99,6 +100,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
 def render_run(overrides: list[str]) -> tuple[LaunchPlan, Rendered]:
     """Plan, render and validate: everything short of writing or submitting."""
     plan = plan_launch(overrides, check_files=False)  # pod paths: checked against the mounts
+    refuse_elastic(plan, "k8s")
     submission = os.environ.get(SUBMISSION_ENV) or secrets.token_hex(4)
     rendered = render(plan, submission, code_commit())
     validate_objects(rendered.objects)

@@ -25,6 +25,7 @@ from launch.common import (
     check_run_dir_free,
     plan_launch,
     record_submission,
+    refuse_elastic,
     write_resolved_config,
 )
 from launch.slurm.manage import ACTIONS, manage
@@ -70,6 +71,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     # A dry run renders for a cluster whose file systems may not be mounted here: missing
     # inputs are reported, not fatal (a submission checks them).
     plan = _absolute_output_dir(plan_launch(overrides, not args.dry_run, time_limit=True))
+    refuse_elastic(plan, "slurm")
     if args.dry_run:
         _warn_on_missing_inputs(plan)
     check_run_dir_free(plan)

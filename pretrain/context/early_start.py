@@ -24,7 +24,12 @@ def start_early(run: RunConfig) -> None:
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     run_dir = Path(run.output_dir) / run.run_id
-    for entry in sorted(entry_points(group=EARLY_PROVIDERS), key=lambda e: e.name):
+    try:
+        providers = sorted(entry_points(group=EARLY_PROVIDERS), key=lambda e: e.name)
+    except Exception as exc:  # noqa: BLE001 - broken package metadata: no head start
+        log.warning("early start skipped: %s", exc)
+        return
+    for entry in providers:
         try:
             entry.load()(run, run_dir, rank, world_size)
         except Exception as exc:  # noqa: BLE001 - never fail a run for a head start

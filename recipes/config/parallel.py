@@ -23,7 +23,9 @@ class ParallelConfig:
     # LR schedule, and a returning node grows it back. Needs launch.backend=ft_launcher,
     # checkpoint.optim_format=fully_reshardable and parallel.dp=null.
     elastic: bool = False
-    elastic_min_interval_s: float = 300.0  # at most one resize (shrink or grow) per interval
+    # a returning node joins no sooner than this after the group last re-formed (a lost node
+    # shrinks the group at once)
+    elastic_min_interval_s: float = 300.0
 
     def __post_init__(self) -> None:
         positive(

@@ -93,6 +93,11 @@ class RunConfig:
             )
         if par.elastic:
             self._check_elastic()
+        require(
+            self.launch.min_nodes is None or par.elastic,
+            f"launch.min_nodes={self.launch.min_nodes} is the fewest nodes of an elastic job: "
+            "set parallel.elastic=true (or launch.slurm.min_nodes to shrink at a requeue)",
+        )
 
     def _check_elastic(self) -> None:
         """parallel.elastic: what a resize inside the job relies on, refused with the reason."""

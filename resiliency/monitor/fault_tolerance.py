@@ -367,11 +367,12 @@ class FaultToleranceHook(TrainHook):
 
 
 def _connection_error(exc: BaseException) -> BaseException | None:
-    """The closed-connection error behind ``exc`` (its cause or context chain), if any."""
+    """The peer-closed socket error behind ``exc`` (nvrx raises its client error while
+    handling it, so it is the context), if any."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
-        if isinstance(current, (ConnectionError, EOFError)):
+        if isinstance(current, (BrokenPipeError, ConnectionResetError)):
             return current
         seen.add(id(current))
         current = current.__cause__ or current.__context__
@@ -379,4 +380,6 @@ def _connection_error(exc: BaseException) -> BaseException | None:
 
 
 def _connection_closed(exc: BaseException) -> bool:
-    return _connection_error(exc) is not None
+    """nvrx's rank-monitor client failed because the other end closed the socket."""
+    client_error = type(exc).__name__ == "RankMonitorClientError"
+    return client_error and _connection_error(exc) is not None

@@ -169,6 +169,7 @@ ELASTIC = [
         (["launch.slurm.min_nodes=2"], "replaces launch.slurm.min_nodes"),
         (["launch.standby=true"], "launch.standby=true"),
         (["launch.min_nodes=4"], "launch.min_nodes=4 must be between 1 and launch.nodes=3"),
+        (["parallel.elastic=false"], "launch.min_nodes=1 is the fewest nodes of an elastic job"),
     ],
 )
 def test_an_elastic_run_that_cannot_resize_is_refused_with_the_reason(
@@ -197,3 +198,14 @@ def test_an_elastic_layout_must_train_at_every_size_down_to_the_minimum() -> Non
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert expected in proc.stderr
+
+
+@pytest.mark.parametrize("launcher", ["slurm", "k8s"])
+def test_a_launcher_that_cannot_resize_in_a_job_refuses_an_elastic_run(launcher: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch", launcher, "--dry-run", "recipe=gpt_tiny", *ELASTIC,
+         "launch.nodes=2", "launch.nproc_per_node=1"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"launch {launcher} does not resize inside a job yet" in proc.stderr
