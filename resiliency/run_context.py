@@ -38,6 +38,8 @@ class RunContext:
         self.info: dict[str, Any] = {}
         self.restored_step: int | None = None  # set by the checkpoint hook once restored
         self.fenced: str | None = None  # the lease was taken over: by whom (every rank)
+        # A terminal record that could not be written (a full disk): written again at close.
+        self.pending_record: tuple[str, dict[str, Any]] | None = None
 
     @classmethod
     def unowned(cls, layout: RunLayout, attempt: int) -> RunContext:

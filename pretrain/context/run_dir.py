@@ -22,7 +22,9 @@ decode (the torn last line of a killed writer).
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,10 +147,22 @@ class RunDir:
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    """One whole line at the end of ``path`` (its folder made if needed)."""
+    """One whole line at the end of ``path`` (its folder made if needed), or none: a write
+    the disk could not take whole (ENOSPC) is cut back off, so the next record does not land
+    on a torn line."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as stream:
-        stream.write(json.dumps(record) + "\n")
+    line = (json.dumps(record) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        end = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            if os.write(fd, line) != len(line):
+                raise OSError(errno.ENOSPC, f"{path}: only part of a line fitted")
+        except OSError:
+            os.ftruncate(fd, end)
+            raise
+    finally:
+        os.close(fd)
 
 
 def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:

@@ -680,6 +680,20 @@ class Checkpointer:
 
     def close(self) -> None:
         self._join_gc()
-        if self.queue is not None:
-            self.queue.close()
-            self.queue = None
+        if self.queue is None:
+            return
+        queue, self.queue = self.queue, None
+        try:
+            queue.close()  # finalizes what is still in flight
+        except SAVE_ERRORS as exc:
+            # The run is ending (a failure, often the same full disk, stopped it before this
+            # save's writer reported): the save's tmp dir goes, the published steps stay, and
+            # the hooks after this one (the attempt record, the lease) still close.
+            pending, self.pending = self.pending, None
+            if pending is not None:
+                shutil.rmtree(pending.tmp_dir, ignore_errors=True)
+            log.error(
+                "checkpoint: the save in flight failed as the run ended (%s); its tmp dir "
+                "was removed, the published steps are untouched",
+                str(exc).splitlines()[0][:300],
+            )

@@ -65,13 +65,20 @@ class OwnershipHook(TrainHook):
 
     def on_exception(self, trainer: TrainerView | None, exc: BaseException) -> None:
         failure = classify(exc)
-        self.ctx.record(
-            "fenced" if failure.kind == "lease" else "failed",
-            step=trainer.state.step if trainer is not None else None,
-            exit_code=failure.exit_code,
-            failure_class=failure.kind,
-            error=failure.message[:2000],
-        )
+        fields = {
+            "step": trainer.state.step if trainer is not None else None,
+            "exit_code": failure.exit_code,
+            "failure_class": failure.kind,
+            "error": failure.message[:2000],
+        }
+        status = "fenced" if failure.kind == "lease" else "failed"
+        try:
+            self.ctx.record(status, **fields)
+        except OSError:
+            # The disk that failed the run is full, perhaps with a save in flight: the end
+            # hook writes the record again once the checkpointer has closed (and removed it).
+            self.ctx.pending_record = (status, fields)
+            raise
 
 
 class OwnershipEndHook(TrainHook):
@@ -93,7 +100,14 @@ class OwnershipEndHook(TrainHook):
         self.ctx.record(status, step=trainer.state.step, exit_code=trainer.exit_code)
 
     def close(self) -> None:
-        self.ctx.release()
+        pending, self.ctx.pending_record = self.ctx.pending_record, None
+        try:
+            if pending is not None:
+                status, fields = pending
+                self.ctx.record(status, **fields)  # a failure here is logged by the session
+                log.info("attempt record: the failure written once the checkpointer closed")
+        finally:
+            self.ctx.release()
 
 
 def _probe(run: RunConfig) -> dict[str, Any] | None:

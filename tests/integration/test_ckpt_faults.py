@@ -186,7 +186,9 @@ def test_full_disk_fails_the_save_cleanly(
     assert all(verify_step_dir(layout.step_dir(s), "run").ok for s in (3, 6))
     record = json.loads(sorted(layout.attempts_dir.glob("*.json"))[-1].read_text())
     assert record["status"] == "failed" and record["failure_class"] == "checkpoint"
-    assert max(read_steps(small_disk / "run")) == (9 if mode == "sync" else 10)
+    # Async: the failure surfaces at step 10, whose own metrics line may be the write the
+    # full disk refuses (cut back off whole: no torn line in steps.jsonl).
+    assert max(read_steps(small_disk / "run")) in ((9,) if mode == "sync" else (9, 10))
 
 
 def test_killed_writer_process_fails_the_run_and_keeps_earlier_steps(

@@ -27,7 +27,7 @@ import pytest
 from tests.ft_helpers import env, launch_cmd
 from tests.helpers import REPO, read_steps, run_pretrain
 
-STEPS, SAVE_EVERY = 300, 10
+STEPS, SAVE_EVERY = 200, 10
 INTERVAL_S = 5.0
 # The elastic run trains part of the way at each size, so it strays from the full-size run by
 # no more than the sizes stray from each other, with room for where in the run that happens.
