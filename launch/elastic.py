@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import psutil
 
@@ -83,7 +83,6 @@ class Node:
     pump: threading.Thread | None = None
     lost_at: float | None = None
     done: bool = False  # left with exit 0: the job finished
-    exits: list[int] = field(default_factory=list)
 
 
 class LocalNodes:
@@ -154,7 +153,6 @@ class LocalNodes:
             code = node.proc.poll()
             if code is None:
                 return
-            node.exits.append(code)
             node.lost_at = now
             if code == 0:
                 node.done = True  # the job finished: the node left with it
