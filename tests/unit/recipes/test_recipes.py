@@ -180,7 +180,9 @@ def test_an_elastic_run_that_cannot_resize_is_refused_with_the_reason(
         load_config(["recipe=gpt_tiny", *ELASTIC, *overrides])
 
 
-def test_an_elastic_layout_must_train_at_every_size_down_to_the_minimum() -> None:
+def test_an_elastic_layout_must_train_at_every_size_down_to_the_minimum(
+    stdlib_corpus: str,
+) -> None:
     # gbs 3 / mbs 1 trains on 3 nodes (dp 3) but not on 2 (dp 2): refused before any
     # process starts, by the same check through the CLI (exit 2, one line)
     from launch.common import plan_launch
@@ -190,8 +192,10 @@ def test_an_elastic_layout_must_train_at_every_size_down_to_the_minimum() -> Non
     expected = "launch.min_nodes=2: at 2 node(s) x 1 ranks"
     with pytest.raises(ConfigError, match=re.escape(expected)):
         plan_launch(["recipe=gpt_tiny", *ELASTIC, *sizes])
+    # the accepted layout goes on to the input checks: it needs a dataset that exists (this
+    # test must not depend on `make corpus` having run before it)
     plan_launch(["recipe=gpt_tiny", *ELASTIC, *sizes, "launch.min_nodes=3", "launch.nodes=4",
-                 "train.global_batch_size=12"])  # fmt: skip
+                 "train.global_batch_size=12", f"data.paths=[{stdlib_corpus}]"])  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-m", "launch", "local", "recipe=gpt_tiny", *ELASTIC, *sizes],
         cwd=REPO, capture_output=True, text=True, timeout=120,
