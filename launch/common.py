@@ -60,15 +60,14 @@ def plan_launch(
 
 
 def refuse_elastic(plan: LaunchPlan, launcher: str) -> None:
-    """parallel.elastic resizes inside one job under ``launch local`` (CPU) only so far: any
-    other launcher would silently run a fixed-size job, so it is refused with the ways it does
-    shrink."""
+    """parallel.elastic resizes inside one job under ``launch local`` and ``launch slurm``
+    only so far: any other launcher would silently run a fixed-size job, so it is refused with
+    the ways it does resize."""
     if not plan.run.parallel.elastic:
         return
     raise ConfigError(
         f"parallel.elastic=true: launch {launcher} does not resize inside a job yet (launch "
-        "local does); set parallel.elastic=false, and for a job that outlives a lost node use "
-        "launch.slurm.min_nodes (shrink at a requeue) or launch.slurm.spare_nodes (hot spares)"
+        "local and launch slurm do); set parallel.elastic=false, or launch with slurm"
     )
 
 
@@ -98,8 +97,9 @@ def _check_shrunk_layout(run: RunConfig, device: str) -> None:
 
 def worker_module(run: RunConfig) -> str:
     """The module the launcher starts per rank: the trainer, or the worker entrypoint that
-    forks it from the standby and, with spare nodes, tells the launcher how it ended."""
-    wrapped = run.launch.standby or run.launch.slurm.spare_nodes > 0
+    forks it from the standby and, with spare nodes or elastic, tells the launcher how it
+    ended (launch.spares)."""
+    wrapped = run.launch.standby or run.launch.slurm.spare_nodes > 0 or run.parallel.elastic
     return "launch.standby.worker" if wrapped else "pretrain"
 
 

@@ -1,17 +1,19 @@
-"""Elastic data parallelism on one machine: ``launch.nodes`` ft_launcher processes acting as
-nodes of one job (``parallel.elastic=true``).
+"""Elastic data parallelism (``parallel.elastic=true``): the supervisor of a job's nodes.
 
-Each launcher joins one c10d rendezvous with ``--nnodes=launch.min_nodes:launch.nodes``;
-launcher 0 hosts its store. When a node is lost (its launcher and workers killed from
-outside), the survivors' workers fail on their next collective, their launchers restart them,
-and the rendezvous re-forms without the lost node once its keep-alive lapses (nvrx: 3 x 5 s):
-the trainer restores the newest committed step at the smaller DP, with the same global batch
-(more micro-batches per rank), sample order and LR schedule. Playing the cluster's part, the
-supervisor brings a lost node back after ``parallel.elastic_min_interval_s`` since the last
-resize; the waiting node makes the running launchers stop their workers (SIGTERM: an
-emergency save at the next step boundary) and the group re-forms at the larger size, which
-restores that save. Launcher 0 is never a victim here: it holds the store (on a cluster, the
-job's first node), and its exit is the job's.
+Under ``launch local`` each node is an ft_launcher process on this machine; under Slurm
+(:mod:`launch.slurm.elastic`) each is a one-node ``srun`` step of the job running that node's
+ft_launcher. Each launcher joins one c10d rendezvous with
+``--nnodes=launch.min_nodes:launch.nodes``; launcher 0 hosts its store. When a node is lost
+(its launcher and workers killed from outside), the survivors' workers fail on their next
+collective, their launchers restart them, and the rendezvous re-forms without the lost node
+once its keep-alive lapses (nvrx: 3 x 5 s): the trainer restores the newest committed step at
+the smaller DP, with the same global batch (more micro-batches per rank), sample order and LR
+schedule. The supervisor starts a lost node again ``parallel.elastic_min_interval_s`` after
+the group re-formed without it (under Slurm the node may have left the allocation: the new
+step then fails, and is tried again later); the waiting node makes the running launchers stop
+their workers (SIGTERM: an emergency save at the next step boundary) and the group re-forms
+at the larger size, which restores that save. Node 0 is never replaced: its launcher holds the
+rendezvous store, and its exit is the job's.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 
@@ -85,23 +88,37 @@ class Node:
     done: bool = False  # left with exit 0: the job finished
 
 
-class LocalNodes:
-    """Runs the nodes, brings lost ones back, and returns launcher 0's exit code."""
+class ElasticNodes:
+    """Runs the nodes, brings lost ones back, and returns node 0's exit code.
+
+    ``command(index, rendezvous)``: node ``index``'s command line, given its launcher's
+    rendezvous arguments. ``stopping()``: the job is being stopped as a whole (its nodes' ends
+    are not losses, and none returns). ``steps_log``: the run's per-step metrics file, which
+    grows with every step trained: a node returns only once the group trained at its new size
+    (a grow before the first step at the smaller size would waste that restart)."""
 
     def __init__(
         self,
         run: RunConfig,
-        command: Callable[[list[str]], list[str]],
+        command: Callable[[int, list[str]], list[str]],
         env: dict[str, str],
         sink: Callable[[int, str], None],
+        *,
+        endpoint: str | None = None,
+        rdzv_id: str | None = None,
+        stopping: Callable[[], bool] = lambda: False,
+        steps_log: Path | None = None,
     ) -> None:
         self.run, self.command, self.env, self.sink = run, command, env, sink
-        self.endpoint = f"127.0.0.1:{free_port()}"
-        self.rdzv_id = uuid.uuid4().hex[:12]
+        self.endpoint = endpoint or f"127.0.0.1:{free_port()}"
+        self.rdzv_id = rdzv_id or uuid.uuid4().hex[:12]
+        self.stopping = stopping
         self.nodes = [Node(i) for i in range(run.launch.nodes)]
+        self.steps_log = steps_log
         self.last_resize = time.monotonic()
-        self.group_nodes = 0  # nodes in the group launcher 0 last joined
-        self.draining = False  # a signal was forwarded: nodes that exit are not lost
+        self.steps_at_resize = self._steps_size()  # the metrics file's size then
+        self.group_nodes = 0  # nodes in the group node 0 last joined
+        self.draining = False  # the job is stopping: nodes that exit are not lost
 
     def start(self) -> None:
         for node in self.nodes:
@@ -109,8 +126,8 @@ class LocalNodes:
 
     def _spawn(self, node: Node) -> None:
         rdzv = rendezvous_args(self.run, self.endpoint, self.rdzv_id, is_host=node.index == 0)
-        cmd = self.command(rdzv)
-        log.info("launch local: node %d: %s", node.index, " ".join(cmd))
+        cmd = self.command(node.index, rdzv)
+        log.info("elastic: node %d: %s", node.index, " ".join(cmd))
         node.proc = subprocess.Popen(
             cmd,
             env=self.env,
@@ -131,14 +148,16 @@ class LocalNodes:
         for line in node.proc.stdout:
             if node.index == 0 and (m := _JOINED.search(line)):
                 self.last_resize = time.monotonic()
+                self.steps_at_resize = self._steps_size()
                 self.group_nodes = int(m.group(1))
             self.sink(node.index, line)
 
     def wait(self) -> int:
-        """Until launcher 0 exits: lost nodes come back after the resize interval."""
+        """Until node 0 exits: lost nodes come back after the resize interval."""
         host = self.nodes[0]
         assert host.proc is not None
         while host.proc.poll() is None:
+            self.draining = self.draining or self.stopping()
             if not self.draining:
                 for node in self.nodes[1:]:
                     self._tend(node)
@@ -158,7 +177,7 @@ class LocalNodes:
                 node.done = True  # the job finished: the node left with it
                 return
             log.warning(
-                "launch local: node %d lost (its launcher exited %d); it returns %.0f s after the "
+                "elastic: node %d lost (its launcher exited %d); it returns %.0f s after the "
                 "group re-forms without it (parallel.elastic_min_interval_s)",
                 node.index,
                 code,
@@ -166,22 +185,30 @@ class LocalNodes:
             )
             return
         if not node.done and self._may_return(node, now):
-            log.warning(
-                "launch local: node %d returns; the group grows at its next step", node.index
-            )
-            self.last_resize = now
+            log.warning("elastic: node %d returns; the group grows at its next step", node.index)
+            self.last_resize, self.steps_at_resize = now, self._steps_size()
             self._spawn(node)
 
     def _may_return(self, node: Node, now: float) -> bool:
-        """A lost node returns once the group has trained without it for the resize interval
-        (re-formed smaller after the loss), or, where it never re-forms (fewer nodes than
+        """A lost node returns once the group re-formed smaller after the loss, trained at that
+        size and the resize interval passed, or, where it never re-forms (fewer nodes than
         launch.min_nodes left), after the interval plus the rendezvous' own wait."""
         assert node.lost_at is not None
         interval = self.run.parallel.elastic_min_interval_s
         reformed = self.last_resize > node.lost_at and self.group_nodes < len(self.nodes)
         if reformed:
-            return now - self.last_resize >= interval
+            trained = self._steps_size() > self.steps_at_resize
+            waited = now - self.last_resize
+            # a group that re-formed but does not train lets the node back after the wait
+            return waited >= interval and (trained or waited >= interval + REFORM_WAIT_S)
         return now - node.lost_at >= interval + REFORM_WAIT_S
+
+    def _steps_size(self) -> int:
+        """Sizes, not times: the run dir may be on a file server with a clock of its own."""
+        try:
+            return self.steps_log.stat().st_size if self.steps_log is not None else 0
+        except OSError:
+            return 0
 
     def stop_all(self) -> None:
         """Every node still running: SIGTERM to its launcher (which stops its workers), then,

@@ -45,10 +45,11 @@ from launch.common import (
     worker_module,
     write_resolved_config,
 )
-from launch.elastic import LocalNodes, nodes_it_may_lose
+from launch.elastic import ElasticNodes, nodes_it_may_lose
 from launch.retry_policy import STOP, Decision, decide, newest_attempt, read_outcome
 from launch.standby.launch import Standby, standby_env
 from pretrain.context import exit_codes
+from pretrain.context.run_dir import RunDir
 from pretrain.context.startup_clock import host_clock
 from recipes import ConfigError
 from resiliency.monitor.fault_tolerance import write_launcher_config
@@ -190,7 +191,7 @@ class LocalSupervisor:
         self.events = LauncherEvents()
         self.signal: int | None = None
         self.child: subprocess.Popen[str] | None = None
-        self.nodes: LocalNodes | None = None  # parallel.elastic: the launchers acting as nodes
+        self.nodes: ElasticNodes | None = None  # parallel.elastic: the launchers acting as nodes
         self.keep_lock = threading.Lock()
         run = plan.run
         self.tokens_per_step = run.tokens_per_step
@@ -310,15 +311,16 @@ class LocalSupervisor:
                 sys.stderr.write(line)
                 holder[0] = _keep_line(holder[0], line)
 
-        nodes = LocalNodes(
+        nodes = ElasticNodes(
             self.plan.run,
             # Each lost node fails the survivors' workers once (a restart of theirs); a grow
             # does not count (torch elastic: a membership change is not a retry).
-            lambda rendezvous: launcher_command(
+            lambda _index, rendezvous: launcher_command(
                 self.plan, self.config, restarts + nodes_it_may_lose(self.plan.run), rendezvous
             ),
             env,
             sink,
+            steps_log=RunDir(self.plan.run_dir).steps_metrics,
         )
         self.nodes = nodes
         try:

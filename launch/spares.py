@@ -22,6 +22,11 @@ node's launcher over ft_launcher's own control socket (``FT_LAUNCHER_IPC_SOCKET`
 - anything else (a lost peer, a stop asked for by the launcher) -> nothing: the launchers
   restart the ranks in the job.
 
+An elastic job under Slurm (``parallel.elastic``, :mod:`launch.slurm.elastic`) uses the same
+report without the spares: a planned stop or a "do not retry" end shuts the node's launcher
+down, and a killed worker is restarted in place (a lost node is a lost launcher; the job goes
+on at the smaller size until it returns).
+
 Standard library only until a request is sent (the worker entrypoint starts every rank).
 """
 
@@ -39,6 +44,7 @@ from pretrain.context import exit_codes
 from pretrain.context.run_dir import RunDir
 
 SPARES_ENV = "MCORE_RECIPES_SPARE_NODES"  # the job's spare nodes; unset or 0: no spares
+ELASTIC_ENV = "MCORE_RECIPES_ELASTIC"  # "1": an elastic job's node (no spares to exclude to)
 RUN_DIR_ENV = "MCORE_RECIPES_RUN_DIR"
 IPC_ENV = "FT_LAUNCHER_IPC_SOCKET"  # set by ft_launcher for its ranks
 STORE_NODE_ENV = "MCORE_RECIPES_STORE_NODE"  # the node whose launcher hosts the store
@@ -52,7 +58,9 @@ NODE_FAULT_SIGNALS = frozenset(
 
 
 def enabled() -> bool:
-    return _spares() > 0 and bool(os.environ.get(IPC_ENV))
+    """The worker's end is reported to its launcher: a job with spares, or an elastic one."""
+    reporting = _spares() > 0 or os.environ.get(ELASTIC_ENV) == "1"
+    return reporting and bool(os.environ.get(IPC_ENV))
 
 
 def decide(status: int, stopped: bool, job_stopping: bool) -> str | None:
@@ -68,11 +76,14 @@ def decide(status: int, stopped: bool, job_stopping: bool) -> str | None:
 
 
 def after_worker(status: int, stopped: bool, rank: int) -> None:
-    """Tell this node's launcher what the worker's end means (a no-op without spares)."""
+    """Tell this node's launcher what the worker's end means (a no-op without spares or
+    elastic)."""
     if not enabled():
         return
     run_dir, job = RunDir(Path(os.environ.get(RUN_DIR_ENV, "."))), job_key()
     action = decide(status, stopped, run_dir.job_stopping_mark(job).exists())
+    if action == EXCLUDE and _spares() == 0:
+        action = None  # elastic without spares: the launcher restarts the worker in place
     if action == EXCLUDE:
         try:
             why = _claim(run_dir, job, status, rank)

@@ -25,7 +25,6 @@ from launch.common import (
     check_run_dir_free,
     plan_launch,
     record_submission,
-    refuse_elastic,
     write_resolved_config,
 )
 from launch.slurm.manage import ACTIONS, manage
@@ -65,13 +64,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _refuse_elastic_in_a_container(plan: LaunchPlan) -> None:
+    """parallel.elastic's supervisor runs on the batch node with the submitting venv's python
+    and starts an ``srun`` step per node: inside a container step there is no srun."""
+    run = plan.run
+    if run.parallel.elastic and run.launch.slurm.container_image:
+        raise ConfigError(
+            "parallel.elastic=true does not run with launch.slurm.container_image yet (the "
+            "batch node's supervisor starts one srun step per node with the submitting venv); "
+            "drop the image, or set parallel.elastic=false and use launch.slurm.min_nodes or "
+            "launch.slurm.spare_nodes"
+        )
+
+
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if overrides and overrides[0] in ACTIONS:
         return manage(overrides[0], overrides[1:], args.tail)
     # A dry run renders for a cluster whose file systems may not be mounted here: missing
     # inputs are reported, not fatal (a submission checks them).
     plan = _absolute_output_dir(plan_launch(overrides, not args.dry_run, time_limit=True))
-    refuse_elastic(plan, "slurm")
+    _refuse_elastic_in_a_container(plan)
     if args.dry_run:
         _warn_on_missing_inputs(plan)
     check_run_dir_free(plan)

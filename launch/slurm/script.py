@@ -16,6 +16,8 @@ from string import Template
 
 from launch import spares
 from launch.common import rank_env, uploader_args, worker_module
+from launch.elastic import nodes_it_may_lose
+from launch.slurm import elastic
 from launch.standby.protocol import SOCKET_ENV
 from launch.standby.protocol import address as standby_address
 from pretrain.context import exit_codes
@@ -87,13 +89,10 @@ def render_sbatch(run: RunConfig, inputs: ScriptInputs) -> str:
         or "# (no layout-specific environment)",
         "shutdown_timeout": str(math.ceil(run.resiliency.emergency_save_timeout_s) + STEP_SLACK_S),
         "passthrough": _passthrough_lines(slurm.env_passthrough),
-        "srun_args": _srun_args(run, inputs),
-        "launcher": _launcher(run, inputs),
-        "nnodes": _nnodes(run),
+        "train_step": _train_step(run, inputs),
         "tokens_per_step": str(run.tokens_per_step),
         **_spare_values(run),
         "nproc": str(launch.nproc_per_node),
-        "worker_module": worker_module(run),
         **_health_values(run, inputs),
         **_standby_values(run, inputs),
         "uploader_start": _uploader_start(run, inputs),
@@ -132,6 +131,13 @@ def _standby_values(run: RunConfig, inputs: ScriptInputs) -> dict[str, str]:
 
 def _nodes_lines(run: RunConfig) -> list[str]:
     spare = run.launch.slurm.spare_nodes
+    if run.parallel.elastic:
+        return [
+            f"#SBATCH --nodes={run.launch.nodes}",
+            f"# parallel.elastic: the job trains on as few as {run.launch.min_nodes} node(s);",
+            "# Slurm must not end it when one of its nodes fails",
+            "#SBATCH --no-kill",
+        ]
     if not spare:
         return [f"#SBATCH --nodes={run.launch.nodes}"]
     return [
@@ -153,17 +159,68 @@ def _spare_values(run: RunConfig) -> dict[str, str]:
     """With spares every node's worker entrypoint reports how its worker ended (launch.spares),
     the batch shell marks a planned stop of the job, and srun lets a node's launcher leave."""
     spare = run.launch.slurm.spare_nodes
-    if not spare:
+    if not spare and not run.parallel.elastic:
         return {"spares_env": "# (no spare nodes)", "mark_stopping": "", "store_node": ""}
-    mark = str(RunDir(Path("$RUN_DIR")).job_stopping_mark("${SLURM_JOB_ID}-${RESTART}"))
+    mark = _stopping_mark()
+    if spare:
+        report = f"{spares.SPARES_ENV}={spare}"
+        store_node = (
+            "# the first node's launcher hosts the store: with spares it never leaves\n"
+            f'export {spares.STORE_NODE_ENV}="$MASTER_NODE"\n'
+        )
+    else:  # parallel.elastic: the same report, without spares to leave for
+        report, store_node = f"{spares.ELASTIC_ENV}=1", ""
     return {
-        "spares_env": f'export {spares.SPARES_ENV}={spare} {spares.RUN_DIR_ENV}="$RUN_DIR"',
+        "spares_env": f'export {report} {spares.RUN_DIR_ENV}="$RUN_DIR"',
         # In the trap, under `set -e`: a failed mark must not end the shell before the save.
         "mark_stopping": f'    {{ mkdir -p "$(dirname "{mark}")" && touch "{mark}"; }} '
         '|| echo "warning: cannot mark the job stopping"\n',
-        "store_node": "# the first node's launcher hosts the store: with spares it never leaves\n"
-        f'export {spares.STORE_NODE_ENV}="$MASTER_NODE"\n',
+        "store_node": store_node,
     }
+
+
+def _train_step(run: RunConfig, inputs: ScriptInputs) -> str:
+    """The training command, started in the background: one ``srun`` step with a launcher on
+    every node, or, with parallel.elastic, the supervisor of one step per node."""
+    tail = f'-m {worker_module(run)} --config "$CONFIG" &'
+    if not run.parallel.elastic:
+        return (
+            f"srun {_srun_args(run, inputs)} \\\n"
+            f'        bash -c \'trap "" TERM USR1; {_standby_values(run, inputs)["standby_start"]}'
+            'exec "$@"\' launcher \\\n'
+            f"        {_launcher(run, inputs)} --nnodes={_nnodes(run)} "
+            f"--nproc-per-node={run.launch.nproc_per_node} \\\n"
+            '        --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" '
+            '--rdzv-id="$SLURM_JOB_ID" \\\n'
+            f"        {tail}"
+        )
+    step = [
+        "srun",
+        "--nodes=1",
+        "--ntasks=1",
+        f"--nodelist={elastic.NODE}",
+        f"--cpus-per-task={srun_cpus(run)}",
+        "--kill-on-bad-exit=0",
+        "--export=ALL",
+    ]
+    return (
+        "# parallel.elastic: a step of its own per node, started again on its node after it\n"
+        "    # ends (python -m launch.slurm.elastic); the first node's step is the job's\n"
+        f'    {_q(inputs.bin_dir / "python")} -m launch.slurm.elastic --config "$CONFIG" \\\n'
+        '        --nodes "$(scontrol show hostnames "$SLURM_JOB_NODELIST")" \\\n'
+        '        --endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$SLURM_JOB_ID" \\\n'
+        f'        --stop-mark "{_stopping_mark()}" -- \\\n'
+        f"        {' '.join(step)} \\\n"
+        '        bash -c \'trap "" TERM USR1; exec "$@"\' launcher \\\n'
+        f"        {_launcher(run, inputs)} {elastic.RENDEZVOUS} "
+        f"--nproc-per-node={run.launch.nproc_per_node} \\\n"
+        f"        {tail}"
+    )
+
+
+def _stopping_mark() -> str:
+    """The file the batch shell creates when Slurm warned it (the job stops as a whole)."""
+    return str(RunDir(Path("$RUN_DIR")).job_stopping_mark("${SLURM_JOB_ID}-${RESTART}"))
 
 
 def _health_values(run: RunConfig, inputs: ScriptInputs) -> dict[str, str]:
@@ -345,6 +402,10 @@ def _launcher(run: RunConfig, inputs: ScriptInputs) -> str:
     if run.launch.slurm.spare_nodes:
         # the ranks restart in the job (on a spare) instead of the job requeueing
         launcher += f" --max-restarts={max(run.resiliency.max_restarts, 1)}"
+    elif run.parallel.elastic:
+        # a lost node fails the survivors' workers once (their restart at the smaller size);
+        # a grow is a membership change, which torch elastic does not count
+        launcher += f" --max-restarts={run.resiliency.max_restarts + nodes_it_may_lose(run)}"
     return launcher
 
 
@@ -478,11 +539,7 @@ if [ -z "$SIGNALED_BY" ] && [ "$HEALTHY" = 1 ]; then
     # @@{nproc} rank(s) on the node. The ignore is inherited: the launcher survives Slurm's
     # signals and so do helper processes the ranks start early; the ranks install their own
     # handlers once training starts.
-    srun @@{srun_args} \
-        bash -c 'trap "" TERM USR1; @@{standby_start}exec "$@"' launcher \
-        @@{launcher} --nnodes=@@{nnodes} --nproc-per-node=@@{nproc} \
-        --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \
-        -m @@{worker_module} --config "$CONFIG" &
+    @@{train_step}
     SRUN_PID=$!
     # A trapped signal interrupts `wait` while srun still runs: keep waiting until it ends.
     while :; do

@@ -136,3 +136,16 @@ def test_without_spares_nothing_is_sent(launcher_socket, monkeypatch) -> None:
     monkeypatch.delenv(spares.IPC_ENV)  # torchrun, not ft_launcher: no control socket
     assert not spares.enabled()
     assert os.environ.get(spares.IPC_ENV) is None
+
+
+def test_an_elastic_node_reports_stops_but_never_leaves(launcher_socket, monkeypatch) -> None:
+    """parallel.elastic under Slurm, no spares: a killed worker is restarted in place (no claim,
+    no request); a planned stop and a "do not retry" end still end the node's launcher."""
+    receiver, run_dir = launcher_socket
+    monkeypatch.setenv(spares.SPARES_ENV, "0")
+    monkeypatch.setenv(spares.ELASTIC_ENV, "1")
+    spares.after_worker(_killed(signal.SIGKILL), stopped=False, rank=1)
+    assert _received(receiver, timeout=0.3) == [] and not run_dir.spares_dir.exists()
+    spares.after_worker(_exited(exit_codes.USER_CODE), stopped=False, rank=1)
+    [(_, request)] = _received(receiver)
+    assert request.action == WorkloadAction.ShutdownWorkload

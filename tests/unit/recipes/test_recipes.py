@@ -204,7 +204,7 @@ def test_an_elastic_layout_must_train_at_every_size_down_to_the_minimum(
     assert expected in proc.stderr
 
 
-@pytest.mark.parametrize("launcher", ["slurm", "k8s"])
+@pytest.mark.parametrize("launcher", ["k8s"])
 def test_a_launcher_that_cannot_resize_in_a_job_refuses_an_elastic_run(launcher: str) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "launch", launcher, "--dry-run", "recipe=gpt_tiny", *ELASTIC,
