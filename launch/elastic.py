@@ -27,10 +27,12 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 import psutil
 
+from recipes import ConfigError
 from recipes.config.run import RunConfig
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,34 @@ STOP_GRACE_S = 30.0
 REFORM_WAIT_S = 15.0 + LAST_CALL_S + 30.0
 # ft_launcher's line when its node joins a round: the group's size in nodes.
 _JOINED = re.compile(r"has joined round \d+ of the rendezvous .* in a world of size (\d+)")
+
+
+# The ft_launcher releases whose rendezvous behaves as this module expects (torch's c10d: a
+# membership change restarts the group without spending a restart; the join line above).
+# nvrx 0.7's barrier rendezvous logs its joins otherwise and spends a restart on every round.
+CHECKED_NVRX = ("0.4.",)
+
+
+def check_launcher_release(installed: str | None = None) -> None:
+    """ConfigError where the installed nvidia-resiliency-ext is not a release elastic runs
+    were checked on: a shrink or grow there would silently spend the restart budget."""
+    found = installed or metadata.version("nvidia-resiliency-ext")
+    if not found.startswith(CHECKED_NVRX):
+        raise ConfigError(
+            f"parallel.elastic=true runs on nvidia-resiliency-ext 0.4.x only so far (installed: "
+            f"{found}; its rendezvous spends a restart on every resize): launch from the "
+            "Python 3.11 environment (.venv), or set parallel.elastic=false"
+        )
+
+
+def workers_stop_timeout_s(run: RunConfig) -> float:
+    """ft_launcher's SIGTERM -> SIGKILL grace when it stops its workers. A grow stops a
+    healthy group, whose ranks make an emergency save first: with parallel.elastic the grace
+    covers that save and a step, or the grow would fall back to the last periodic save."""
+    grace = run.resiliency.ft.workers_stop_timeout_s
+    if run.parallel.elastic:
+        return max(grace, run.resiliency.emergency_save_timeout_s + 30.0)
+    return grace
 
 
 def free_port() -> int:
@@ -108,12 +138,13 @@ class ElasticNodes:
         rdzv_id: str | None = None,
         stopping: Callable[[], bool] = lambda: False,
         steps_log: Path | None = None,
+        count: int | None = None,
     ) -> None:
         self.run, self.command, self.env, self.sink = run, command, env, sink
         self.endpoint = endpoint or f"127.0.0.1:{free_port()}"
         self.rdzv_id = rdzv_id or uuid.uuid4().hex[:12]
         self.stopping = stopping
-        self.nodes = [Node(i) for i in range(run.launch.nodes)]
+        self.nodes = [Node(i) for i in range(count or run.launch.nodes)]
         self.steps_log = steps_log
         self.last_resize = time.monotonic()
         self.steps_at_resize = self._steps_size()  # the metrics file's size then
@@ -162,8 +193,19 @@ class ElasticNodes:
                 for node in self.nodes[1:]:
                     self._tend(node)
             time.sleep(0.2)
+        self.draining = True
+        # The others end with the job on their own (their last records, their launchers'
+        # teardown); where node 0 failed they wait on its store, so only briefly.
+        self._await_others(STOP_GRACE_S if host.proc.returncode == 0 else LAST_CALL_S)
         self.stop_all()
         return host.proc.returncode
+
+    def _await_others(self, grace: float) -> None:
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(
+            n.proc is not None and n.proc.poll() is None for n in self.nodes[1:]
+        ):
+            time.sleep(0.2)
 
     def _tend(self, node: Node) -> None:
         assert node.proc is not None
@@ -186,7 +228,6 @@ class ElasticNodes:
             return
         if not node.done and self._may_return(node, now):
             log.warning("elastic: node %d returns; the group grows at its next step", node.index)
-            self.last_resize, self.steps_at_resize = now, self._steps_size()
             self._spawn(node)
 
     def _may_return(self, node: Node, now: float) -> bool:

@@ -35,6 +35,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO
 
+from launch import spares
 from launch.common import (
     LaunchPlan,
     check_remote_tier,
@@ -45,7 +46,12 @@ from launch.common import (
     worker_module,
     write_resolved_config,
 )
-from launch.elastic import ElasticNodes, nodes_it_may_lose
+from launch.elastic import (
+    ElasticNodes,
+    check_launcher_release,
+    nodes_it_may_lose,
+    workers_stop_timeout_s,
+)
 from launch.retry_policy import STOP, Decision, decide, newest_attempt, read_outcome
 from launch.standby.launch import Standby, standby_env
 from pretrain.context import exit_codes
@@ -87,6 +93,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             "parallel.elastic=true under launch local runs on CPU only so far: every node "
             "launcher on this machine would start its ranks on the same GPUs"
         )
+    if plan.run.parallel.elastic:
+        check_launcher_release()
     check_run_dir_free(plan)
     check_remote_tier(plan)
     config = write_resolved_config(plan)
@@ -110,7 +118,7 @@ def launcher_command(
         *common,
         f"--max-restarts={restarts}",
         f"--monitor-interval={ft.check_interval_s}",
-        f"--workers-stop-timeout={ft.workers_stop_timeout_s:g}",
+        f"--workers-stop-timeout={workers_stop_timeout_s(run):g}",
         # SIGTERM -> SIGKILL grace: room for the ranks' emergency save.
         f"--term-timeout={run.resiliency.emergency_save_timeout_s + 30:.0f}",
         f"--ft-cfg-path={write_launcher_config(run, plan.run_dir)}",
@@ -318,7 +326,8 @@ class LocalSupervisor:
             lambda _index, rendezvous: launcher_command(
                 self.plan, self.config, restarts + nodes_it_may_lose(self.plan.run), rendezvous
             ),
-            env,
+            # the worker entrypoint tells its launcher to end on a "do not retry" exit
+            {**env, spares.ELASTIC_ENV: "1", spares.RUN_DIR_ENV: str(self.plan.run_dir)},
             sink,
             steps_log=RunDir(self.plan.run_dir).steps_metrics,
         )

@@ -27,6 +27,7 @@ from launch.common import (
     record_submission,
     write_resolved_config,
 )
+from launch.elastic import check_launcher_release
 from launch.slurm.manage import ACTIONS, manage
 from launch.slurm.script import ScriptInputs, render_sbatch, runs_image_code
 from pretrain.context.run_dir import RunDir
@@ -64,11 +65,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _refuse_elastic_in_a_container(plan: LaunchPlan) -> None:
+def _check_elastic(plan: LaunchPlan) -> None:
     """parallel.elastic's supervisor runs on the batch node with the submitting venv's python
     and starts an ``srun`` step per node: inside a container step there is no srun."""
     run = plan.run
-    if run.parallel.elastic and run.launch.slurm.container_image:
+    if not run.parallel.elastic:
+        return
+    check_launcher_release()
+    if run.launch.slurm.container_image:
         raise ConfigError(
             "parallel.elastic=true does not run with launch.slurm.container_image yet (the "
             "batch node's supervisor starts one srun step per node with the submitting venv); "
@@ -83,7 +87,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     # A dry run renders for a cluster whose file systems may not be mounted here: missing
     # inputs are reported, not fatal (a submission checks them).
     plan = _absolute_output_dir(plan_launch(overrides, not args.dry_run, time_limit=True))
-    _refuse_elastic_in_a_container(plan)
+    _check_elastic(plan)
     if args.dry_run:
         _warn_on_missing_inputs(plan)
     check_run_dir_free(plan)

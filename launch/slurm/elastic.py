@@ -53,12 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     run = load_config_file(args.config)
     names = args.nodes.split()
-    if len(names) != run.launch.nodes:
+    if not run.launch.min_nodes or not run.launch.min_nodes <= len(names) <= run.launch.nodes:
         log.error(
-            "elastic: the allocation has %d node(s) (%s), launch.nodes=%d: the job was resized "
-            "outside this launch; resubmit it",
+            "elastic: the allocation has %d node(s) (%s); launch.min_nodes=%s and "
+            "launch.nodes=%d allow no group on it: resubmit the job",
             len(names),
             " ".join(names),
+            run.launch.min_nodes,
             run.launch.nodes,
         )
         return 1
@@ -79,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         rdzv_id=args.rdzv_id,
         stopping=stop_mark.exists,
         steps_log=RunDir(Path(run.output_dir) / str(run.run_id)).steps_metrics,
+        count=len(names),  # a requeued job may hold fewer nodes than it asked for
     )
     # Slurm ends the job with TERM to every process of it (scancel, time limit): the steps
     # end on their own; none of them is lost.

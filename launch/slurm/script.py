@@ -16,7 +16,7 @@ from string import Template
 
 from launch import spares
 from launch.common import rank_env, uploader_args, worker_module
-from launch.elastic import nodes_it_may_lose
+from launch.elastic import nodes_it_may_lose, workers_stop_timeout_s
 from launch.slurm import elastic
 from launch.standby.protocol import SOCKET_ENV
 from launch.standby.protocol import address as standby_address
@@ -90,6 +90,7 @@ def render_sbatch(run: RunConfig, inputs: ScriptInputs) -> str:
         "shutdown_timeout": str(math.ceil(run.resiliency.emergency_save_timeout_s) + STEP_SLACK_S),
         "passthrough": _passthrough_lines(slurm.env_passthrough),
         "train_step": _train_step(run, inputs),
+        "after_train": _after_train(run),
         "tokens_per_step": str(run.tokens_per_step),
         **_spare_values(run),
         "nproc": str(launch.nproc_per_node),
@@ -215,6 +216,21 @@ def _train_step(run: RunConfig, inputs: ScriptInputs) -> str:
         f"        {_launcher(run, inputs)} {elastic.RENDEZVOUS} "
         f"--nproc-per-node={run.launch.nproc_per_node} \\\n"
         f"        {tail}"
+    )
+
+
+def _after_train(run: RunConfig) -> str:
+    """parallel.elastic: no node's step outlives the supervisor (killed, it would leave them
+    holding their nodes through the health check and the requeue)."""
+    if not run.parallel.elastic:
+        return ""
+    return (
+        "    # parallel.elastic: cancel any node step the supervisor left (it ends them itself\n"
+        "    # unless it was killed)\n"
+        '    for step in $(squeue -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null '
+        "| grep -E '[.][0-9]+$' || true); do\n"
+        '        scancel "$step" || echo "warning: cannot cancel step $step"\n'
+        "    done\n"
     )
 
 
@@ -398,7 +414,7 @@ def _launcher(run: RunConfig, inputs: ScriptInputs) -> str:
     if run.launch.backend == "ft_launcher":
         # ft_launcher refuses to start without its section/timeout config (written at submit).
         launcher += f" --ft-cfg-path={_q(inputs.run_dir / LAUNCHER_CONFIG_FILE)}"
-        launcher += f" --workers-stop-timeout={run.resiliency.ft.workers_stop_timeout_s:g}"
+        launcher += f" --workers-stop-timeout={workers_stop_timeout_s(run):g}"
     if run.launch.slurm.spare_nodes:
         # the ranks restart in the job (on a spare) instead of the job requeueing
         launcher += f" --max-restarts={max(run.resiliency.max_restarts, 1)}"
@@ -546,7 +562,7 @@ if [ -z "$SIGNALED_BY" ] && [ "$HEALTHY" = 1 ]; then
         wait "$SRUN_PID" && SRUN_RC=0 || SRUN_RC=$?
         kill -0 "$SRUN_PID" 2>/dev/null || break
     done
-    if [ -n "$REPEATER_PID" ]; then kill "$REPEATER_PID" 2>/dev/null || true; fi
+@@{after_train}    if [ -n "$REPEATER_PID" ]; then kill "$REPEATER_PID" 2>/dev/null || true; fi
     echo "[$(date +%T)] srun ended with $SRUN_RC (launcher codes carry no rank exit codes)"
 fi
 if [ -n "$UPLOADER_PID" ]; then

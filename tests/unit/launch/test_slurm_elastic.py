@@ -42,8 +42,11 @@ def test_the_batch_script_runs_one_supervised_step_per_node(tmp_path: Path) -> N
     assert "-m launch.slurm.elastic --config" in script
     assert "srun --nodes=1 --ntasks=1 --nodelist=@NODE@" in script
     assert f"{RENDEZVOUS} --nproc-per-node=1" in script and "--nnodes=" not in script
-    # resiliency.max_restarts (2) plus one restart per node the job may lose (2)
-    assert "--max-restarts=4" in script
+    # resiliency.max_restarts (2) plus one restart per node the job may lose (2); a grow's
+    # emergency save gets resiliency.emergency_save_timeout_s (120) and 30 s for its step
+    assert "--max-restarts=4" in script and "--workers-stop-timeout=150 " in script
+    # a supervisor killed from outside leaves no node step behind
+    assert 'squeue -h -s -j "$SLURM_JOB_ID"' in script
     # the worker entrypoint tells its launcher when the job stops (the batch shell's mark)
     assert "export MCORE_RECIPES_ELASTIC=1" in script and "-m launch.standby.worker" in script
     stop_mark = '--stop-mark "$RUN_DIR/attempts/spares/${SLURM_JOB_ID}-${RESTART}-stopping"'
@@ -72,3 +75,12 @@ def test_a_node_step_gets_its_node_and_its_rendezvous() -> None:
     assert node_command(step, "node7", rendezvous) == [
         "srun", "--nodelist=node7", "launcher", "--nnodes=1:2", "--rdzv-backend=c10d", "-m", "x",
     ]  # fmt: skip
+
+
+def test_an_unchecked_launcher_release_is_refused() -> None:
+    from launch.elastic import check_launcher_release
+    from recipes import ConfigError
+
+    check_launcher_release("0.4.1")
+    with pytest.raises(ConfigError, match=r"0\.4\.x only so far \(installed: 0\.7\.0;"):
+        check_launcher_release("0.7.0")
