@@ -44,7 +44,7 @@ from launch.common import (
 )
 from launch.k8s import api as k8s_api
 from launch.k8s.render import Rendered, render, to_manifest_yaml
-from launch.k8s.schema import validate_objects
+from launch.k8s.validate import validate_objects
 from pretrain.context import exit_codes
 from recipes import ConfigError
 from resiliency.storage.manifest import code_commit
@@ -122,6 +122,12 @@ def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
         _write(path, text)
         print(text, end="")
         return exit_codes.OK
+    if plan.run.launch.k8s.api == "trainjob":
+        raise ConfigError(
+            "launch.k8s.api=trainjob: submitting a TrainJob from here is not supported yet; "
+            "render it with --dry-run and apply the manifest with `kubectl apply -f` (it lists "
+            "the ClusterTrainingRuntime before the TrainJob that names it)"
+        )
     check_run_dir_free(plan)
     if not args.skip_remote_check:  # seconds at most: before the fit check's model plan
         check_remote_tier(plan)

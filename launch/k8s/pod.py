@@ -121,14 +121,20 @@ def local_host_path(k8s: K8sConfig, name: str) -> str:
 
 
 def pod_spec(
-    run: RunConfig, name: str, config_map: str, env: list[dict[str, Any]], fetch: bool = False
+    run: RunConfig,
+    name: str,
+    config_map: str,
+    env: list[dict[str, Any]],
+    fetch: bool = False,
+    container_name: str = CONTAINER,
 ) -> dict[str, Any]:
     """``fetch``: an init container brings the newest intact remote step into the shared dir
-    when none there verifies (the master's pod: the claim is shared)."""
+    when none there verifies (the master's pod: the claim is shared). ``container_name``: the
+    name the controller looks for (the training-operator's ``pytorch``, Trainer's ``node``)."""
     k8s = run.launch.k8s
     volumes, mounts = _volumes(run, name, config_map)
     container: dict[str, Any] = {
-        "name": CONTAINER,
+        "name": container_name,
         "image": k8s.image,
         "command": entry_command(run),
         "env": [dict(var) for var in env],

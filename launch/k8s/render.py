@@ -1,4 +1,6 @@
-"""Render one run as Kubernetes objects: a ConfigMap with the pinned config and a PyTorchJob.
+"""Render one run as Kubernetes objects: a ConfigMap with the pinned config and a PyTorchJob
+(or, with ``launch.k8s.api=trainjob``, a TrainJob and its ClusterTrainingRuntime:
+:mod:`launch.k8s.trainjob`).
 
 Pure functions of the validated config (no cluster access, no clock): the same plan, code commit
 and submission id always give the same objects, which is what the golden tests rely on.
@@ -14,6 +16,7 @@ from typing import Any
 import yaml
 
 from launch.common import LaunchPlan, rank_env, uploader_args
+from launch.k8s import trainjob
 from launch.k8s.pod import CONFIG_FILE, check_pod, pod_spec, remote_env_from
 from recipes import ConfigError, RunConfig, to_yaml
 from recipes.config.launch import K8sConfig
@@ -34,12 +37,15 @@ class Rendered:
     namespace: str
     pod_run: RunConfig  # the config the pods load: output_dir is the shared mount
     config_map: dict[str, Any]
-    job: dict[str, Any]
+    job: dict[str, Any]  # the PyTorchJob, or the TrainJob (launch.k8s.api)
     uploader: dict[str, Any] | None = None  # checkpoint.remote: a Deployment of its own
+    runtime: dict[str, Any] | None = None  # the TrainJob's ClusterTrainingRuntime
 
     @property
     def objects(self) -> list[dict[str, Any]]:
-        return [self.config_map, self.job, *([self.uploader] if self.uploader else [])]
+        """In the order they are created: the runtime before the TrainJob that names it."""
+        extra = [obj for obj in (self.runtime,) if obj]
+        return [self.config_map, *extra, self.job, *([self.uploader] if self.uploader else [])]
 
     @property
     def config_map_name(self) -> str:
@@ -69,9 +75,22 @@ def render(plan: LaunchPlan, submission: str, code_commit: str | None) -> Render
     cm_labels = {**labels, JOB_NAME_LABEL: name}
     config_map = render_config_map(cm_name, k8s.namespace, cm_labels, to_yaml(pod_run))
     env = _env(pod_run, name, submission, code_commit)
-    job = render_job(pod_run, name, labels, cm_name, env)
     uploader = render_uploader(pod_run, name, labels)
+    if k8s.api == "trainjob":
+        runtime = trainjob.render_runtime(
+            pod_run, name, {**labels_without_queue(labels), JOB_NAME_LABEL: name},
+            labels_without_queue(labels), cm_name, env,
+        )  # fmt: skip
+        job = trainjob.render_trainjob(pod_run, name, labels, runtime["metadata"]["name"])
+        return Rendered(name, k8s.namespace, pod_run, config_map, job, uploader, runtime)
+    job = render_job(pod_run, name, labels, cm_name, env)
     return Rendered(name, k8s.namespace, pod_run, config_map, job, uploader)
+
+
+def labels_without_queue(labels: dict[str, str]) -> dict[str, str]:
+    """Kueue admits the job as one workload; the queue label on anything else (its pods, where
+    Kueue's pod integration is on; the runtime) would queue it a second time."""
+    return {k: v for k, v in labels.items() if k != KUEUE_QUEUE_LABEL}
 
 
 def uploader_name(job: str) -> str:
@@ -104,7 +123,7 @@ def render_uploader(run: RunConfig, name: str, labels: dict[str, str]) -> dict[s
     }
     if k8s.image_pull_secrets:
         spec["imagePullSecrets"] = [{"name": secret} for secret in k8s.image_pull_secrets]
-    pod_labels = {k: v for k, v in labels.items() if k != KUEUE_QUEUE_LABEL}
+    pod_labels = labels_without_queue(labels)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -153,13 +172,23 @@ def _check_env(k8s: K8sConfig) -> None:
     bad = [key for key in k8s.env if not _ENV_NAME.fullmatch(str(key))]
     if bad:
         raise ConfigError(f"launch.k8s.env: {bad} are not valid environment variable names")
+    reserved = [key for key in k8s.env if str(key).startswith("PET_")]
+    if reserved:
+        raise ConfigError(
+            f"launch.k8s.env: {reserved} are set by the controller (the node's rank, the "
+            "group's size and address, which torchrun reads as PET_*): drop them"
+        )
 
 
 def job_name(run: RunConfig) -> str:
     """launch.k8s.job_name as given, else run_id made a DNS-1035 label short enough that the
-    operator's pod and service names (``<name>-worker-<i>``) stay within 63 characters."""
+    operator's pod and service names (``<name>-worker-<i>``; JobSet's
+    ``<name>-node-0-<i>-<5 random>``) stay within 63 characters."""
     nodes = run.launch.nodes
-    suffix = max("-master-0", f"-worker-{nodes - 2}" if nodes > 1 else "", key=len)
+    if run.launch.k8s.api == "trainjob":
+        suffix = f"-{trainjob.NODE}-0-{nodes - 1}-xxxxx"
+    else:
+        suffix = max("-master-0", f"-worker-{nodes - 2}" if nodes > 1 else "", key=len)
     limit = 63 - len(suffix)
     explicit = run.launch.k8s.job_name
     if explicit is not None:
@@ -216,9 +245,7 @@ def render_job(
     run: RunConfig, name: str, labels: dict[str, str], config_map: str, env: list[dict[str, Any]]
 ) -> dict[str, Any]:
     launch, k8s = run.launch, run.launch.k8s
-    # Kueue admits the job as one workload; the label on its pods would have Kueue's pod
-    # integration (where enabled) queue each pod a second time.
-    pod_labels = {k: v for k, v in labels.items() if k != KUEUE_QUEUE_LABEL}
+    pod_labels = labels_without_queue(labels)
     replicas = {"Master": _replica(1, run, name, pod_labels, config_map, env, fetch=True)}
     if launch.nodes > 1:
         replicas["Worker"] = _replica(launch.nodes - 1, run, name, pod_labels, config_map, env)

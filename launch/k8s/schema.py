@@ -34,7 +34,6 @@ from recipes import ConfigError
 
 CRD_ENV = "MCORE_RECIPES_PYTORCHJOB_CRD"
 CRD_FILE = "kubeflow.org_pytorchjobs.yaml"
-CRD_RESOURCE = ("schemas", CRD_FILE)  # package data of ``launch.k8s`` (pyproject package-data)
 
 REPLICA_TYPES = ("Master", "Worker")
 RESTART_POLICIES = ("Always", "OnFailure", "Never", "ExitCode")
@@ -58,22 +57,30 @@ def crd_path() -> Path:
     env = os.environ.get(CRD_ENV)
     if env:
         path = Path(env)
-        source = f"${CRD_ENV}"
-    else:
-        shipped = resources.files("launch.k8s").joinpath(*CRD_RESOURCE)
-        # A wheel installs unpacked, so this is a real file; a zipped install is not supported.
-        path = shipped if isinstance(shipped, Path) else Path(str(shipped))
-        source = "shipped with the package; reinstall mcore-recipes"
+        if not path.is_file():
+            raise ConfigError(
+                f"PyTorchJob CRD not found at {path} (${CRD_ENV}); manifests are validated "
+                f"against it before submission. Point {CRD_ENV} at a copy, e.g. "
+                f"`kubectl get crd pytorchjobs.kubeflow.org -o yaml > crd.yaml`"
+            )
+        return path
+    return shipped_crd(CRD_FILE)
+
+
+def shipped_crd(file: str) -> Path:
+    """A CRD shipped in this package (``launch/k8s/schemas/``)."""
+    shipped = resources.files("launch.k8s").joinpath("schemas", file)
+    # A wheel installs unpacked, so this is a real file; a zipped install is not supported.
+    path = shipped if isinstance(shipped, Path) else Path(str(shipped))
     if not path.is_file():
         raise ConfigError(
-            f"PyTorchJob CRD not found at {path} ({source}); manifests are validated against it "
-            f"before submission. Point {CRD_ENV} at a copy, e.g. "
-            f"`kubectl get crd pytorchjobs.kubeflow.org -o yaml > crd.yaml`"
+            f"CRD not found at {path} (shipped with the package; reinstall mcore-recipes); "
+            "manifests are validated against it before submission"
         )
     return path
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=8)
 def crd_schema(path: Path, version: str = "v1") -> dict[str, Any]:
     """The ``openAPIV3Schema`` of ``version`` in the CRD file at ``path``."""
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -134,9 +141,12 @@ def _unique_list_map_keys(
             seen.add(key)
 
 
-@functools.lru_cache(maxsize=4)
-def _validator(path: Path, pod_template: bool = False) -> Any:
-    """The CRD's schema, or (``pod_template``) the core PodTemplateSpec schema it embeds."""
+@functools.lru_cache(maxsize=8)
+def _validator(
+    path: Path, pod_template: bool = False, version: str = "v1", subpath: tuple[str, ...] = ()
+) -> Any:
+    """The CRD's schema, or (``pod_template``) the core PodTemplateSpec schema it embeds, or
+    the node at ``subpath`` (keys into the schema) of ``version``."""
     try:
         # optional k8s extra
         from jsonschema import Draft202012Validator, validators
@@ -145,10 +155,12 @@ def _validator(path: Path, pod_template: bool = False) -> Any:
             "the k8s adapter validates manifests with jsonschema: pip install 'mcore-recipes[k8s]'"
         ) from None
     strict = validators.extend(Draft202012Validator, {_LIST_MAP_KEYS: _unique_list_map_keys})
-    schema = crd_schema(path)
+    schema = crd_schema(path, version)
     if pod_template:
         replicas = schema["properties"]["spec"]["properties"]["pytorchReplicaSpecs"]
         schema = replicas["additionalProperties"]["properties"]["template"]
+    for key in subpath:
+        schema = schema[key]
     return strict(to_json_schema(schema))
 
 
@@ -166,12 +178,19 @@ def format_path(parts: Sequence[Any]) -> str:
 
 
 def schema_errors(
-    job: Mapping[str, Any], path: Path | None = None, pod_template: bool = False
+    job: Mapping[str, Any],
+    path: Path | None = None,
+    pod_template: bool = False,
+    *,
+    version: str = "v1",
+    subpath: tuple[str, ...] = (),
+    where: Sequence[str] = (),
 ) -> list[str]:
-    """Every place ``job`` (or a pod template) breaks the CRD schema, as ``path: message``."""
-    validator = _validator(path or crd_path(), pod_template)
+    """Every place ``job`` (or a pod template, or the part of an object at ``where`` checked
+    against the schema node at ``subpath``) breaks the CRD schema, as ``path: message``."""
+    validator = _validator(path or crd_path(), pod_template, version, subpath)
     lines = []
-    prefix = ["spec", "template"] if pod_template else []
+    prefix = ["spec", "template"] if pod_template else list(where)
     for error in validator.iter_errors(job):
         where = prefix + list(error.absolute_path)
         if error.validator == "additionalProperties" and error.validator_value is False:
@@ -200,7 +219,7 @@ def operator_errors(job: Mapping[str, Any]) -> list[str]:
             f"<root>: expected kubeflow.org/v1 PyTorchJob, got "
             f"{job.get('apiVersion')} {job.get('kind')}"
         )
-    errors += _metadata_errors(job.get("metadata", {}), "metadata", _DNS1035_LABEL, 63)
+    errors += metadata_errors(job.get("metadata", {}), "metadata", _DNS1035_LABEL, 63)
     spec = job.get("spec", {})
     if (
         spec.get("nprocPerNode") not in (None, "auto", "cpu", "gpu")
@@ -218,7 +237,7 @@ def operator_errors(job: Mapping[str, Any]) -> list[str]:
     return errors
 
 
-def _metadata_errors(
+def metadata_errors(
     meta: Mapping[str, Any], where: str, name_re: re.Pattern[str], max_len: int
 ) -> list[str]:
     errors = []
@@ -231,11 +250,11 @@ def _metadata_errors(
     namespace = meta.get("namespace", "")
     if not _DNS1123_LABEL.fullmatch(namespace) or len(namespace) > 63:
         errors.append(f"{where}.namespace: {namespace!r} is not a DNS-1123 label")
-    errors += _label_errors(meta.get("labels", {}), f"{where}.labels")
+    errors += label_errors(meta.get("labels", {}), f"{where}.labels")
     return errors
 
 
-def _label_errors(labels: Mapping[str, Any], where: str) -> list[str]:
+def label_errors(labels: Mapping[str, Any], where: str) -> list[str]:
     errors = []
     for key, value in labels.items():
         prefix, _, name = key.rpartition("/")
@@ -262,18 +281,22 @@ def _replica_errors(rtype: str, replica: Mapping[str, Any], where: str) -> list[
             f"{where}.restartPolicy: {replica['restartPolicy']!r} not in {list(RESTART_POLICIES)}"
         )
     template = replica.get("template", {})
-    errors += _label_errors(
+    errors += label_errors(
         template.get("metadata", {}).get("labels", {}), f"{where}.template.metadata.labels"
     )
-    return errors + _pod_errors(template.get("spec", {}), f"{where}.template.spec")
+    return errors + pod_errors(template.get("spec", {}), f"{where}.template.spec")
 
 
-def _pod_errors(pod: Mapping[str, Any], where: str) -> list[str]:
+def pod_errors(
+    pod: Mapping[str, Any], where: str, container_name: str = DEFAULT_CONTAINER
+) -> list[str]:
+    """A pod the controller runs: it needs its container named ``container_name``, volumes
+    its mounts name, absolute paths, valid environment names."""
     containers = pod.get("containers", [])
     errors = [] if containers else [f"{where}.containers: at least one container is required"]
-    if containers and DEFAULT_CONTAINER not in [c.get("name") for c in containers]:
+    if containers and container_name not in [c.get("name") for c in containers]:
         errors.append(
-            f"{where}.containers: the operator needs a container named {DEFAULT_CONTAINER!r}"
+            f"{where}.containers: the controller needs a container named {container_name!r}"
         )
     volumes = [v.get("name", "") for v in pod.get("volumes", [])]
     errors += [
@@ -314,7 +337,7 @@ def _container_errors(container: Mapping[str, Any], volumes: set[str], where: st
 def deployment_errors(deployment: Mapping[str, Any], path: Path | None = None) -> list[str]:
     """The uploader's Deployment: its pod template against the core PodTemplateSpec schema the
     CRD embeds, its containers like the job's, and a selector that matches its own pods."""
-    errors = _metadata_errors(deployment.get("metadata", {}), "metadata", _DNS1123_SUBDOMAIN, 253)
+    errors = metadata_errors(deployment.get("metadata", {}), "metadata", _DNS1123_SUBDOMAIN, 253)
     if deployment.get("apiVersion") != "apps/v1":
         errors.append(f"apiVersion: {deployment.get('apiVersion')!r}, expected 'apps/v1'")
     spec = deployment.get("spec", {})
@@ -333,30 +356,10 @@ def deployment_errors(deployment: Mapping[str, Any], path: Path | None = None) -
 
 def config_map_errors(config_map: Mapping[str, Any]) -> list[str]:
     """The core ConfigMap rules that matter here: name, keys, total size."""
-    errors = _metadata_errors(config_map.get("metadata", {}), "metadata", _DNS1123_SUBDOMAIN, 253)
+    errors = metadata_errors(config_map.get("metadata", {}), "metadata", _DNS1123_SUBDOMAIN, 253)
     data = config_map.get("data", {})
     errors += [f"data[{key!r}]: invalid key" for key in data if not _CONFIG_KEY.fullmatch(key)]
     size = sum(len(key) + len(str(value).encode()) for key, value in data.items())
     if size > CONFIG_MAP_MAX_BYTES:
         errors.append(f"data: {size} bytes exceeds the {CONFIG_MAP_MAX_BYTES}-byte limit")
     return errors
-
-
-def validate_objects(objects: Sequence[Mapping[str, Any]], path: Path | None = None) -> None:
-    """Raise ConfigError listing every problem in the rendered ConfigMap/PyTorchJob objects."""
-    problems = []
-    for obj in objects:
-        kind = obj.get("kind")
-        if kind == "PyTorchJob":
-            errors = schema_errors(obj, path) or operator_errors(obj)
-        elif kind == "ConfigMap":
-            errors = config_map_errors(obj)
-        elif kind == "Deployment":
-            errors = deployment_errors(obj, path)
-        else:
-            errors = [f"<root>: unexpected kind {kind!r}"]
-        problems += [f"{kind}: {line}" for line in errors]
-    if problems:
-        more = [f"... and {len(problems) - 20} more"] if len(problems) > 20 else []
-        shown = problems[:20] + more
-        raise ConfigError("rendered manifest is invalid:\n  " + "\n  ".join(shown))

@@ -88,6 +88,10 @@ class SlurmConfig:
 
 @dataclass(kw_only=True)
 class K8sConfig:
+    # pytorchjob: training-operator v1 (kubeflow.org/v1 PyTorchJob); trainjob: Kubeflow
+    # Trainer v2 (a trainer.kubeflow.org/v1alpha1 TrainJob on a ClusterTrainingRuntime of its
+    # own, a JobSet template: gang restart by the JobSet failure policy)
+    api: str = "pytorchjob"
     image: Optional[str] = None  # container image with this repo installed (pin by digest)
     namespace: str = "default"  # Kubernetes namespace
     job_name: Optional[str] = None  # None: derived from run_id
@@ -100,7 +104,7 @@ class K8sConfig:
     local_host_path: Optional[str] = None  # None: /var/lib/mcore-recipes/<namespace>/<job name>
     local_mount: str = "/local-ckpt"  # where the local tier is mounted in pods
     termination_grace_s: int = 180  # pod grace period: the emergency save's window
-    backoff_limit: int = 3  # PyTorchJob runPolicy.backoffLimit
+    backoff_limit: int = 3  # PyTorchJob runPolicy.backoffLimit; TrainJob: JobSet maxRestarts
     queue: Optional[str] = None  # gang scheduling queue (Volcano/Kueue)
     priority_class: Optional[str] = None  # pod priorityClassName
     # Per pod (one pod per node); requests are set equal to limits (Guaranteed QoS). Required
@@ -128,6 +132,7 @@ class K8sConfig:
     _EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 
     def __post_init__(self) -> None:
+        one_of("launch.k8s", "api", self.api, ("pytorchjob", "trainjob"))
         one_of("launch.k8s", "local_volume", self.local_volume, ("hostPath", "emptyDir"))
         require(
             self.local_host_path is None

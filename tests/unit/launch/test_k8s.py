@@ -23,8 +23,8 @@ from launch.k8s.schema import (
     operator_errors,
     schema_errors,
     to_json_schema,
-    validate_objects,
 )
+from launch.k8s.validate import validate_objects
 from pretrain.context import exit_codes
 from recipes import ConfigError
 from recipes.load import load_config_file

@@ -95,6 +95,22 @@ def test_installed_wheel_renders_and_validates_outside_the_repo(tmp_path: Path) 
     assert job["kind"] == "PyTorchJob" and config_map["kind"] == "ConfigMap"
     assert schema_errors(job, shipped) == [] and operator_errors(job) == []
     assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 7
+    # Kubeflow Trainer v2: every GPU recipe, against the CRDs the wheel ships (the TrainJob,
+    # the ClusterTrainingRuntime and the JobSet its template embeds)
+    for recipe in ("gpt_125m", "llama3_70b", "mixtral_8x7b"):
+        argv = [*RECIPES[recipe], *BASE, f"output_dir={tmp_path / 'runs'}", "--dry-run"]
+        proc = subprocess.run(
+            [sys.executable, "-m", "launch", "k8s", *argv, "launch.k8s.api=trainjob"], **run
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        kinds = [obj["kind"] for obj in yaml.safe_load_all(proc.stdout)]
+        assert kinds[:3] == ["ConfigMap", "ClusterTrainingRuntime", "TrainJob"], kinds
+    schemas = {p.name for p in (site / "launch" / "k8s" / "schemas").glob("*.yaml")}
+    assert {
+        "trainer.kubeflow.org_trainjobs.yaml",
+        "trainer.kubeflow.org_clustertrainingruntimes.yaml",
+        "jobset.x-k8s.io_jobsets.yaml",
+    } <= schemas
 
 
 # --- the in-pod wrapper -----------------------------------------------------------------------

@@ -1,0 +1,163 @@
+"""Kubeflow Trainer v2 (``launch.k8s.api=trainjob``): a TrainJob and the ClusterTrainingRuntime
+it runs on, rendered as pure functions of the validated config.
+
+Trainer v2 replaced the training-operator's PyTorchJob with a ``trainer.kubeflow.org/v1alpha1``
+TrainJob that references a runtime: a JobSet template. Each run gets a runtime of its own,
+named after its namespace and job (a ClusterTrainingRuntime is cluster-scoped), holding the
+same pod as the PyTorchJob's: Guaranteed QoS, GPUs and extended resources, ``/dev/shm``, the
+shared claim, the local tier, the health check, the entry point's exit-code mapping.
+
+Trainer's torch plugin configures the replicated job and the container named ``node`` (it
+sets ``PET_NNODES``, ``PET_NPROC_PER_NODE``, ``PET_NODE_RANK``, ``PET_MASTER_ADDR`` and
+``PET_MASTER_PORT`` there, which torchrun and ft_launcher read), and sizes the job from the
+TrainJob's ``trainer.numNodes``.
+
+How a failure is answered (the whole set restarts: the source document's safe default):
+
+  entry point's container exit            Job (podFailurePolicy)      JobSet (failurePolicy)
+  1-127: "do not retry", budget used up   FailJob, rule 0             FailJobSet
+  128+75, 128+15: a planned stop (drain)  FailJob, rule 1             RestartJobSet, uncounted
+  any other 128-255: infrastructure       BackoffLimitExceeded (0)    RestartJobSet, counted
+                                                                      (maxRestarts)
+
+JobSet matches a Job's failure reason and message, not exit codes, so the exit codes are
+turned into reasons by the Job's podFailurePolicy (the Job controller's message names the rule
+that matched: "... matching FailJob rule at index N").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from launch.k8s.pod import pod_spec
+from launch.torchrun import SIGNAL_BASE
+from pretrain.context import exit_codes
+from recipes import RunConfig
+
+GROUP = "trainer.kubeflow.org"
+API_VERSION = f"{GROUP}/v1alpha1"
+TRAINJOB, RUNTIME = "TrainJob", "ClusterTrainingRuntime"
+NODE = "node"  # the replicated job and the container Trainer's torch plugin configures
+ANCESTOR_LABEL = f"{GROUP}/trainjob-ancestor-step"  # marks the job that runs the trainer
+# Container exits the entry point (launch.k8s.entry) gives a planned stop: the agent stopped
+# by SIGTERM (a drain, an eviction) or the ranks' requeue code after an emergency save.
+PLANNED_EXITS = sorted({SIGNAL_BASE + 15, SIGNAL_BASE + exit_codes.REQUEUE})
+PERMANENT_EXITS = list(range(1, SIGNAL_BASE))  # the entry point's "do not retry" range
+DO_NOT_RETRY_RULE, PLANNED_RULE = 0, 1  # podFailurePolicy rule indexes
+
+
+def runtime_name(namespace: str, job: str) -> str:
+    """The run's own ClusterTrainingRuntime: cluster-scoped, so named by namespace and job."""
+    return f"{namespace}-{job}"
+
+
+def render_runtime(
+    run: RunConfig,
+    job: str,
+    labels: dict[str, str],
+    pod_labels: dict[str, str],
+    config_map: str,
+    env: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The ClusterTrainingRuntime: a JobSet template of one replicated job, ``node``, whose
+    Job runs one pod per node (Trainer sets the count from the TrainJob)."""
+    pod = pod_spec(run, job, config_map, env, container_name=NODE)
+    pod["restartPolicy"] = "Never"  # podFailurePolicy needs it; a failure restarts the set
+    if "initContainers" in pod:
+        pod["initContainers"] = [_first_node_only(c) for c in pod["initContainers"]]
+    job_spec = {
+        "completionMode": "Indexed",  # PET_NODE_RANK is the completion index
+        "backoffLimit": 0,  # a failed pod fails the Job: the JobSet restarts the whole set
+        "podFailurePolicy": pod_failure_policy(),
+        "template": {"metadata": {"labels": dict(pod_labels)}, "spec": pod},
+    }
+    return {
+        "apiVersion": API_VERSION,
+        "kind": RUNTIME,
+        "metadata": {"name": runtime_name(run.launch.k8s.namespace, job), "labels": labels},
+        "spec": {
+            "mlPolicy": {"numNodes": run.launch.nodes, "torch": {}},
+            "template": {
+                "spec": {
+                    "failurePolicy": failure_policy(run),
+                    "replicatedJobs": [
+                        {
+                            "name": NODE,
+                            "replicas": 1,
+                            "template": {
+                                "metadata": {"labels": {ANCESTOR_LABEL: "trainer"}},
+                                "spec": job_spec,
+                            },
+                        }
+                    ],
+                }
+            },
+        },
+    }
+
+
+def render_trainjob(
+    run: RunConfig, job: str, labels: dict[str, str], runtime: str
+) -> dict[str, Any]:
+    """The TrainJob: its size and its runtime. Kueue admits it by the queue label (and takes
+    its priority from the pods' priorityClassName); Kueue suspends it itself until then."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": TRAINJOB,
+        "metadata": {"name": job, "namespace": run.launch.k8s.namespace, "labels": labels},
+        "spec": {
+            "runtimeRef": {"name": runtime, "apiGroup": GROUP, "kind": RUNTIME},
+            "trainer": {
+                "numNodes": run.launch.nodes,
+                "numProcPerNode": run.launch.nproc_per_node,
+            },
+        },
+    }
+
+
+def pod_failure_policy() -> dict[str, Any]:
+    """Exit codes into Job failure reasons the JobSet's rules can match (module docstring)."""
+    return {
+        "rules": [
+            {
+                "action": "FailJob",
+                "onExitCodes": {"containerName": NODE, "operator": "In", "values": values},
+            }
+            for values in (PERMANENT_EXITS, PLANNED_EXITS)
+        ]
+    }
+
+
+def failure_policy(run: RunConfig) -> dict[str, Any]:
+    """The JobSet's answer to a failed Job: fail, restart uncounted, or restart counted."""
+    on_rule = "PodFailurePolicy"
+    return {
+        "maxRestarts": run.launch.k8s.backoff_limit,
+        "restartStrategy": "Recreate",
+        "rules": [
+            {
+                "name": "do_not_retry",
+                "action": "FailJobSet",
+                "onJobFailureReasons": [on_rule],
+                "onJobFailureMessagePatterns": [f"rule at index {DO_NOT_RETRY_RULE}$"],
+            },
+            {
+                "name": "planned_stop",
+                "action": "RestartJobSetAndIgnoreMaxRestarts",
+                "onJobFailureReasons": [on_rule],
+                "onJobFailureMessagePatterns": [f"rule at index {PLANNED_RULE}$"],
+            },
+            {
+                "name": "infrastructure",
+                "action": "RestartJobSet",
+                "onJobFailureReasons": ["BackoffLimitExceeded"],
+            },
+        ],
+    }
+
+
+def _first_node_only(container: dict[str, Any]) -> dict[str, Any]:
+    """An init container every pod of the Job shares, run by the first node's pod only (the
+    claim is shared: one fetch, as the PyTorchJob's master does)."""
+    script = 'if [ "${JOB_COMPLETION_INDEX:-0}" = 0 ]; then exec "$@"; fi'
+    return {**container, "command": ["sh", "-c", script, container["name"], *container["command"]]}

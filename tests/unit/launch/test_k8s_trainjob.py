@@ -1,0 +1,164 @@
+"""Kubeflow Trainer v2 (launch.k8s.api=trainjob): every recipe renders a TrainJob and its
+ClusterTrainingRuntime that validate against the real CRDs (the runtime's JobSet against the
+JobSet CRD too), with the PyTorchJob's pod; and the failure policy answers the entry point's
+real exit codes as the Job and JobSet controllers would (their rules evaluated here from the
+Kubernetes and JobSet documentation, not from the code under test)."""
+
+from __future__ import annotations
+
+import re
+import signal
+from typing import Any
+
+import pytest
+
+from launch.k8s import cli as k8s
+from launch.k8s.entry import classify
+from launch.k8s.validate import validate_objects
+from launch.torchrun import Outcome
+from pretrain.context import exit_codes
+from recipes import ConfigError
+from tests.k8s_helpers import BASE, RECIPES, master, stable_env  # noqa: F401 - autouse
+
+TRAINJOB = "launch.k8s.api=trainjob"
+
+
+def _node_pod(runtime: dict[str, Any]) -> dict[str, Any]:
+    [rjob] = runtime["spec"]["template"]["spec"]["replicatedJobs"]
+    return rjob["template"]["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_every_recipe_renders_a_trainjob_on_a_runtime_with_the_pytorchjobs_pod(
+    recipe: str,
+) -> None:
+    plan, rendered = k8s.render_run([*RECIPES[recipe], *BASE, TRAINJOB])  # validated inside
+    job, runtime, launch = rendered.job, rendered.runtime, plan.run.launch
+    assert runtime is not None
+    assert [o["kind"] for o in rendered.objects[:3]] == [
+        "ConfigMap",
+        "ClusterTrainingRuntime",
+        "TrainJob",
+    ]  # the runtime exists before the TrainJob that names it
+    assert (job["apiVersion"], job["kind"]) == ("trainer.kubeflow.org/v1alpha1", "TrainJob")
+    assert job["spec"]["runtimeRef"] == {
+        "name": runtime["metadata"]["name"],
+        "apiGroup": "trainer.kubeflow.org",
+        "kind": "ClusterTrainingRuntime",
+    }
+    assert job["spec"]["trainer"] == {
+        "numNodes": launch.nodes,
+        "numProcPerNode": launch.nproc_per_node,
+    }
+    assert "namespace" not in runtime["metadata"]  # cluster-scoped
+    # The same pod as the PyTorchJob's master, in the container Trainer configures.
+    _, v1 = k8s.render_run([*RECIPES[recipe], *BASE])
+    v1_pod, pod = master(v1.job)["template"]["spec"], _node_pod(runtime)
+    assert [c["name"] for c in pod["containers"]] == ["node"]
+    assert pod["restartPolicy"] == "Never"
+    for key in ("volumes", "terminationGracePeriodSeconds", "priorityClassName"):
+        assert pod.get(key) == v1_pod.get(key), key
+    ours, theirs = pod["containers"][0], v1_pod["containers"][0]
+    for key in ("image", "command", "resources", "volumeMounts", "securityContext"):
+        assert ours.get(key) == theirs.get(key), key
+    assert [e["name"] for e in ours["env"]] == [e["name"] for e in theirs["env"]]
+
+
+def test_the_queue_admits_the_trainjob_alone() -> None:
+    _, rendered = k8s.render_run([*RECIPES["gpt_tiny"], *BASE, TRAINJOB])
+    assert rendered.runtime is not None
+    queue = "kueue.x-k8s.io/queue-name"
+    assert rendered.job["metadata"]["labels"][queue] == "research"
+    assert queue not in rendered.runtime["metadata"]["labels"]
+    [rjob] = rendered.runtime["spec"]["template"]["spec"]["replicatedJobs"]
+    assert queue not in rjob["template"]["spec"]["template"]["metadata"]["labels"]
+    assert "suspend" not in rendered.job["spec"]  # Kueue suspends it on admission itself
+    assert _node_pod(rendered.runtime)["priorityClassName"] == "low"  # Kueue reads it there
+
+
+# --- the failure policy, evaluated as the controllers do -------------------------------------
+
+
+def _job_failure(pod_failure_policy: dict[str, Any], exit_code: int) -> tuple[str, str]:
+    """The Job controller (backoffLimit 0, restartPolicy Never): the first podFailurePolicy
+    rule whose onExitCodes match fails the Job with reason PodFailurePolicy and the message
+    "Container <c> for pod <ns>/<pod> failed with exit code <n> matching <action> rule at
+    index <i>"; no match: the pod counts against backoffLimit 0 -> BackoffLimitExceeded."""
+    for index, rule in enumerate(pod_failure_policy["rules"]):
+        codes = rule["onExitCodes"]
+        matched = (exit_code in codes["values"]) == (codes["operator"] == "In")
+        if matched and codes["containerName"] == "node":
+            assert rule["action"] == "FailJob"
+            message = (
+                f"Container node for pod ns/job-node-0-0-abcde failed with exit code {exit_code}"
+                f" matching FailJob rule at index {index}"
+            )
+            return "PodFailurePolicy", message
+    return "BackoffLimitExceeded", "Job has reached the specified backoff limit"
+
+
+def _jobset_action(failure_policy: dict[str, Any], reason: str, message: str) -> str:
+    """JobSet: the first rule whose reasons (and message patterns, RE2) match decides; none
+    matching restarts the set, counted against maxRestarts."""
+    for rule in failure_policy["rules"]:
+        if reason not in rule.get("onJobFailureReasons", [reason]):
+            continue
+        patterns = rule.get("onJobFailureMessagePatterns")
+        if patterns and not any(re.search(p, message) for p in patterns):
+            continue
+        return rule["action"]
+    return "RestartJobSet"
+
+
+@pytest.mark.parametrize(
+    "outcome, expected",
+    [
+        (Outcome(exit_codes.INFRASTRUCTURE, planned=False), "RestartJobSet"),  # a lost peer
+        (Outcome(-signal.SIGKILL, planned=False), "RestartJobSet"),  # OOM killer, node loss
+        (Outcome(-signal.SIGSEGV, planned=False), "RestartJobSet"),
+        (Outcome(exit_codes.REQUEUE, planned=False), "RestartJobSetAndIgnoreMaxRestarts"),
+        (Outcome(-signal.SIGTERM, planned=True), "RestartJobSetAndIgnoreMaxRestarts"),  # drain
+        *[
+            (Outcome(code, planned=False), "FailJobSet")
+            for code in sorted(exit_codes.DO_NOT_RETRY)  # config, user code, data, budget...
+        ],
+        (Outcome(42, planned=False), "FailJobSet"),  # unknown: a blind retry could loop
+    ],
+)
+def test_the_failure_policy_answers_the_entry_points_exit_codes(
+    outcome: Outcome, expected: str
+) -> None:
+    _, rendered = k8s.render_run([*RECIPES["gpt_tiny"], *BASE, TRAINJOB])
+    assert rendered.runtime is not None
+    jobset = rendered.runtime["spec"]["template"]["spec"]
+    [rjob] = jobset["replicatedJobs"]
+    job_spec = rjob["template"]["spec"]
+    assert job_spec["backoffLimit"] == 0  # any failed pod fails the Job: a gang restart
+    container_exit, _ = classify(outcome)  # what the entry point exits with, for real
+    reason, message = _job_failure(job_spec["podFailurePolicy"], container_exit)
+    assert _jobset_action(jobset["failurePolicy"], reason, message) == expected
+    assert jobset["failurePolicy"]["maxRestarts"] == 3  # launch.k8s.backoff_limit's default
+
+
+def test_a_broken_runtime_is_refused_before_submission() -> None:
+    _, rendered = k8s.render_run([*RECIPES["gpt_tiny"], *BASE, TRAINJOB])
+    assert rendered.runtime is not None
+    runtime = rendered.runtime
+    jobset = runtime["spec"]["template"]["spec"]
+    jobset["failurePolicy"]["rules"][0]["name"] = "do-not-retry"  # JobSet: no hyphens
+    jobset["failurePolicy"]["rules"][1]["onJobFailureReasons"] = ["PodFailed"]
+    jobset["failurePolicy"]["restartStrategy"] = "Sometimes"  # not in the CRD's enum
+    with pytest.raises(ConfigError, match=r"restartStrategy"):
+        validate_objects([runtime])
+    jobset["failurePolicy"]["restartStrategy"] = "Recreate"
+    with pytest.raises(ConfigError) as refused:
+        validate_objects([runtime])
+    assert "rules[0].name: 'do-not-retry'" in str(refused.value)
+    assert "rules[1].onJobFailureReasons: 'PodFailed'" in str(refused.value)
+
+
+def test_names_too_long_for_jobsets_pods_and_reserved_env_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"launch.k8s.job_name=.*at most 48 characters"):
+        k8s.render_run([*RECIPES["gpt_tiny"], *BASE, TRAINJOB, "launch.k8s.job_name=" + "a" * 49])
+    with pytest.raises(ConfigError, match=r"\['PET_NNODES'\] are set by the controller"):
+        k8s.render_run([*RECIPES["gpt_tiny"], *BASE, TRAINJOB, "+launch.k8s.env.PET_NNODES=4"])
