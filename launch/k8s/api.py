@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from launch.k8s import trainjob
 from launch.k8s.pod import CONTAINER
 from launch.k8s.render import API_VERSION, JOB_NAME_LABEL, KIND, Rendered
 
@@ -19,6 +20,11 @@ PLURAL = "pytorchjobs"
 JOB_LABEL = "training.kubeflow.org/job-name"
 REPLICA_TYPE_LABEL = "training.kubeflow.org/replica-type"
 REPLICA_INDEX_LABEL = "training.kubeflow.org/replica-index"
+TRAINER_GROUP, TRAINER_VERSION = trainjob.API_VERSION.split("/")
+TRAINJOBS, RUNTIMES = "trainjobs", "clustertrainingruntimes"
+# JobSet's labels on a TrainJob's pods (its JobSet has the TrainJob's name) and the Job's index.
+JOBSET_LABEL = "jobset.sigs.k8s.io/jobset-name"
+COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 
 
 class K8sError(RuntimeError):
@@ -74,8 +80,9 @@ def _status_message(exc: Any) -> str:
 
 
 def submit(api: Any, rendered: Rendered) -> dict[str, Any]:
-    """Create the ConfigMap, then the PyTorchJob, then make the job the ConfigMap's owner;
-    returns the job as the server stored it."""
+    """Create the ConfigMap, then (TrainJob) its runtime, then the job, then make the job the
+    ConfigMap's owner; returns the job as the server stored it. What was created is removed
+    again when the job is refused."""
     # optional k8s extra
     from kubernetes import client
 
@@ -84,11 +91,20 @@ def submit(api: Any, rendered: Rendered) -> dict[str, Any]:
     # ContainerCreating, and the owner's uid exists only once the job does.
     with _api_errors(f"creating ConfigMap {rendered.namespace}/{rendered.config_map_name}"):
         core.create_namespaced_config_map(rendered.namespace, rendered.config_map)
+    kind = rendered.job["kind"]
     try:
-        with _api_errors(f"creating PyTorchJob {rendered.namespace}/{rendered.name}"):
-            created = custom.create_namespaced_custom_object(
-                GROUP, VERSION, rendered.namespace, PLURAL, rendered.job
-            )
+        if rendered.runtime is not None:  # before the TrainJob that names it
+            _create_runtime(custom, rendered.runtime)
+        group, version, plural = _resource(kind)
+        try:
+            with _api_errors(f"creating {kind} {rendered.namespace}/{rendered.name}"):
+                created = custom.create_namespaced_custom_object(
+                    group, version, rendered.namespace, plural, rendered.job
+                )
+        except K8sError:
+            if rendered.runtime is not None:
+                _delete_runtime(custom, rendered.runtime["metadata"]["name"])
+            raise
     except K8sError:
         _delete_config_map(core, rendered.namespace, rendered.config_map_name)
         raise
@@ -103,19 +119,43 @@ def submit(api: Any, rendered: Rendered) -> dict[str, Any]:
     return created
 
 
+def _resource(kind: str) -> tuple[str, str, str]:
+    if kind == trainjob.TRAINJOB:
+        return TRAINER_GROUP, TRAINER_VERSION, TRAINJOBS
+    return GROUP, VERSION, PLURAL
+
+
+def _create_runtime(custom: Any, runtime: dict[str, Any]) -> None:
+    """The submission's ClusterTrainingRuntime (cluster-scoped: no namespaced job can own it;
+    ``delete`` removes it by its labels)."""
+    name = runtime["metadata"]["name"]
+    with _api_errors(f"creating ClusterTrainingRuntime {name}"):
+        custom.create_cluster_custom_object(TRAINER_GROUP, TRAINER_VERSION, RUNTIMES, runtime)
+
+
+def _delete_runtime(custom: Any, name: str) -> None:
+    try:
+        with _api_errors(f"deleting ClusterTrainingRuntime {name}"):
+            custom.delete_cluster_custom_object(TRAINER_GROUP, TRAINER_VERSION, RUNTIMES, name)
+    except K8sError as exc:
+        log.warning("%s", exc)
+
+
 def _set_owner(core: Any, rendered: Rendered, uid: str | None) -> None:
     """Owned by the job, the ConfigMap goes with it however the job is deleted (garbage
     collector). Only metadata changes: allowed on an immutable ConfigMap."""
     where = f"ConfigMap {rendered.namespace}/{rendered.config_map_name}"
     hint = f"it outlives the job; `python -m launch k8s delete {rendered.name}` removes both"
+    kind = rendered.job["kind"]
     if not uid:
         log.warning(
-            "the API server returned the PyTorchJob without a uid: %s not owned; %s", where, hint
+            "the API server returned the %s without a uid: %s not owned; %s", kind, where, hint
         )
         return
     # Neither controller (the operator controls nothing here) nor blockOwnerDeletion: that
     # needs update rights on pytorchjobs/finalizers, which users who may create jobs often lack.
-    owner = {"apiVersion": API_VERSION, "kind": KIND, "name": rendered.name, "uid": uid}
+    owner = {"apiVersion": rendered.job["apiVersion"], "kind": kind, "name": rendered.name}
+    owner["uid"] = uid
     # A JSON Patch (a list body): every supported client version sends it as one.
     patch = [{"op": "add", "path": "/metadata/ownerReferences", "value": [owner]}]
     try:
@@ -126,26 +166,44 @@ def _set_owner(core: Any, rendered: Rendered, uid: str | None) -> None:
 
 
 def get_job(api: Any, namespace: str, name: str) -> dict[str, Any]:
+    """The job named ``name``: a PyTorchJob, else a TrainJob of that name."""
     # optional k8s extra
     from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
 
-    with _api_errors(f"reading PyTorchJob {namespace}/{name}"):
-        return client.CustomObjectsApi(api).get_namespaced_custom_object(
-            GROUP, VERSION, namespace, PLURAL, name
+    custom = client.CustomObjectsApi(api)
+    try:
+        return custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise K8sError(
+                f"reading PyTorchJob {namespace}/{name}: HTTP {exc.status} {exc.reason}: "
+                f"{_status_message(exc)}"
+            ) from None
+    with _api_errors(f"reading PyTorchJob or TrainJob {namespace}/{name}"):
+        return custom.get_namespaced_custom_object(
+            TRAINER_GROUP, TRAINER_VERSION, namespace, TRAINJOBS, name
         )
 
 
 def replica_logs(
     api: Any, namespace: str, name: str, replica: str, index: int, tail: int | None = None
 ) -> str:
-    """Logs of the ``pytorch`` container of one replica's newest pod."""
+    """Logs of the trainer container of one replica's newest pod (a TrainJob's node
+    ``index``: its pods are one replicated job's, whatever ``replica`` says)."""
     # optional k8s extra
     from kubernetes import client
 
     core = client.CoreV1Api(api)
-    selector = (
-        f"{JOB_LABEL}={name},{REPLICA_TYPE_LABEL}={replica.lower()},{REPLICA_INDEX_LABEL}={index}"
-    )
+    container = CONTAINER
+    if get_job(api, namespace, name).get("kind") == trainjob.TRAINJOB:
+        selector = f"{JOBSET_LABEL}={name},{COMPLETION_INDEX_LABEL}={index}"
+        container = trainjob.NODE
+    else:
+        selector = (
+            f"{JOB_LABEL}={name},{REPLICA_TYPE_LABEL}={replica.lower()},"
+            f"{REPLICA_INDEX_LABEL}={index}"
+        )
     with _api_errors(f"listing pods of {namespace}/{name}"):
         pods = core.list_namespaced_pod(namespace, label_selector=selector).items
     if not pods:
@@ -156,22 +214,37 @@ def replica_logs(
     with _api_errors(f"reading logs of pod {namespace}/{pod.metadata.name}"):
         # The raw body: kubernetes 36's deserializer returns str(bytes), "b'...'", for logs.
         reply = core.read_namespaced_pod_log(
-            pod.metadata.name, namespace, container=CONTAINER, tail_lines=tail,
+            pod.metadata.name, namespace, container=container, tail_lines=tail,
             _preload_content=False,
         )  # fmt: skip
     return reply.data.decode(errors="replace")
 
 
-def delete(api: Any, namespace: str, name: str) -> None:
-    """Delete the job (its pods and owned ConfigMap go with it) and any ConfigMap rendered for
-    a job of this name that is not owned (its owner could not be set)."""
+def delete(api: Any, namespace: str, name: str) -> str:
+    """Delete the job (its pods and owned ConfigMap go with it; a TrainJob's runtime is
+    deleted by name) and any ConfigMap rendered for a job of this name that is not owned (its
+    owner could not be set). Returns the job's kind."""
     # optional k8s extra
     from kubernetes import client
 
-    with _api_errors(f"deleting PyTorchJob {namespace}/{name}"):
-        client.CustomObjectsApi(api).delete_namespaced_custom_object(
-            GROUP, VERSION, namespace, PLURAL, name, propagation_policy="Background"
+    custom = client.CustomObjectsApi(api)
+    kind = get_job(api, namespace, name).get("kind", KIND)
+    group, version, plural = _resource(kind)
+    with _api_errors(f"deleting {kind} {namespace}/{name}"):
+        custom.delete_namespaced_custom_object(
+            group, version, namespace, plural, name, propagation_policy="Background"
         )
+    if kind == trainjob.TRAINJOB:
+        # Trainer keeps a runtime (a finalizer) until no TrainJob uses it: deleted after it,
+        # every submission's of this job (a resubmission renders one of its own).
+        selector = f"{JOB_NAME_LABEL}={name},{trainjob.NAMESPACE_LABEL}={namespace}"
+        try:
+            with _api_errors(f"deleting ClusterTrainingRuntimes {selector}"):
+                custom.delete_collection_cluster_custom_object(
+                    TRAINER_GROUP, TRAINER_VERSION, RUNTIMES, label_selector=selector
+                )
+        except K8sError as exc:
+            log.warning("%s", exc)
     selector = f"{JOB_NAME_LABEL}={name}"
     try:
         with _api_errors(f"deleting ConfigMaps {namespace}/{selector}"):
@@ -186,6 +259,7 @@ def delete(api: Any, namespace: str, name: str) -> None:
             )
     except K8sError as exc:
         log.warning("%s", exc)
+    return kind
 
 
 def _delete_config_map(core: Any, namespace: str, name: str) -> None:

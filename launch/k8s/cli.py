@@ -122,12 +122,6 @@ def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
         _write(path, text)
         print(text, end="")
         return exit_codes.OK
-    if plan.run.launch.k8s.api == "trainjob":
-        raise ConfigError(
-            "launch.k8s.api=trainjob: submitting a TrainJob from here is not supported yet; "
-            "render it with --dry-run and apply the manifest with `kubectl apply -f` (it lists "
-            "the ClusterTrainingRuntime before the TrainJob that names it)"
-        )
     check_run_dir_free(plan)
     if not args.skip_remote_check:  # seconds at most: before the fit check's model plan
         check_remote_tier(plan)
@@ -147,8 +141,8 @@ def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
         },
     )
     log.info(
-        "submitted PyTorchJob %s/%s; follow it with `python -m launch k8s status %s "
-        "--namespace %s`",
+        "submitted %s %s/%s; follow it with `python -m launch k8s status %s --namespace %s`",
+        rendered.job["kind"],
         rendered.namespace,
         rendered.name,
         rendered.name,
@@ -177,8 +171,8 @@ def _manage(action: str, words: list[str], args: argparse.Namespace) -> int:
             k8s_api.replica_logs(api, namespace, name, args.replica, args.index, args.tail), end=""
         )
     else:
-        k8s_api.delete(api, namespace, name)
-        log.info("deleted PyTorchJob %s/%s", namespace, name)
+        kind = k8s_api.delete(api, namespace, name)
+        log.info("deleted %s %s/%s", kind, namespace, name)
     return exit_codes.OK
 
 
@@ -200,4 +194,8 @@ def format_status(job: dict[str, Any]) -> str:
             f"{k}={counts[k]}" for k in ("active", "succeeded", "failed") if k in counts
         )
         lines.append(f"  {rtype}: {summary or 'no pods'}")
+    for jobs in status.get("jobsStatus") or []:  # a TrainJob: its JobSet's replicated jobs
+        keys = ("active", "ready", "succeeded", "failed", "suspended")
+        summary = ", ".join(f"{k}={jobs[k]}" for k in keys if jobs.get(k))
+        lines.append(f"  {jobs.get('name')}: {summary or 'no jobs'}")
     return "\n".join(lines) + "\n"

@@ -46,9 +46,14 @@ PERMANENT_EXITS = list(range(1, SIGNAL_BASE))  # the entry point's "do not retry
 DO_NOT_RETRY_RULE, PLANNED_RULE = 0, 1  # podFailurePolicy rule indexes
 
 
-def runtime_name(namespace: str, job: str) -> str:
-    """The run's own ClusterTrainingRuntime: cluster-scoped, so named by namespace and job."""
-    return f"{namespace}-{job}"
+NAMESPACE_LABEL = "mcore-recipes/namespace"  # the runtime is cluster-scoped: whose job it is
+
+
+def runtime_name(namespace: str, config_map: str) -> str:
+    """The submission's own ClusterTrainingRuntime: cluster-scoped, so named by namespace, and
+    per submission like the ConfigMap its pods mount (a resubmission never finds an earlier
+    one in its way while garbage collection catches up)."""
+    return f"{namespace}-{config_map}"[:253].rstrip("-.")
 
 
 def render_runtime(
@@ -71,10 +76,14 @@ def render_runtime(
         "podFailurePolicy": pod_failure_policy(),
         "template": {"metadata": {"labels": dict(pod_labels)}, "spec": pod},
     }
+    namespace = run.launch.k8s.namespace
     return {
         "apiVersion": API_VERSION,
         "kind": RUNTIME,
-        "metadata": {"name": runtime_name(run.launch.k8s.namespace, job), "labels": labels},
+        "metadata": {
+            "name": runtime_name(namespace, config_map),
+            "labels": {**labels, NAMESPACE_LABEL: namespace},
+        },
         "spec": {
             "mlPolicy": {"numNodes": run.launch.nodes, "torch": {}},
             "template": {

@@ -52,6 +52,9 @@ def _status(code: int, message: str = "") -> dict[str, Any]:
     }
 
 
+_KINDS = {"pytorchjobs": "PyTorchJob", "trainjobs": "TrainJob"}
+
+
 class FakeApiServer:
     """Answers the handful of API-server routes the adapter uses; records every request.
     Keeps ConfigMaps and jobs by name (a second create of one is 409 AlreadyExists), and
@@ -62,6 +65,8 @@ class FakeApiServer:
         self.jobs: dict[str, dict[str, Any]] = {}
         self.config_maps: dict[str, dict[str, Any]] = {}
         self.deployments: dict[str, dict[str, Any]] = {}
+        self.runtimes: dict[str, dict[str, Any]] = {}
+        self.pod_selectors: list[str] = []
         self.fail_job_create = fail_job_create
         self.fail_patch = False
         self.uids = iter(f"u-{i}" for i in range(1, 100))
@@ -112,27 +117,41 @@ class FakeApiServer:
             return self._config_maps(req, parts)
         if "deployments" in parts:
             return self._deployments(req)
-        if req["method"] == "POST" and parts[-1] == "pytorchjobs":
+        if "clustertrainingruntimes" in parts:
+            return self._runtimes(req, parts)
+        jobs = [p for p in ("pytorchjobs", "trainjobs") if p in parts]
+        if req["method"] == "POST" and parts[-1] in ("pytorchjobs", "trainjobs"):
             if self.fail_job_create:
                 return 422, _status(422, "admission webhook denied the request")
             name = req["body"]["metadata"]["name"]
             if name in self.jobs:
-                return 409, _status(409, f'pytorchjobs.kubeflow.org "{name}" already exists')
+                return 409, _status(409, f'{parts[-1]} "{name}" already exists')
             uid = next(self.uids)
             created = {**req["body"], "metadata": {**req["body"]["metadata"], "uid": uid}}
             self.jobs[name] = created
             return 201, created
-        if req["method"] == "DELETE" and "pytorchjobs" in parts:
+        if jobs and self.jobs.get(parts[-1], {}).get("kind") != _KINDS[jobs[0]]:
+            return 404, _status(404, f'{jobs[0]} "{parts[-1]}" not found')
+        if req["method"] == "DELETE" and jobs:
             job = self.jobs.pop(parts[-1])
             uid = job["metadata"]["uid"]
             for name, cm in list(self.config_maps.items()):
                 if uid in [o["uid"] for o in cm["metadata"].get("ownerReferences", [])]:
                     del self.config_maps[name]
             return 200, _status(200)
+        if req["method"] == "GET" and "trainjobs" in parts:
+            job = self.jobs[parts[-1]]
+            condition = {
+                "type": "Created",
+                "status": "True",
+                "reason": "JobSetCreated",
+                "message": "created",
+                "lastTransitionTime": "2030-01-01T00:00:00Z",
+            }
+            jobs_status = [{"name": "node", "active": 2, "ready": 2, "succeeded": 0, "failed": 0}]
+            return 200, {**job, "status": {"conditions": [condition], "jobsStatus": jobs_status}}
         if req["method"] == "GET" and "pytorchjobs" in parts:
-            job = self.jobs.get(parts[-1])
-            if job is None:
-                return 404, _status(404, f'pytorchjobs "{parts[-1]}" not found')
+            job = self.jobs[parts[-1]]
             return 200, {
                 **job,
                 "status": {
@@ -156,6 +175,7 @@ class FakeApiServer:
                 },
             }
         if req["method"] == "GET" and parts[-1] == "pods":
+            self.pod_selectors.append(req["query"]["labelSelector"][0])
             return 200, {
                 "apiVersion": "v1",
                 "kind": "PodList",
@@ -173,6 +193,31 @@ class FakeApiServer:
             }
         if req["method"] == "GET" and parts[-1] == "log":
             return 200, "step 1 loss 10.9\nstep 2 loss 10.7\n"
+        return 404, _status(404, f"no route {req['method']} {req['path']}")
+
+    def _runtimes(self, req: dict[str, Any], parts: list[str]) -> tuple[int, Any]:
+        """Cluster-scoped: /apis/trainer.kubeflow.org/v1alpha1/clustertrainingruntimes[/name]."""
+        assert parts[:4] == ["apis", "trainer.kubeflow.org", "v1alpha1", "clustertrainingruntimes"]
+        if req["method"] == "POST":
+            name = req["body"]["metadata"]["name"]
+            if name in self.runtimes:
+                return 409, _status(409, f'clustertrainingruntimes "{name}" already exists')
+            self.runtimes[name] = copy.deepcopy(req["body"])
+            return 201, req["body"]
+        if req["method"] == "DELETE" and parts[-1] == "clustertrainingruntimes":  # by labels
+            wanted = dict(kv.split("=") for kv in req["query"]["labelSelector"][0].split(","))
+            for name, runtime in list(self.runtimes.items()):
+                labels = runtime["metadata"]["labels"]
+                if all(labels.get(k) == v for k, v in wanted.items()):
+                    del self.runtimes[name]
+            return 200, _status(200)
+        if parts[-1] not in self.runtimes:
+            return 404, _status(404, f'clustertrainingruntimes "{parts[-1]}" not found')
+        if req["method"] == "GET":
+            return 200, self.runtimes[parts[-1]]
+        if req["method"] == "DELETE":
+            del self.runtimes[parts[-1]]
+            return 200, _status(200)
         return 404, _status(404, f"no route {req['method']} {req['path']}")
 
     def _deployments(self, req: dict[str, Any]) -> tuple[int, Any]:
@@ -341,15 +386,18 @@ def test_status_logs_delete(
     assert capsys.readouterr().out == "step 1 loss 10.9\nstep 2 loss 10.7\n"
     assert cli(["delete", "llama3-70b", "--namespace", "default"]) == 0
     calls = [(r["method"], r["path"]) for r in api.requests[3:]]
+    job_path = "/apis/kubeflow.org/v1/namespaces/default/pytorchjobs/llama3-70b"
     assert calls == [
-        ("GET", "/apis/kubeflow.org/v1/namespaces/default/pytorchjobs/llama3-70b"),
+        ("GET", job_path),  # status
+        ("GET", job_path),  # logs: which kind of job
         ("GET", "/api/v1/namespaces/default/pods"),
         ("GET", "/api/v1/namespaces/default/pods/job-master-0/log"),
-        ("DELETE", "/apis/kubeflow.org/v1/namespaces/default/pytorchjobs/llama3-70b"),
+        ("GET", job_path),  # delete: which kind of job
+        ("DELETE", job_path),
         ("DELETE", "/api/v1/namespaces/default/configmaps"),
         ("DELETE", "/apis/apps/v1/namespaces/default/deployments"),
     ]
-    pods, log_req = api.requests[4], api.requests[5]
+    pods, log_req = api.requests[5], api.requests[6]
     assert pods["query"]["labelSelector"] == [
         "training.kubeflow.org/job-name=llama3-70b,training.kubeflow.org/replica-type=worker,"
         "training.kubeflow.org/replica-index=3"
@@ -358,6 +406,71 @@ def test_status_logs_delete(
     assert all(r["auth"] == f"Bearer {TOKEN}" for r in api.requests)
     assert api.config_maps == {}
     assert cli(["status", "nope"]) == exit_codes.INFRASTRUCTURE
+
+
+def test_a_trainjob_is_submitted_followed_and_deleted_with_its_runtime(
+    api: FakeApiServer,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    argv = [*RECIPES["llama3_70b"], f"output_dir={tmp_path}", *BASE, "launch.k8s.api=trainjob"]
+    _, rendered = k8s.render_run(argv)
+    assert cli(argv) == 0
+    trainer = "/apis/trainer.kubeflow.org/v1alpha1"
+    cm_path = "/api/v1/namespaces/default/configmaps"
+    assert [(r["method"], r["path"]) for r in api.requests] == [
+        ("POST", cm_path),
+        ("POST", f"{trainer}/clustertrainingruntimes"),  # cluster-scoped, before its TrainJob
+        ("POST", f"{trainer}/namespaces/default/trainjobs"),
+        ("PATCH", f"{cm_path}/llama3-70b-config-test"),
+    ]
+    assert api.requests[1]["body"] == rendered.runtime
+    assert api.requests[2]["body"] == rendered.job
+    assert api.config_maps["llama3-70b-config-test"]["metadata"]["ownerReferences"] == [
+        {
+            "apiVersion": "trainer.kubeflow.org/v1alpha1",
+            "kind": "TrainJob",
+            "name": "llama3-70b",
+            "uid": "u-1",
+        }
+    ]
+    capsys.readouterr()
+    assert cli(["status", "llama3-70b"]) == 0
+    out = capsys.readouterr().out
+    assert "default/llama3-70b" in out and "node: active=2, ready=2" in out, out
+    assert cli(["logs", "llama3-70b", "--index", "1"]) == 0
+    assert api.pod_selectors[-1] == (
+        "jobset.sigs.k8s.io/jobset-name=llama3-70b,batch.kubernetes.io/job-completion-index=1"
+    )
+    assert api.requests[-1]["query"]["container"] == ["node"]
+    # Resubmitted while the first runtime lingers: a runtime of its own; delete takes both,
+    # and no other namespace's job of the same name.
+    api.jobs.clear()
+    api.runtimes["other-llama3-70b-config-x"] = {
+        "metadata": {"labels": {"mcore-recipes/job-name": "llama3-70b",
+                                "mcore-recipes/namespace": "other"}},
+    }  # fmt: skip
+    monkeypatch.setenv(k8s.SUBMISSION_ENV, "second")
+    assert cli(argv) == 0
+    assert sorted(api.runtimes) == [
+        "default-llama3-70b-config-second",
+        "default-llama3-70b-config-test",
+        "other-llama3-70b-config-x",
+    ]
+    assert cli(["delete", "llama3-70b"]) == 0
+    assert api.jobs == {} and list(api.runtimes) == ["other-llama3-70b-config-x"]
+    assert api.config_maps == {}
+
+
+def test_a_refused_trainjob_rolls_back_its_runtime_and_config_map(
+    api: FakeApiServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    api.fail_job_create = True
+    argv = [*GPT, f"output_dir={tmp_path}", *BASE, "launch.k8s.api=trainjob"]
+    assert cli(argv) == exit_codes.INFRASTRUCTURE
+    assert "HTTP 422" in caplog.text
+    assert api.runtimes == {} and api.config_maps == {}
 
 
 def test_cli_subprocess_dry_run(tmp_path: Path) -> None:
