@@ -22,6 +22,10 @@ REPLICA_TYPE_LABEL = "training.kubeflow.org/replica-type"
 REPLICA_INDEX_LABEL = "training.kubeflow.org/replica-index"
 TRAINER_GROUP, TRAINER_VERSION = trainjob.API_VERSION.split("/")
 TRAINJOBS, RUNTIMES = "trainjobs", "clustertrainingruntimes"
+# The server refuses a field its CRD does not know instead of dropping it: an older Trainer
+# whose JobSet lacks onJobFailureMessagePatterns would otherwise keep the rules without their
+# patterns, and its first rule (FailJobSet) would end the job at a planned stop.
+STRICT = {"field_validation": "Strict"}
 # JobSet's labels on a TrainJob's pods (its JobSet has the TrainJob's name) and the Job's index.
 JOBSET_LABEL = "jobset.sigs.k8s.io/jobset-name"
 COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
@@ -99,7 +103,7 @@ def submit(api: Any, rendered: Rendered) -> dict[str, Any]:
         try:
             with _api_errors(f"creating {kind} {rendered.namespace}/{rendered.name}"):
                 created = custom.create_namespaced_custom_object(
-                    group, version, rendered.namespace, plural, rendered.job
+                    group, version, rendered.namespace, plural, rendered.job, **STRICT
                 )
         except K8sError:
             if rendered.runtime is not None:
@@ -130,7 +134,9 @@ def _create_runtime(custom: Any, runtime: dict[str, Any]) -> None:
     ``delete`` removes it by its labels)."""
     name = runtime["metadata"]["name"]
     with _api_errors(f"creating ClusterTrainingRuntime {name}"):
-        custom.create_cluster_custom_object(TRAINER_GROUP, TRAINER_VERSION, RUNTIMES, runtime)
+        custom.create_cluster_custom_object(
+            TRAINER_GROUP, TRAINER_VERSION, RUNTIMES, runtime, **STRICT
+        )
 
 
 def _delete_runtime(custom: Any, name: str) -> None:
@@ -175,7 +181,8 @@ def get_job(api: Any, namespace: str, name: str) -> dict[str, Any]:
     try:
         return custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
     except ApiException as exc:
-        if exc.status != 404:
+        # 403: a cluster with Trainer only (no PyTorchJob, no rights to one) answers so
+        if exc.status not in (403, 404):
             raise K8sError(
                 f"reading PyTorchJob {namespace}/{name}: HTTP {exc.status} {exc.reason}: "
                 f"{_status_message(exc)}"
@@ -235,8 +242,8 @@ def delete(api: Any, namespace: str, name: str) -> str:
             group, version, namespace, plural, name, propagation_policy="Background"
         )
     if kind == trainjob.TRAINJOB:
-        # Trainer keeps a runtime (a finalizer) until no TrainJob uses it: deleted after it,
-        # every submission's of this job (a resubmission renders one of its own).
+        # Cluster-scoped, so owned by no TrainJob: every submission's runtime of this job (a
+        # resubmission renders one of its own), after the TrainJob.
         selector = f"{JOB_NAME_LABEL}={name},{trainjob.NAMESPACE_LABEL}={namespace}"
         try:
             with _api_errors(f"deleting ClusterTrainingRuntimes {selector}"):

@@ -83,7 +83,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--replica", choices=("master", "worker"), default="master", help="logs: which replica type"
     )
-    parser.add_argument("--index", type=int, default=0, help="logs: replica index")
+    parser.add_argument(
+        "--index",
+        type=int,
+        default=0,
+        help="logs: replica index (a TrainJob: the node's index; --replica does not apply)",
+    )
     parser.add_argument("--tail", type=int, help="logs: only the last N lines")
 
 

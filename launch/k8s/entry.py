@@ -182,7 +182,7 @@ def main(argv: list[str]) -> int:
         args.launcher_args = with_ft_config(args.launcher_args, args.state_dir)
     if not node_healthy(args.launcher_args, args.state_dir):
         budget.finish(counted=True)  # retried by the operator like any infrastructure failure
-        return exit_codes.INFRASTRUCTURE
+        return classify(Outcome(exit_codes.INFRASTRUCTURE, planned=False))[0]  # 128+1
     standby = None
     if args.standby is not None:
         os.environ.update(standby_env(args.standby))  # the workers find it by name

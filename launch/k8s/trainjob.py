@@ -66,7 +66,7 @@ def render_runtime(
 ) -> dict[str, Any]:
     """The ClusterTrainingRuntime: a JobSet template of one replicated job, ``node``, whose
     Job runs one pod per node (Trainer sets the count from the TrainJob)."""
-    pod = pod_spec(run, job, config_map, env, container_name=NODE)
+    pod = pod_spec(run, job, config_map, env, fetch=True, container_name=NODE)
     pod["restartPolicy"] = "Never"  # podFailurePolicy needs it; a failure restarts the set
     if "initContainers" in pod:
         pod["initContainers"] = [_first_node_only(c) for c in pod["initContainers"]]

@@ -67,6 +67,7 @@ class FakeApiServer:
         self.deployments: dict[str, dict[str, Any]] = {}
         self.runtimes: dict[str, dict[str, Any]] = {}
         self.pod_selectors: list[str] = []
+        self.forbid_pytorchjobs = False
         self.fail_job_create = fail_job_create
         self.fail_patch = False
         self.uids = iter(f"u-{i}" for i in range(1, 100))
@@ -120,6 +121,8 @@ class FakeApiServer:
         if "clustertrainingruntimes" in parts:
             return self._runtimes(req, parts)
         jobs = [p for p in ("pytorchjobs", "trainjobs") if p in parts]
+        if self.forbid_pytorchjobs and "pytorchjobs" in parts:  # a Trainer-only cluster
+            return 403, _status(403, "pytorchjobs.kubeflow.org is forbidden")
         if req["method"] == "POST" and parts[-1] in ("pytorchjobs", "trainjobs"):
             if self.fail_job_create:
                 return 422, _status(422, "admission webhook denied the request")
@@ -427,6 +430,8 @@ def test_a_trainjob_is_submitted_followed_and_deleted_with_its_runtime(
     ]
     assert api.requests[1]["body"] == rendered.runtime
     assert api.requests[2]["body"] == rendered.job
+    # Unknown fields refused, not dropped (an older JobSet's runtime would lose the patterns)
+    assert all(api.requests[i]["query"]["fieldValidation"] == ["Strict"] for i in (1, 2))
     assert api.config_maps["llama3-70b-config-test"]["metadata"]["ownerReferences"] == [
         {
             "apiVersion": "trainer.kubeflow.org/v1alpha1",
@@ -444,6 +449,10 @@ def test_a_trainjob_is_submitted_followed_and_deleted_with_its_runtime(
         "jobset.sigs.k8s.io/jobset-name=llama3-70b,batch.kubernetes.io/job-completion-index=1"
     )
     assert api.requests[-1]["query"]["container"] == ["node"]
+    # Where PyTorchJobs are forbidden (a Trainer-only cluster), a TrainJob is still found.
+    api.forbid_pytorchjobs = True
+    assert cli(["status", "llama3-70b"]) == 0
+    api.forbid_pytorchjobs = False
     # Resubmitted while the first runtime lingers: a runtime of its own; delete takes both,
     # and no other namespace's job of the same name.
     api.jobs.clear()

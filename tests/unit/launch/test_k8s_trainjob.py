@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import signal
+import subprocess
 from typing import Any
 
 import pytest
@@ -55,13 +56,28 @@ def test_every_recipe_renders_a_trainjob_on_a_runtime_with_the_pytorchjobs_pod(
     _, v1 = k8s.render_run([*RECIPES[recipe], *BASE])
     v1_pod, pod = master(v1.job)["template"]["spec"], _node_pod(runtime)
     assert [c["name"] for c in pod["containers"]] == ["node"]
-    assert pod["restartPolicy"] == "Never"
-    for key in ("volumes", "terminationGracePeriodSeconds", "priorityClassName"):
-        assert pod.get(key) == v1_pod.get(key), key
-    ours, theirs = pod["containers"][0], v1_pod["containers"][0]
-    for key in ("image", "command", "resources", "volumeMounts", "securityContext"):
-        assert ours.get(key) == theirs.get(key), key
-    assert [e["name"] for e in ours["env"]] == [e["name"] for e in theirs["env"]]
+    assert pod.pop("restartPolicy") == "Never"
+    assert {**pod["containers"][0], "name": "pytorch"} == v1_pod["containers"][0]
+    assert {**pod, "containers": v1_pod["containers"]} == v1_pod
+
+
+def test_the_remote_tier_is_fetched_by_the_first_nodes_pod_only(tmp_path) -> None:
+    remote = ["checkpoint.remote.url=s3://bucket/runs", "launch.k8s.remote_secret=s3-creds"]
+    _, v1 = k8s.render_run([*RECIPES["gpt_tiny"], *BASE, *remote])
+    _, rendered = k8s.render_run([*RECIPES["gpt_tiny"], *BASE, *remote, TRAINJOB])
+    assert rendered.runtime is not None
+    [fetch] = _node_pod(rendered.runtime)["initContainers"]
+    [v1_fetch] = master(v1.job)["template"]["spec"]["initContainers"]
+    sh, flag, script, name, *command = fetch["command"]
+    assert command == v1_fetch["command"] and command[:4] == ["python", "-m", "resiliency", "fetch"]
+    # Every pod of the Job runs the init container; the completion index says which node it is.
+    for index, runs in (("0", True), ("1", False)):
+        probe = subprocess.run(
+            [sh, flag, script, name, "echo", "fetched"],
+            env={"PATH": "/usr/bin:/bin", "JOB_COMPLETION_INDEX": index},
+            capture_output=True, text=True, timeout=10,
+        )  # fmt: skip
+        assert probe.returncode == 0 and (probe.stdout == "fetched\n") == runs
 
 
 def test_the_queue_admits_the_trainjob_alone() -> None:
