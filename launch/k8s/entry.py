@@ -33,6 +33,7 @@ import sys
 from pathlib import Path
 from types import FrameType
 
+from launch.k8s.isolation import CONDITIONS_DIR, write_condition
 from launch.standby.launch import Standby, standby_env
 from launch.torchrun import LAUNCHERS, SIGNAL_BASE, Outcome, run_launcher
 from pretrain.context import exit_codes
@@ -167,6 +168,8 @@ def node_healthy(launcher_args: list[str], state_dir: Path) -> bool:
     if report is None:
         return True
     (log.info if report.ok else log.error)("%s", describe(report))
+    if not report.ok and (path := write_condition(report, state_dir / job / CONDITIONS_DIR)):
+        log.error("the node's hardware condition, for the cluster's operators: %s", path)
     return report.ok
 
 

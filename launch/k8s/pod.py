@@ -19,6 +19,8 @@ from recipes.config.launch import K8sConfig
 
 log = logging.getLogger(__name__)
 
+# Under the run dir: the entry point's retry budget and its pods' health reports, per job id.
+STATE_SUBDIR = "k8s/retries"
 CONTAINER = "pytorch"  # the operator reads exit codes (and injects PET_* env) for this name only
 CONFIG_DIR = "/etc/mcore-recipes"
 # The pinned config, mounted from a ConfigMap under the run dir's own name for it.
@@ -127,6 +129,7 @@ def pod_spec(
     env: list[dict[str, Any]],
     fetch: bool = False,
     container_name: str = CONTAINER,
+    affinity: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``fetch``: an init container brings the newest intact remote step into the shared dir
     when none there verifies (the master's pod: the claim is shared). ``container_name``: the
@@ -154,6 +157,8 @@ def pod_spec(
         spec["initContainers"] = [fetch_container(run)]
     if k8s.priority_class:
         spec["priorityClassName"] = k8s.priority_class
+    if affinity:  # launch.k8s.isolation: nodes that failed on hardware
+        spec["affinity"] = affinity
     if k8s.node_selector:
         spec["nodeSelector"] = {str(key): str(value) for key, value in k8s.node_selector.items()}
     if k8s.tolerations:
@@ -188,7 +193,7 @@ def fetch_container(run: RunConfig) -> dict[str, Any]:
 
 
 def entry_command(run: RunConfig) -> list[str]:
-    state_dir = f"{run.output_dir}/{run.run_id}/k8s/retries"
+    state_dir = f"{run.output_dir}/{run.run_id}/{STATE_SUBDIR}"
     return [
         "python",
         "-m",

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from launch.common import LaunchPlan, rank_env, uploader_args
-from launch.k8s import trainjob
+from launch.k8s import isolation, trainjob
 from launch.k8s.pod import CONFIG_FILE, check_pod, pod_spec, remote_env_from
 from recipes import ConfigError, RunConfig, to_yaml
 from recipes.config.launch import K8sConfig
@@ -76,14 +76,16 @@ def render(plan: LaunchPlan, submission: str, code_commit: str | None) -> Render
     config_map = render_config_map(cm_name, k8s.namespace, cm_labels, to_yaml(pod_run))
     env = _env(pod_run, name, submission, code_commit)
     uploader = render_uploader(pod_run, name, labels)
+    avoid = isolation.avoided_nodes(plan.run, plan.run_dir)
+    affinity = isolation.anti_affinity(avoid) if avoid else None
     if k8s.api == "trainjob":
         runtime = trainjob.render_runtime(
             pod_run, name, {**labels_without_queue(labels), JOB_NAME_LABEL: name},
-            labels_without_queue(labels), cm_name, env,
+            labels_without_queue(labels), cm_name, env, affinity,
         )  # fmt: skip
         job = trainjob.render_trainjob(pod_run, name, labels, runtime["metadata"]["name"])
         return Rendered(name, k8s.namespace, pod_run, config_map, job, uploader, runtime)
-    job = render_job(pod_run, name, labels, cm_name, env)
+    job = render_job(pod_run, name, labels, cm_name, env, affinity)
     return Rendered(name, k8s.namespace, pod_run, config_map, job, uploader)
 
 
@@ -242,13 +244,19 @@ def render_config_map(
 
 
 def render_job(
-    run: RunConfig, name: str, labels: dict[str, str], config_map: str, env: list[dict[str, Any]]
+    run: RunConfig,
+    name: str,
+    labels: dict[str, str],
+    config_map: str,
+    env: list[dict[str, Any]],
+    affinity: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     launch, k8s = run.launch, run.launch.k8s
     pod_labels = labels_without_queue(labels)
-    replicas = {"Master": _replica(1, run, name, pod_labels, config_map, env, fetch=True)}
+    pod = {"run": run, "name": name, "config_map": config_map, "env": env, "affinity": affinity}
+    replicas = {"Master": _replica(1, pod_labels, fetch=True, **pod)}
     if launch.nodes > 1:
-        replicas["Worker"] = _replica(launch.nodes - 1, run, name, pod_labels, config_map, env)
+        replicas["Worker"] = _replica(launch.nodes - 1, pod_labels, **pod)
     return {
         "apiVersion": API_VERSION,
         "kind": KIND,
@@ -281,11 +289,13 @@ def _run_policy(run: RunConfig) -> dict[str, Any]:
 
 def _replica(
     count: int,
+    labels: dict[str, str],
+    *,
     run: RunConfig,
     name: str,
-    labels: dict[str, str],
     config_map: str,
     env: list[dict[str, Any]],
+    affinity: dict[str, Any] | None,
     fetch: bool = False,
 ) -> dict[str, Any]:
     # ExitCode: the operator recreates a pod whose container exited 128-255 (on another node if
@@ -295,7 +305,7 @@ def _replica(
         "restartPolicy": "ExitCode",
         "template": {
             "metadata": {"labels": dict(labels)},
-            "spec": pod_spec(run, name, config_map, env, fetch=fetch),
+            "spec": pod_spec(run, name, config_map, env, fetch=fetch, affinity=affinity),
         },
     }
 

@@ -63,10 +63,11 @@ def render_runtime(
     pod_labels: dict[str, str],
     config_map: str,
     env: list[dict[str, Any]],
+    affinity: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The ClusterTrainingRuntime: a JobSet template of one replicated job, ``node``, whose
     Job runs one pod per node (Trainer sets the count from the TrainJob)."""
-    pod = pod_spec(run, job, config_map, env, fetch=True, container_name=NODE)
+    pod = pod_spec(run, job, config_map, env, fetch=True, container_name=NODE, affinity=affinity)
     pod["restartPolicy"] = "Never"  # podFailurePolicy needs it; a failure restarts the set
     if "initContainers" in pod:
         pod["initContainers"] = [_first_node_only(c) for c in pod["initContainers"]]

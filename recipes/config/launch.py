@@ -107,6 +107,9 @@ class K8sConfig:
     backoff_limit: int = 3  # PyTorchJob runPolicy.backoffLimit; TrainJob: JobSet maxRestarts
     queue: Optional[str] = None  # gang scheduling queue (Volcano/Kueue)
     priority_class: Optional[str] = None  # pod priorityClassName
+    # Node names the pods are kept off (required anti-affinity), besides those whose health
+    # check failed on hardware in an earlier attempt of the run (launch/k8s/isolation.py).
+    avoid_nodes: list[str] = field(default_factory=list)
     # Per pod (one pod per node); requests are set equal to limits (Guaranteed QoS). Required
     # for GPU pods; e.g. a node's allocatable CPU and memory less what its daemons need.
     cpu: Optional[str] = None
@@ -161,6 +164,11 @@ class K8sConfig:
             require(
                 bool(self._DNS_SUBDOMAIN.fullmatch(name)) and len(name) <= 253,
                 f"launch.k8s.image_pull_secrets: {name!r} is not a Secret name",
+            )
+        for name in self.avoid_nodes:
+            require(
+                bool(self._DNS_SUBDOMAIN.fullmatch(name)) and len(name) <= 253,
+                f"launch.k8s.avoid_nodes: {name!r} is not a node name",
             )
         for cap in self.capabilities:
             require(

@@ -233,3 +233,14 @@ def test_pod_on_an_unhealthy_node_exits_before_torchrun(tmp_path: Path) -> None:
     assert report["ok"] is False
     state = json.loads((tmp_path / "state" / "job-sick" / "node-0.json").read_text())
     assert state == {"retries": 1, "running": False}
+    # The site's check script speaks for the node's hardware: a Node-style condition for the
+    # cluster's operators (the pod edits no Node object)
+    written = tmp_path / "state" / "job-sick" / "node-conditions" / "pod-0.json"
+    condition = json.loads(written.read_text())
+    assert condition["node"] == "pod-0"
+    assert {k: condition["condition"][k] for k in ("type", "status", "reason")} == {
+        "type": "McoreRecipesHardwareFault",
+        "status": "True",
+        "reason": "HealthCheckFailed",
+    }
+    assert "script: '/bin/false' exit 1" in condition["condition"]["message"]

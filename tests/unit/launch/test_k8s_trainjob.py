@@ -6,6 +6,7 @@ Kubernetes and JobSet documentation, not from the code under test)."""
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -178,3 +179,41 @@ def test_names_too_long_for_jobsets_pods_and_reserved_env_are_refused() -> None:
         k8s.render_run([*RECIPES["gpt_tiny"], *BASE, TRAINJOB, "launch.k8s.job_name=" + "a" * 49])
     with pytest.raises(ConfigError, match=r"\['PET_NNODES'\] are set by the controller"):
         k8s.render_run([*RECIPES["gpt_tiny"], *BASE, TRAINJOB, "+launch.k8s.env.PET_NNODES=4"])
+
+
+# --- node isolation by evidence (both APIs) ---------------------------------------------------
+
+
+def _health_report(run_dir, job: str, node: str, check: str, detail: str) -> None:
+    """A pod's health report, as the entry point writes it to the shared claim."""
+    path = run_dir / "k8s" / "retries" / job / "health" / f"{node}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    checks = [{"name": check, "ok": False, "detail": detail}, {"name": "cpus", "ok": True,
+              "detail": "8 usable"}]  # fmt: skip
+    path.write_text(json.dumps({"node": node, "host": "pod-x", "ok": False, "checks": checks}))
+
+
+@pytest.mark.parametrize("api", ["pytorchjob", "trainjob"])
+def test_a_node_that_failed_on_hardware_is_avoided_by_the_next_submission(
+    api: str, tmp_path
+) -> None:
+    run_dir = tmp_path / "gpt_tiny"
+    _health_report(run_dir, "job-a", "gpu-17", "gpus", "8 GPUs; uncorrected ECC errors on ['3']")
+    _health_report(run_dir, "job-a", "gpu-04", "checkpoint_dir", "0.1 GiB free (need 50)")
+    argv = [*RECIPES["gpt_tiny"], *BASE, f"output_dir={tmp_path}", f"launch.k8s.api={api}",
+            "launch.k8s.avoid_nodes=[node-manual]"]  # fmt: skip
+    _, rendered = k8s.render_run(argv)  # validated against the CRDs with the affinity
+    if api == "trainjob":
+        assert rendered.runtime is not None
+        pods = [_node_pod(rendered.runtime)]
+    else:
+        pods = [r["template"]["spec"] for r in rendered.job["spec"]["pytorchReplicaSpecs"].values()]
+    expected = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchFields": [{
+            "key": "metadata.name", "operator": "NotIn", "values": ["gpu-17", "node-manual"]
+        }]}]
+    }}}  # fmt: skip
+    assert all(pod["affinity"] == expected for pod in pods) and len(pods) >= 1
+    # the shared volume's failure says nothing about gpu-04; without evidence, no affinity
+    _, clean = k8s.render_run([*RECIPES["gpt_tiny"], *BASE, f"output_dir={tmp_path / 'new'}"])
+    assert "affinity" not in master(clean.job)["template"]["spec"]
