@@ -9,6 +9,7 @@ and submission id always give the same objects, which is what the golden tests r
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,8 @@ from launch.k8s import isolation, trainjob
 from launch.k8s.pod import CONFIG_FILE, check_pod, pod_spec, remote_env_from
 from recipes import ConfigError, RunConfig, to_yaml
 from recipes.config.launch import K8sConfig
+
+log = logging.getLogger(__name__)
 
 API_VERSION, KIND = "kubeflow.org/v1", "PyTorchJob"
 LABEL = "mcore-recipes/"
@@ -67,6 +70,13 @@ def render(plan: LaunchPlan, submission: str, code_commit: str | None) -> Render
         )
     _check_grace(plan.run)
     _check_env(k8s)
+    if k8s.runtime and k8s.remote_secret:
+        raise ConfigError(
+            f"launch.k8s.runtime={k8s.runtime} with launch.k8s.remote_secret: a TrainJob cannot "
+            "give the trainer container a Secret's variables (envFrom) on a runtime it does "
+            "not render; drop launch.k8s.runtime (a runtime of the run's own) or give the "
+            "pods an identity the object store accepts"
+        )
     name = job_name(plan.run)
     pod_run = pod_paths(plan.run, k8s)
     check_pod(pod_run, name)
@@ -84,6 +94,18 @@ def render(plan: LaunchPlan, submission: str, code_commit: str | None) -> Render
             labels_without_queue(labels), cm_name, env, affinity,
         )  # fmt: skip
         job = trainjob.render_trainjob(pod_run, name, labels, runtime["metadata"]["name"])
+        if k8s.runtime:
+            pod = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]
+            job, dropped = trainjob.on_existing_runtime(job, pod["template"]["spec"], k8s.runtime)
+            log.warning(
+                "launch.k8s.runtime=%s: restarts follow its failure policy, not the entry "
+                "point's exit-code mapping%s",
+                k8s.runtime,
+                f"; it also decides {', '.join(dropped)} (a TrainJob cannot set them)"
+                if dropped
+                else "",
+            )
+            return Rendered(name, k8s.namespace, pod_run, config_map, job, uploader)
         return Rendered(name, k8s.namespace, pod_run, config_map, job, uploader, runtime)
     job = render_job(pod_run, name, labels, cm_name, env, affinity)
     return Rendered(name, k8s.namespace, pod_run, config_map, job, uploader)

@@ -125,6 +125,39 @@ def render_trainjob(
     }
 
 
+MANAGER = "mcore-recipes.launch"  # our entry in a TrainJob's runtimePatches
+# What a runtimePatch may set on the pod and on the trainer container (Trainer's schema).
+PATCHABLE_POD = ("affinity", "imagePullSecrets", "initContainers", "nodeSelector",
+                 "terminationGracePeriodSeconds", "tolerations", "volumes")  # fmt: skip
+PATCHABLE_CONTAINER = ("volumeMounts", "securityContext")
+
+
+def on_existing_runtime(
+    trainjob: dict[str, Any], pod: dict[str, Any], runtime: str
+) -> tuple[dict[str, Any], list[str]]:
+    """The TrainJob made to run on the cluster's runtime ``runtime``: the trainer container's
+    image, command, env and resources in ``spec.trainer``, the rest of ``pod`` (the pod our own
+    runtime would hold) in a runtime patch; and what of ``pod`` the runtime decides instead."""
+    [container] = pod["containers"]
+    spec = {**trainjob["spec"], "runtimeRef": {**trainjob["spec"]["runtimeRef"], "name": runtime}}
+    spec["trainer"] = {**spec["trainer"], "image": container["image"],
+                       "command": container["command"], "env": container["env"]}  # fmt: skip
+    if container.get("resources"):
+        spec["trainer"]["resourcesPerNode"] = container["resources"]
+    patch_container = {"name": NODE, **{k: container[k] for k in PATCHABLE_CONTAINER
+                                        if k in container}}  # fmt: skip
+    patch_pod = {k: pod[k] for k in PATCHABLE_POD if k in pod}
+    patch_pod["containers"] = [patch_container]
+    node_job = {"name": NODE, "template": {"spec": {"template": {"spec": patch_pod}}}}
+    spec["runtimePatches"] = [
+        {"manager": MANAGER, "trainingRuntimeSpec": {"template": {"spec": {
+            "replicatedJobs": [node_job]
+        }}}}
+    ]  # fmt: skip
+    dropped = sorted(set(pod) - set(PATCHABLE_POD) - {"containers", "restartPolicy"})
+    return {**trainjob, "spec": spec}, dropped
+
+
 def pod_failure_policy() -> dict[str, Any]:
     """Exit codes into Job failure reasons the JobSet's rules can match (module docstring)."""
     return {

@@ -92,6 +92,10 @@ class K8sConfig:
     # Trainer v2 (a trainer.kubeflow.org/v1alpha1 TrainJob on a ClusterTrainingRuntime of its
     # own, a JobSet template: gang restart by the JobSet failure policy)
     api: str = "pytorchjob"
+    # api=trainjob: an existing ClusterTrainingRuntime the TrainJob runs on instead of one of
+    # its own (the image, command, env and resources go in the TrainJob, the pod's volumes and
+    # placement in its runtimePatches; restarts and priority are that runtime's)
+    runtime: Optional[str] = None
     image: Optional[str] = None  # container image with this repo installed (pin by digest)
     namespace: str = "default"  # Kubernetes namespace
     job_name: Optional[str] = None  # None: derived from run_id
@@ -136,6 +140,12 @@ class K8sConfig:
 
     def __post_init__(self) -> None:
         one_of("launch.k8s", "api", self.api, ("pytorchjob", "trainjob"))
+        require(
+            self.runtime is None
+            or (self.api == "trainjob" and bool(self._DNS_SUBDOMAIN.fullmatch(self.runtime))),
+            f"launch.k8s.runtime={self.runtime!r} names a ClusterTrainingRuntime: it needs "
+            "launch.k8s.api=trainjob and a valid object name",
+        )
         one_of("launch.k8s", "local_volume", self.local_volume, ("hostPath", "emptyDir"))
         require(
             self.local_host_path is None

@@ -217,3 +217,38 @@ def test_a_node_that_failed_on_hardware_is_avoided_by_the_next_submission(
     # the shared volume's failure says nothing about gpu-04; without evidence, no affinity
     _, clean = k8s.render_run([*RECIPES["gpt_tiny"], *BASE, f"output_dir={tmp_path / 'new'}"])
     assert "affinity" not in master(clean.job)["template"]["spec"]
+
+
+def test_a_trainjob_on_the_clusters_runtime_carries_the_pod_in_its_patch(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    argv = [*RECIPES["llama3_70b"], *BASE, TRAINJOB, "launch.k8s.runtime=torch-distributed",
+            "launch.k8s.priority_class=high"]  # fmt: skip
+    _, own = k8s.render_run(
+        [*RECIPES["llama3_70b"], *BASE, TRAINJOB, "launch.k8s.priority_class=high"]
+    )
+    _, rendered = k8s.render_run(argv)  # validated against the TrainJob CRD, patches included
+    assert own.runtime is not None and rendered.runtime is None
+    assert [o["kind"] for o in rendered.objects] == ["ConfigMap", "TrainJob"]
+    spec, pod = rendered.job["spec"], _node_pod(own.runtime)
+    assert spec["runtimeRef"]["name"] == "torch-distributed"
+    [container] = pod["containers"]
+    trainer = spec["trainer"]
+    assert (trainer["image"], trainer["command"], trainer["env"]) == (
+        container["image"], container["command"], container["env"],
+    )  # fmt: skip
+    assert trainer["resourcesPerNode"] == container["resources"]
+    [patch] = spec["runtimePatches"]
+    [node_job] = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    patched = node_job["template"]["spec"]["template"]["spec"]
+    assert node_job["name"] == "node" and patched["volumes"] == pod["volumes"]
+    assert patched["containers"] == [
+        {"name": "node", "volumeMounts": container["volumeMounts"],
+         "securityContext": container["securityContext"]}
+    ]  # fmt: skip
+    # what the cluster's runtime decides instead, said
+    assert "restarts follow its failure policy" in caplog.text
+    assert "it also decides priorityClassName" in caplog.text
+    remote = ["checkpoint.remote.url=s3://b/r", "launch.k8s.remote_secret=s3"]
+    with pytest.raises(ConfigError, match="cannot give the trainer container a Secret"):
+        k8s.render_run([*argv, *remote])
