@@ -6,6 +6,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 
 from omegaconf import OmegaConf
 
@@ -24,6 +25,7 @@ from recipes.validate import resolve_device, resolve_run_id, validate_runtime
 log = logging.getLogger(__name__)
 # Set by torchrun and ft_launcher: one id per launch, kept by its in-place restarts.
 LAUNCH_ID_ENV = "TORCHELASTIC_RUN_ID"
+CONFIG_ERROR_GRACE_S = 2.0
 USAGE = """\
 usage: python -m pretrain (recipe=<name> | --config RESOLVED.yaml) [key=value ...] [options]
   Hydra override grammar (key=value, +key=value, ~key); run the ranks under
@@ -63,7 +65,11 @@ def main(argv: list[str]) -> int:
         run, device, dp = _prepare(_load(req))
     except ConfigError as exc:
         # Every rank composed the same config and found the same error: said once, by rank 0.
-        log.log(logging.ERROR if _first_rank() else logging.DEBUG, "config error: %s", exc)
+        # The others leave it time to: the launcher stops every rank once the first one exits.
+        first = _first_rank()
+        log.log(logging.ERROR if first else logging.DEBUG, "config error: %s", exc)
+        if not first:
+            time.sleep(CONFIG_ERROR_GRACE_S)
         return exit_codes.DATA if isinstance(exc, DataInputError) else exit_codes.CONFIG_ERROR
     # torch and megatron-core: not for --help/--cfg
     from pretrain.train.session import train
