@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -65,16 +66,23 @@ def main(argv: list[str]) -> int:
         run, device, dp = _prepare(_load(req))
     except ConfigError as exc:
         # Every rank composed the same config and found the same error: said once, by rank 0.
-        # The others leave it time to: the launcher stops every rank once the first one exits.
         first = _first_rank()
         log.log(logging.ERROR if first else logging.DEBUG, "config error: %s", exc)
         if not first:
-            time.sleep(CONFIG_ERROR_GRACE_S)
+            _let_rank_0_say_it()
         return exit_codes.DATA if isinstance(exc, DataInputError) else exit_codes.CONFIG_ERROR
     # torch and megatron-core: not for --help/--cfg
     from pretrain.train.session import train
 
     return train(run, device, dp)
+
+
+def _let_rank_0_say_it() -> None:
+    """The launcher stops every rank once the first one exits: the others exit after rank 0,
+    so its line is written, and with the same code (the launcher's SIGTERM waits, or the
+    retry policy would read a rank killed by a signal as an infrastructure failure)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(CONFIG_ERROR_GRACE_S)
 
 
 def _show_keys(req: CliRequest) -> int:
