@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from tests.helpers import REPO
 
@@ -102,3 +105,15 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
             return
         time.sleep(0.1)
     raise AssertionError(f"step {step} not reached (launcher exit {proc.poll()})")
+
+
+def kill_node(launcher: psutil.Process) -> None:
+    """A lost node: its launcher and everything under it (the workers run in sessions of
+    their own, so not as a process group), SIGKILLed together."""
+    family = [*launcher.children(recursive=True), launcher]
+    for proc in family:
+        try:
+            proc.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(family, timeout=30)

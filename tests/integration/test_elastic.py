@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.ft_helpers import env, launch_cmd
+from tests.ft_helpers import env, kill_node, launch_cmd
 from tests.helpers import REPO, read_steps, run_pretrain
 
 STEPS, SAVE_EVERY = 100, 10
@@ -44,18 +43,6 @@ def _job(tiny: list[str], root: Path, run_id: str) -> list[str]:
         f"checkpoint.save_interval={SAVE_EVERY}",
         "logging.log_interval=50",
     ]
-
-
-def _kill_node(node_launcher: psutil.Process) -> None:
-    """A lost node: its launcher and everything under it (the workers run in sessions of
-    their own, so not as a process group), SIGKILLed together."""
-    family = [*node_launcher.children(recursive=True), node_launcher]
-    for proc in family:
-        try:
-            proc.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(family, timeout=30)
 
 
 def _second_node(launcher: subprocess.Popen) -> psutil.Process:
@@ -97,7 +84,7 @@ def test_a_lost_node_shrinks_the_job_in_place_and_it_grows_back_on_the_same_samp
     )
     try:
         _wait_for_step(elastic, kill_at, proc, timeout=180)
-        _kill_node(_second_node(proc))
+        kill_node(_second_node(proc))
         # The two uninterrupted references run while the job waits out its re-rendezvous
         # and the node's return (mostly idle time).
         full, half = tmp_path / "full" / "run", tmp_path / "half" / "run"

@@ -31,6 +31,7 @@ from pretrain.context.run_dir import RunDir, read_jsonl
 from resiliency.monitor.postmortem import LauncherEvents
 from resiliency.storage.layout import RunLayout, atomic_write_json
 from resiliency.storage.lease import RunLease
+from tests.ft_helpers import kill_node
 from tests.helpers import REPO, read_steps, run_pretrain
 
 SLURM_DIR = REPO / "tests" / "slurm"
@@ -909,13 +910,7 @@ def test_an_elastic_job_loses_a_node_trains_on_and_grows_back_in_the_same_job(
         env=slurm_env, capture_output=True, text=True, timeout=60,
     ).stdout.split()  # fmt: skip
     victim = names[1]  # the first node hosts the rendezvous store: its exit is the job's
-    launcher = _node_launcher(job_id, victim)
-    family = [*launcher.children(recursive=True), launcher]
-    for proc in family:
-        try:
-            proc.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
+    kill_node(_node_launcher(job_id, victim))
     # The uninterrupted reference runs while the job re-forms without the node.
     reference = tmp_path / "reference"
     run_pretrain(2, [*_cluster_overrides(tiny_overrides, tmp_path, "reference"), *ELASTIC_JOB])
