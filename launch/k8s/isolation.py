@@ -4,22 +4,25 @@ evidence, named by the reports the pods wrote, plus ``launch.k8s.avoid_nodes``.
 A pod's entry point checks its node before the launcher starts (:mod:`launch.k8s.entry`) and
 writes the report to the shared claim (``<run dir>/k8s/retries/<job id>/health/<node>.json``,
 the node by ``spec.nodeName``). Where the check failed on the node's hardware (its GPUs: count,
-nvidia-smi, uncorrected ECC; ``/dev/shm``; the site's own check script), the entry point also
+nvidia-smi, uncorrected ECC; the site's own check script saying no), the entry point also
 writes the node's condition in the shape of a Node status condition
 (``.../node-conditions/<node>.json``), for an operator or a node problem detector to act on:
 the trainer never edits a Node object (taints and cordons are the cluster's to set).
 
 The next submission of the run (``python -m launch k8s``, on either API) reads those reports
 where the run dir is visible to it and renders required node anti-affinity to those nodes
-(``matchFields`` on ``metadata.name``: a node's name, not its hostname label). A failure of
-the shared checkpoint volume (``checkpoint_dir``) or of the pod's CPU allocation says nothing
-about the node, so it excludes none.
+(``matchFields`` on ``metadata.name``: a node's name, not its hostname label). Only each
+node's newest report counts (a node that passed since is forgiven), and a failure every pod
+of a submission shares is the job's, not a node's. A failure of the shared checkpoint volume
+(``checkpoint_dir``), of ``/dev/shm`` (sized by the pod's memory limit) or of the pod's CPU
+allocation says nothing about the node, so it excludes none.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -29,38 +32,70 @@ from recipes import RunConfig
 from resiliency.monitor.health import NodeReport
 
 log = logging.getLogger(__name__)
+_SCRIPT_SAID_NO = re.compile(r"' exit [1-9][0-9]*:")
 
-HARDWARE_CHECKS = frozenset({"gpus", "shm", "script"})
+# /dev/shm is not among them: in a pod it is a memory-backed emptyDir sized by the pod's
+# memory limit, so its failure is the job's configuration, not the node.
+HARDWARE_CHECKS = frozenset({"gpus", "script"})
 CONDITION_TYPE = "McoreRecipesHardwareFault"
 CONDITIONS_DIR = "node-conditions"
 
 
 def hardware_failures(report: dict[str, Any]) -> list[str]:
-    """The failed checks of a node report that point at the node's hardware."""
+    """The failed checks of a node report that point at the node's hardware: its GPUs, or the
+    site's script where it ran and said no (one that is missing or timed out says nothing
+    about the node)."""
     return [
         f"{check['name']}: {check['detail']}"
         for check in report.get("checks", [])
-        if not check.get("ok") and check.get("name") in HARDWARE_CHECKS
+        if not check.get("ok")
+        and check.get("name") in HARDWARE_CHECKS
+        and (check["name"] != "script" or _SCRIPT_SAID_NO.search(str(check.get("detail"))))
     ]
 
 
 def failed_nodes(run_dir: Path) -> dict[str, list[str]]:
-    """{node: its hardware failures} from every health report of the run's pods."""
-    found: dict[str, list[str]] = {}
-    for path in sorted((run_dir / STATE_SUBDIR).glob("*/health/*.json")):
-        try:
-            report = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        failures = hardware_failures(report)
-        if failures and report.get("node"):
-            found[str(report["node"])] = failures
-    return found
+    """{node: its hardware failures}, from each node's newest health report of the run's pods
+    (a node that passed since is forgiven). A failure every pod of a submission shares is the
+    job's (a wrong GPU count, a site script that fails everywhere), not a node's."""
+    newest: dict[str, dict[str, Any]] = {}
+    for job_dir in sorted((run_dir / STATE_SUBDIR).glob("*/health")):
+        reports = [r for r in map(_read, sorted(job_dir.glob("*.json"))) if r.get("node")]
+        shared = _shared_failures(reports)
+        for report in reports:
+            report["hardware"] = [f for f in hardware_failures(report) if f.split(":")[0]
+                                  not in shared]  # fmt: skip
+            node = str(report["node"])
+            if report.get("time", 0) >= newest.get(node, {}).get("time", float("-inf")):
+                newest[node] = report
+    return {node: r["hardware"] for node, r in newest.items() if r["hardware"]}
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _shared_failures(reports: list[dict[str, Any]]) -> set[str]:
+    """The checks that failed on every node of a submission of two or more nodes."""
+    if len(reports) < 2:
+        return set()
+    failed = [{c["name"] for c in r.get("checks", []) if not c.get("ok")} for r in reports]
+    return set.intersection(*failed)
 
 
 def avoided_nodes(run: RunConfig, run_dir: Path) -> list[str]:
     """launch.k8s.avoid_nodes and every node with hardware evidence in ``run_dir`` (the run
-    dir as this host sees it; nothing where the claim is not mounted here)."""
+    dir as this host sees it; nothing where the claim is not mounted here, which is said)."""
+    reports = run_dir / STATE_SUBDIR
+    if not reports.is_dir():
+        log.info(
+            "no pod health reports at %s (the claim is not mounted here at output_dir, or no "
+            "pod ran yet): only launch.k8s.avoid_nodes is kept off",
+            reports,
+        )
     found = failed_nodes(run_dir)
     for node, failures in found.items():
         log.warning(

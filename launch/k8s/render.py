@@ -70,12 +70,11 @@ def render(plan: LaunchPlan, submission: str, code_commit: str | None) -> Render
         )
     _check_grace(plan.run)
     _check_env(k8s)
-    if k8s.runtime and k8s.remote_secret:
+    if k8s.runtime and plan.run.checkpoint.remote.enabled:
         raise ConfigError(
-            f"launch.k8s.runtime={k8s.runtime} with launch.k8s.remote_secret: a TrainJob cannot "
-            "give the trainer container a Secret's variables (envFrom) on a runtime it does "
-            "not render; drop launch.k8s.runtime (a runtime of the run's own) or give the "
-            "pods an identity the object store accepts"
+            f"launch.k8s.runtime={k8s.runtime} with checkpoint.remote: a TrainJob cannot add "
+            "the fetch init container or a Secret's variables (envFrom) to a runtime it does "
+            "not render; drop launch.k8s.runtime (a runtime of the run's own)"
         )
     name = job_name(plan.run)
     pod_run = pod_paths(plan.run, k8s)

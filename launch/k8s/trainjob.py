@@ -127,7 +127,8 @@ def render_trainjob(
 
 MANAGER = "mcore-recipes.launch"  # our entry in a TrainJob's runtimePatches
 # What a runtimePatch may set on the pod and on the trainer container (Trainer's schema).
-PATCHABLE_POD = ("affinity", "imagePullSecrets", "initContainers", "nodeSelector",
+# Not initContainers: a patch may only amend those the runtime already has (Trainer's webhook).
+PATCHABLE_POD = ("affinity", "imagePullSecrets", "nodeSelector",
                  "terminationGracePeriodSeconds", "tolerations", "volumes")  # fmt: skip
 PATCHABLE_CONTAINER = ("volumeMounts", "securityContext")
 

@@ -184,13 +184,16 @@ def test_names_too_long_for_jobsets_pods_and_reserved_env_are_refused() -> None:
 # --- node isolation by evidence (both APIs) ---------------------------------------------------
 
 
-def _health_report(run_dir, job: str, node: str, check: str, detail: str) -> None:
+def _health_report(
+    run_dir, job: str, node: str, check: str, detail: str, at: float = 1000.0, ok: bool = False
+) -> None:
     """A pod's health report, as the entry point writes it to the shared claim."""
     path = run_dir / "k8s" / "retries" / job / "health" / f"{node}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    checks = [{"name": check, "ok": False, "detail": detail}, {"name": "cpus", "ok": True,
+    checks = [{"name": check, "ok": ok, "detail": detail}, {"name": "cpus", "ok": True,
               "detail": "8 usable"}]  # fmt: skip
-    path.write_text(json.dumps({"node": node, "host": "pod-x", "ok": False, "checks": checks}))
+    report = {"node": node, "host": "pod-x", "time": at, "ok": ok, "checks": checks}
+    path.write_text(json.dumps(report))
 
 
 @pytest.mark.parametrize("api", ["pytorchjob", "trainjob"])
@@ -200,6 +203,13 @@ def test_a_node_that_failed_on_hardware_is_avoided_by_the_next_submission(
     run_dir = tmp_path / "gpt_tiny"
     _health_report(run_dir, "job-a", "gpu-17", "gpus", "8 GPUs; uncorrected ECC errors on ['3']")
     _health_report(run_dir, "job-a", "gpu-04", "checkpoint_dir", "0.1 GiB free (need 50)")
+    _health_report(run_dir, "job-a", "gpu-05", "shm", "/dev/shm is 0.06 GiB (need 1)")
+    _health_report(run_dir, "job-a", "gpu-06", "script", "'/opt/check' exit 3: row remap")
+    # repaired since: its newest report passed
+    _health_report(run_dir, "job-b", "gpu-06", "script", "'/opt/check' exit 0: ok", 2000, True)
+    # a script missing on every pod of a submission is the job's, not the nodes'
+    for node in ("gpu-30", "gpu-31"):
+        _health_report(run_dir, "job-c", node, "script", "'/opt/gone' exit 127: not found")
     argv = [*RECIPES["gpt_tiny"], *BASE, f"output_dir={tmp_path}", f"launch.k8s.api={api}",
             "launch.k8s.avoid_nodes=[node-manual]"]  # fmt: skip
     _, rendered = k8s.render_run(argv)  # validated against the CRDs with the affinity
@@ -249,6 +259,9 @@ def test_a_trainjob_on_the_clusters_runtime_carries_the_pod_in_its_patch(
     # what the cluster's runtime decides instead, said
     assert "restarts follow its failure policy" in caplog.text
     assert "it also decides priorityClassName" in caplog.text
-    remote = ["checkpoint.remote.url=s3://b/r", "launch.k8s.remote_secret=s3"]
-    with pytest.raises(ConfigError, match="cannot give the trainer container a Secret"):
-        k8s.render_run([*argv, *remote])
+    for remote in (
+        ["checkpoint.remote.url=s3://b/r"],
+        ["checkpoint.remote.url=s3://b/r", "launch.k8s.remote_secret=s3"],
+    ):
+        with pytest.raises(ConfigError, match="cannot add the fetch init container"):
+            k8s.render_run([*argv, *remote])
