@@ -160,8 +160,8 @@ def _set_owner(core: Any, rendered: Rendered, uid: str | None) -> None:
         return
     # Neither controller (the operator controls nothing here) nor blockOwnerDeletion: that
     # needs update rights on pytorchjobs/finalizers, which users who may create jobs often lack.
-    owner = {"apiVersion": rendered.job["apiVersion"], "kind": kind, "name": rendered.name}
-    owner["uid"] = uid
+    owner = {"apiVersion": rendered.job["apiVersion"], "kind": kind, "name": rendered.name,
+             "uid": uid}  # fmt: skip
     # A JSON Patch (a list body): every supported client version sends it as one.
     patch = [{"op": "add", "path": "/metadata/ownerReferences", "value": [owner]}]
     try:

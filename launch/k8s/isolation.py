@@ -20,16 +20,17 @@ allocation says nothing about the node, so it excludes none.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
+from collections.abc import Set
 from pathlib import Path
 from typing import Any
 
 from launch.k8s.pod import STATE_SUBDIR
 from recipes import RunConfig
-from resiliency.monitor.health import NodeReport
+from resiliency.monitor.health import NodeReport, read_reports
+from resiliency.storage.layout import atomic_write_json
 
 log = logging.getLogger(__name__)
 _SCRIPT_SAID_NO = re.compile(r"' exit [1-9][0-9]*:")
@@ -41,15 +42,16 @@ CONDITION_TYPE = "McoreRecipesHardwareFault"
 CONDITIONS_DIR = "node-conditions"
 
 
-def hardware_failures(report: dict[str, Any]) -> list[str]:
+def hardware_failures(report: dict[str, Any], ignored: Set[str] = frozenset()) -> list[str]:
     """The failed checks of a node report that point at the node's hardware: its GPUs, or the
     site's script where it ran and said no (one that is missing or timed out says nothing
-    about the node)."""
+    about the node); none of the ``ignored`` checks."""
     return [
         f"{check['name']}: {check['detail']}"
         for check in report.get("checks", [])
         if not check.get("ok")
         and check.get("name") in HARDWARE_CHECKS
+        and check.get("name") not in ignored
         and (check["name"] != "script" or _SCRIPT_SAID_NO.search(str(check.get("detail"))))
     ]
 
@@ -58,24 +60,15 @@ def failed_nodes(run_dir: Path) -> dict[str, list[str]]:
     """{node: its hardware failures}, from each node's newest health report of the run's pods
     (a node that passed since is forgiven). A failure every pod of a submission shares is the
     job's (a wrong GPU count, a site script that fails everywhere), not a node's."""
-    newest: dict[str, dict[str, Any]] = {}
+    newest: dict[str, tuple[float, list[str]]] = {}  # node: (report time, failures)
     for job_dir in sorted((run_dir / STATE_SUBDIR).glob("*/health")):
-        reports = [r for r in map(_read, sorted(job_dir.glob("*.json"))) if r.get("node")]
+        reports = [r for r in read_reports(job_dir) if "unreadable" not in r]
         shared = _shared_failures(reports)
         for report in reports:
-            report["hardware"] = [f for f in hardware_failures(report) if f.split(":")[0]
-                                  not in shared]  # fmt: skip
-            node = str(report["node"])
-            if report.get("time", 0) >= newest.get(node, {}).get("time", float("-inf")):
-                newest[node] = report
-    return {node: r["hardware"] for node, r in newest.items() if r["hardware"]}
-
-
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
+            node, at = str(report["node"]), float(report.get("time", 0))
+            if node not in newest or at >= newest[node][0]:
+                newest[node] = (at, hardware_failures(report, shared))
+    return {node: failures for node, (_, failures) in newest.items() if failures}
 
 
 def _shared_failures(reports: list[dict[str, Any]]) -> set[str]:
@@ -134,7 +127,5 @@ def write_condition(report: NodeReport, directory: Path) -> Path | None:
     }
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{report.node}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(condition, indent=1))
-    tmp.replace(path)
+    atomic_write_json(path, condition)
     return path

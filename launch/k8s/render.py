@@ -47,8 +47,8 @@ class Rendered:
     @property
     def objects(self) -> list[dict[str, Any]]:
         """In the order they are created: the runtime before the TrainJob that names it."""
-        extra = [obj for obj in (self.runtime,) if obj]
-        return [self.config_map, *extra, self.job, *([self.uploader] if self.uploader else [])]
+        runtime = [self.runtime] if self.runtime else []
+        return [self.config_map, *runtime, self.job, *([self.uploader] if self.uploader else [])]
 
     @property
     def config_map_name(self) -> str:
@@ -94,8 +94,8 @@ def render(plan: LaunchPlan, submission: str, code_commit: str | None) -> Render
         )  # fmt: skip
         job = trainjob.render_trainjob(pod_run, name, labels, runtime["metadata"]["name"])
         if k8s.runtime:
-            pod = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]
-            job, dropped = trainjob.on_existing_runtime(job, pod["template"]["spec"], k8s.runtime)
+            pod = trainjob.node_pod(runtime)
+            job, dropped = trainjob.on_existing_runtime(job, pod, k8s.runtime)
             log.warning(
                 "launch.k8s.runtime=%s: restarts follow its failure policy, not the entry "
                 "point's exit-code mapping%s",

@@ -41,9 +41,9 @@ CLEAN_POD_POLICIES = ("All", "Running", "None")
 DEFAULT_CONTAINER = "pytorch"
 CONFIG_MAP_MAX_BYTES = 1 << 20  # etcd's object size limit applies to a ConfigMap's data
 
-_DNS1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
-_DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
-_DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+DNS1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 _LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
 _ENV_NAME = re.compile(r"[-._a-zA-Z][-._a-zA-Z0-9]*")
 _CONFIG_KEY = re.compile(r"[-._a-zA-Z0-9]+")
@@ -219,7 +219,7 @@ def operator_errors(job: Mapping[str, Any]) -> list[str]:
             f"<root>: expected kubeflow.org/v1 PyTorchJob, got "
             f"{job.get('apiVersion')} {job.get('kind')}"
         )
-    errors += metadata_errors(job.get("metadata", {}), "metadata", _DNS1035_LABEL, 63)
+    errors += metadata_errors(job.get("metadata", {}), "metadata", DNS1035_LABEL, 63)
     spec = job.get("spec", {})
     if (
         spec.get("nprocPerNode") not in (None, "auto", "cpu", "gpu")
@@ -248,7 +248,7 @@ def metadata_errors(
             f"{max_len} characters"
         )
     namespace = meta.get("namespace", "")
-    if not _DNS1123_LABEL.fullmatch(namespace) or len(namespace) > 63:
+    if not DNS1123_LABEL.fullmatch(namespace) or len(namespace) > 63:
         errors.append(f"{where}.namespace: {namespace!r} is not a DNS-1123 label")
     errors += label_errors(meta.get("labels", {}), f"{where}.labels")
     return errors
@@ -259,7 +259,7 @@ def label_errors(labels: Mapping[str, Any], where: str) -> list[str]:
     for key, value in labels.items():
         prefix, _, name = key.rpartition("/")
         if (
-            (prefix and not _DNS1123_SUBDOMAIN.fullmatch(prefix))
+            (prefix and not DNS1123_SUBDOMAIN.fullmatch(prefix))
             or len(name) > 63
             or not _LABEL_VALUE.fullmatch(name)
             or not name
@@ -302,7 +302,7 @@ def pod_errors(
     errors += [
         f"{where}.volumes[{i}].name: {n!r} is not a DNS-1123 label"
         for i, n in enumerate(volumes)
-        if not _DNS1123_LABEL.fullmatch(n)
+        if not DNS1123_LABEL.fullmatch(n)
     ]
     errors += [
         f"{where}.volumes[{i}].hostPath.path: {v['hostPath'].get('path')!r} is not absolute"
@@ -337,7 +337,7 @@ def _container_errors(container: Mapping[str, Any], volumes: set[str], where: st
 def deployment_errors(deployment: Mapping[str, Any], path: Path | None = None) -> list[str]:
     """The uploader's Deployment: its pod template against the core PodTemplateSpec schema the
     CRD embeds, its containers like the job's, and a selector that matches its own pods."""
-    errors = metadata_errors(deployment.get("metadata", {}), "metadata", _DNS1123_SUBDOMAIN, 253)
+    errors = metadata_errors(deployment.get("metadata", {}), "metadata", DNS1123_SUBDOMAIN, 253)
     if deployment.get("apiVersion") != "apps/v1":
         errors.append(f"apiVersion: {deployment.get('apiVersion')!r}, expected 'apps/v1'")
     spec = deployment.get("spec", {})
@@ -356,7 +356,7 @@ def deployment_errors(deployment: Mapping[str, Any], path: Path | None = None) -
 
 def config_map_errors(config_map: Mapping[str, Any]) -> list[str]:
     """The core ConfigMap rules that matter here: name, keys, total size."""
-    errors = metadata_errors(config_map.get("metadata", {}), "metadata", _DNS1123_SUBDOMAIN, 253)
+    errors = metadata_errors(config_map.get("metadata", {}), "metadata", DNS1123_SUBDOMAIN, 253)
     data = config_map.get("data", {})
     errors += [f"data[{key!r}]: invalid key" for key in data if not _CONFIG_KEY.fullmatch(key)]
     size = sum(len(key) + len(str(value).encode()) for key, value in data.items())

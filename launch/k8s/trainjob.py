@@ -106,6 +106,12 @@ def render_runtime(
     }
 
 
+def node_pod(runtime: dict[str, Any]) -> dict[str, Any]:
+    """The pod spec of a rendered runtime's ``node`` job."""
+    [node_job] = runtime["spec"]["template"]["spec"]["replicatedJobs"]
+    return node_job["template"]["spec"]["template"]["spec"]
+
+
 def render_trainjob(
     run: RunConfig, job: str, labels: dict[str, str], runtime: str
 ) -> dict[str, Any]:

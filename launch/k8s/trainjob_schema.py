@@ -18,6 +18,8 @@ from typing import Any
 
 from launch.k8s import trainjob
 from launch.k8s.schema import (
+    DNS1035_LABEL,
+    DNS1123_SUBDOMAIN,
     label_errors,
     metadata_errors,
     pod_errors,
@@ -38,8 +40,6 @@ JOB_FAILURE_REASONS = (
     "PodFailurePolicy",
 )
 _RULE_NAME = re.compile(r"[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?")
-_DNS1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
-_DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 # JobSet names a pod <jobset>-<replicated job>-<job index>-<completion index>-<5 random>.
 _POD_SUFFIX_RANDOM = 6
 
@@ -48,7 +48,7 @@ def trainjob_errors(job: Mapping[str, Any]) -> list[str]:
     errors = schema_errors(job, shipped_crd(TRAINJOB_CRD), version=VERSION)
     if errors:
         return errors
-    errors = metadata_errors(job.get("metadata", {}), "metadata", _DNS1035_LABEL, 63)
+    errors = metadata_errors(job.get("metadata", {}), "metadata", DNS1035_LABEL, 63)
     spec = job.get("spec", {})
     ref = spec.get("runtimeRef", {})
     if ref.get("apiGroup") != trainjob.GROUP or ref.get("kind") not in (
@@ -81,7 +81,7 @@ def runtime_errors(runtime: Mapping[str, Any]) -> list[str]:
         return sorted(set(errors))
     meta = runtime.get("metadata", {})
     name = meta.get("name", "")
-    if not _DNS1123_SUBDOMAIN.fullmatch(name) or len(name) > 253:
+    if not DNS1123_SUBDOMAIN.fullmatch(name) or len(name) > 253:
         errors.append(f"metadata.name: {name!r} is not a DNS-1123 subdomain")
     if "namespace" in meta:
         errors.append("metadata.namespace: a ClusterTrainingRuntime is cluster-scoped")
