@@ -184,7 +184,8 @@ class ElasticNodes:
             self.sink(node.index, line)
 
     def wait(self) -> int:
-        """Until node 0 exits: lost nodes come back after the resize interval."""
+        """Until node 0 exits (then the others get a grace to end on their own): lost nodes
+        come back after the resize interval. The caller calls ``stop_all`` after it."""
         host = self.nodes[0]
         assert host.proc is not None
         while host.proc.poll() is None:
@@ -197,8 +198,7 @@ class ElasticNodes:
         # The others end with the job on their own (their last records, their launchers'
         # teardown); where node 0 failed they wait on its store, so only briefly.
         self._await_others(STOP_GRACE_S if host.proc.returncode == 0 else LAST_CALL_S)
-        self.stop_all()
-        return host.proc.returncode
+        return host.proc.returncode  # the caller's stop_all ends the rest, however it ends
 
     def _await_others(self, grace: float) -> None:
         deadline = time.monotonic() + grace

@@ -88,12 +88,12 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.nproc is not None:
         overrides = [*overrides, f"launch.nproc_per_node={args.nproc}"]
     plan = plan_launch(overrides)
-    if plan.run.parallel.elastic and plan.device == "cuda":
-        raise ConfigError(
-            "parallel.elastic=true under launch local runs on CPU only so far: every node "
-            "launcher on this machine would start its ranks on the same GPUs"
-        )
     if plan.run.parallel.elastic:
+        if plan.device == "cuda":
+            raise ConfigError(
+                "parallel.elastic=true under launch local runs on CPU only so far: every node "
+                "launcher on this machine would start its ranks on the same GPUs"
+            )
         check_launcher_release()
     check_run_dir_free(plan)
     check_remote_tier(plan)
