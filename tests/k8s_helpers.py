@@ -25,6 +25,9 @@ IMAGE = "registry.example/mcore-recipes@sha256:0123456789abcdef"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 TOKEN = "test-token-123"
 BASE = [f"launch.k8s.image={IMAGE}", "launch.k8s.shared_pvc=ckpt-rwx"]
+# The API tests after the first submit without the fit check (a process importing megatron-core,
+# ~5 s each): test_submit_posts_the_rendered_objects and test_memory_fit keep it.
+NO_FIT = ["--skip-fit-check"]
 # The recipes' data paths are relative (for local runs); in a pod they must be on a volume.
 STDLIB_ON_CLAIM = "data.paths=[/checkpoints/data/stdlib_text_document]"
 GPU_NODE = ["launch.k8s.cpu=96", "launch.k8s.memory=1600Gi"]  # Guaranteed QoS on GPU pods

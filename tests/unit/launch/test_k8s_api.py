@@ -25,6 +25,7 @@ from recipes.load import load_config_file
 from tests.helpers import REPO
 from tests.k8s_helpers import (
     BASE,
+    NO_FIT,
     COMMIT,
     GPT,
     IMAGE,
@@ -322,10 +323,12 @@ def test_remote_tier_submits_its_uploader_and_delete_removes_it(
     argv = RECIPES["llama3_70b"] + [f"output_dir={tmp_path}", *remote] + BASE
     _, rendered = k8s.render_run(argv)
     with pytest.raises(ConfigError, match="checkpoint.remote: s3://bucket/runs"):
-        cli(argv)  # no object store reachable from here: refused before anything is submitted
+        cli(
+            argv + NO_FIT
+        )  # no object store reachable from here: refused before anything is submitted
     assert not [r for r in api.requests if r["method"] == "POST"]
     # Credentials only the pods hold (launch.k8s.remote_secret): the pods' trainer probes.
-    assert cli([*argv, "--skip-remote-check"]) == 0
+    assert cli([*argv, *NO_FIT, "--skip-remote-check"]) == 0
     posted = [r for r in api.requests if r["method"] == "POST"]
     assert posted[-1]["path"] == "/apis/apps/v1/namespaces/default/deployments"
     assert posted[-1]["body"] == rendered.uploader
@@ -337,7 +340,7 @@ def test_remote_tier_submits_its_uploader_and_delete_removes_it(
 def test_resubmit_after_delete_never_collides(
     api: FakeApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    argv = GPT + [f"output_dir={tmp_path}"] + BASE
+    argv = GPT + [f"output_dir={tmp_path}"] + BASE + NO_FIT
     monkeypatch.setenv(k8s.SUBMISSION_ENV, "first")
     assert cli(argv) == 0
     # Deleted behind the adapter's back (kubectl delete pytorchjob): the owner reference lets
@@ -356,7 +359,7 @@ def test_unowned_config_map_is_still_deleted_with_its_job(
     api: FakeApiServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     api.fail_patch = True
-    assert cli(GPT + [f"output_dir={tmp_path}"] + BASE) == 0  # the job runs regardless
+    assert cli(GPT + [f"output_dir={tmp_path}"] + BASE + NO_FIT) == 0  # the job runs regardless
     assert "HTTP 403" in caplog.text and "python -m launch k8s delete gpt-125m" in caplog.text
     assert "ownerReferences" not in api.config_maps["gpt-125m-config-test"]["metadata"]
     assert cli(["delete", "gpt-125m"]) == 0
@@ -368,7 +371,7 @@ def test_rejected_job_rolls_back_its_config_map(
     api: FakeApiServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     api.fail_job_create = True
-    assert cli(GPT + [f"output_dir={tmp_path}"] + BASE) == exit_codes.INFRASTRUCTURE
+    assert cli(GPT + [f"output_dir={tmp_path}"] + BASE + NO_FIT) == exit_codes.INFRASTRUCTURE
     assert [(r["method"], r["path"]) for r in api.requests][-1] == (
         "DELETE",
         "/api/v1/namespaces/default/configmaps/gpt-125m-config-test",
@@ -380,7 +383,7 @@ def test_rejected_job_rolls_back_its_config_map(
 def test_status_logs_delete(
     api: FakeApiServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert cli(RECIPES["llama3_70b"] + [f"output_dir={tmp_path}"] + BASE) == 0
+    assert cli(RECIPES["llama3_70b"] + [f"output_dir={tmp_path}"] + BASE + NO_FIT) == 0
     capsys.readouterr()
     assert cli(["status", "llama3-70b"]) == 0
     out = capsys.readouterr().out
@@ -417,8 +420,14 @@ def test_a_trainjob_is_submitted_followed_and_deleted_with_its_runtime(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    argv = [*RECIPES["llama3_70b"], f"output_dir={tmp_path}", *BASE, "launch.k8s.api=trainjob"]
+    argv = [
+        *RECIPES["llama3_70b"],
+        f"output_dir={tmp_path}",
+        *BASE,
+        "launch.k8s.api=trainjob",
+    ]
     _, rendered = k8s.render_run(argv)
+    argv += NO_FIT
     assert cli(argv) == 0
     trainer = "/apis/trainer.kubeflow.org/v1alpha1"
     cm_path = "/api/v1/namespaces/default/configmaps"
@@ -476,7 +485,7 @@ def test_a_refused_trainjob_rolls_back_its_runtime_and_config_map(
     api: FakeApiServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     api.fail_job_create = True
-    argv = [*GPT, f"output_dir={tmp_path}", *BASE, "launch.k8s.api=trainjob"]
+    argv = [*GPT, f"output_dir={tmp_path}", *BASE, "launch.k8s.api=trainjob", *NO_FIT]
     assert cli(argv) == exit_codes.INFRASTRUCTURE
     assert "HTTP 422" in caplog.text
     assert api.runtimes == {} and api.config_maps == {}
