@@ -1,24 +1,29 @@
 """``python -m drill``: the fault experiment passes on CPU and catches inexact resume.
 
-The slow tests run real training jobs (torchrun, 2 ranks, gpt_tiny): one full drill (about
-3 minutes on 2 cores) and one recovery-only drill whose resumed launches run without the
-megatron-core compat fix I, which makes resumed losses drift.
+The slow tests share one full drill of real training jobs (torchrun, 2 ranks, gpt_tiny; about
+a minute and a half on 2 cores); one of them judges its recovery run again with a loss moved by
+one ulp in the trainer's own step file, which the drill must catch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
+import shutil
 from pathlib import Path
 
 import pytest
 
-from drill.acceptance import FAIL, PASS
+from drill.acceptance import FAIL, PASS, run_checks
 from drill.cli import main
 from drill.experiment import DrillConfig, DrillResult, prepare_out, run_drill
 from drill.jobs import DrillError, LaunchResult, LaunchSpec
-from drill.runs import DrillPlan, Runner, Scenario
+from drill.report import plot_data, write_report
+from drill.run_records import read_run, restore_events
+from drill.runs import BASELINE, RECOVERY, DrillPlan, Runner, Scenario
 from pretrain.context import exit_codes
-from pretrain.platform.compat import SKIP_ENV
+from pretrain.context.run_dir import RunDir
 from resiliency.storage.attempts import write_attempt_record
 from resiliency.storage.layout import RunLayout
 
@@ -83,33 +88,41 @@ def test_drill_records_lost_steps_and_timings(drill: DrillResult) -> None:
 
 
 @pytest.mark.slow
-def test_inexact_resume_fails_the_drill(
-    tiny_overrides: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_a_resume_that_drifts_by_one_ulp_fails_the_drill(
+    drill: DrillResult, tmp_path: Path
 ) -> None:
-    """Resumed launches without compat fix I drift from the baseline: the drill must say so."""
-    code = main(
-        [
-            "--out",
-            str(tmp_path / "drill"),
-            "--scenarios",
-            "recovery",
-            "--resume-env",
-            f"{SKIP_ENV}=I",
-            *tiny_overrides,
-        ]
+    """The drill's own recovery run with one loss after the first restore moved by one ulp in
+    the file the trainer wrote: judged again, the drill fails ``exact_resume`` and names the
+    step. (That a resume without compat fix I really drifts is test_compat's; this one costs no
+    second drill.) Only the recovery scenario asked for: the others are skipped, not failed."""
+    recovery = drill.data.scenarios[RECOVERY]
+    forged_dir = tmp_path / "forged" / recovery.run_dir.name  # its name is its run id
+    shutil.copytree(recovery.run_dir, forged_dir)
+    steps_file = RunDir(forged_dir).steps_metrics
+    rows = [json.loads(line) for line in steps_file.read_text().splitlines()]
+    drifted = drill.plot.restores[0][1] + 1  # the first step the resumed attempt trained
+    redone = max(i for i, row in enumerate(rows) if row["step"] == drifted)
+    rows[redone]["loss"] = math.nextafter(rows[redone]["loss"], math.inf)
+    steps_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    forged = dataclasses.replace(recovery, run_dir=forged_dir)
+    run = read_run(forged_dir)
+    data = dataclasses.replace(
+        drill.data,
+        requested=(RECOVERY,),
+        scenarios={BASELINE: drill.data.scenarios[BASELINE], RECOVERY: forged},
+        runs={BASELINE: drill.data.runs[BASELINE], RECOVERY: run},
+        events=restore_events(forged, run),
     )
-    out = capsys.readouterr().out
-    assert code == 1, out
-    assert "drill FAILED: " in out and "exact_resume" in out.split("drill FAILED: ")[1], out
-    checks = json.loads((tmp_path / "drill" / "drill.json").read_text())["checks"]
-    exact = next(c for c in checks if c["id"] == "exact_resume")
-    assert exact["status"] == FAIL
-    assert any("loss" in p and "!= baseline" in p for p in exact["problems"]), exact
-    # the broken and budget scenarios were not asked for: skipped, not failed
-    statuses = {c["id"]: c["status"] for c in checks}
+    checks = run_checks(data)
+    statuses = {c.id: c.status for c in checks}
+    assert statuses["exact_resume"] == FAIL, statuses
+    exact = next(c for c in checks if c.id == "exact_resume")
+    assert any(f"step {drifted}: loss" in p and "!= baseline" in p for p in exact.problems), exact
     assert statuses["retry_budget"] == statuses["fallback_no_commit"] == "skip"
-    report = (tmp_path / "drill" / "report.md").read_text()
-    assert report.startswith("# Fault-recovery drill: FAIL (") and "exact_resume" in report
+    assert [c for c in checks if c.status == FAIL] == [exact]
+    report = write_report(prepare_out(tmp_path / "out"), data, checks, plot_data(data), [])
+    assert report.read_text().startswith("# Fault-recovery drill: FAIL (")
+    assert DrillResult(checks, plot_data(data), report, data).exit_code == 1
 
 
 # ---------------------------------------------------------------- fast: no training
