@@ -59,7 +59,7 @@ def _relaunch(overrides: list[str]) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 @pytest.mark.current_stack  # megatron's scheduler override flags on both releases
-def test_changed_schedule_is_refused_then_applied_only_when_asked(
+def test_changed_schedule_is_refused_kept_or_applied_only_when_asked(
     tiny_overrides: list[str], tmp_path: Path
 ) -> None:
     run_pretrain(2, _base(tiny_overrides, tmp_path, 6))
@@ -76,10 +76,17 @@ def test_changed_schedule_is_refused_then_applied_only_when_asked(
     assert (run_dir / "config.yaml").read_text() == config_before, "nothing is lost"
     assert layout.published_steps() == [3, 6]
 
-    # Growing train_steps with the schedule pinned is free, and recorded.
-    run_pretrain(2, [*_base(tiny_overrides, tmp_path, 8), "scheduler.decay_steps=6"])
-    grown = _attempts(run_dir)[-1]["config_changes"]["applied"]
-    assert grown["train.train_steps"] == [6, 8] and "scheduler.decay_steps" not in grown
+    # Growing train_steps with the schedule pinned is free, and recorded; a changed lr kept from
+    # the checkpoint when asked (schedule_on_resume=checkpoint) is recorded as kept.
+    keep = [*_base(tiny_overrides, tmp_path, 8), "scheduler.decay_steps=6", "optimizer.lr=1e-3"]
+    run_pretrain(2, [*keep, "checkpoint.schedule_on_resume=checkpoint"])
+    changes = _attempts(run_dir)[-1]["config_changes"]
+    assert changes["applied"]["train.train_steps"] == [6, 8]
+    assert changes["kept_from_checkpoint"]["optimizer.lr"] == [0.003, 0.001]
+    assert not {"scheduler.decay_steps"} & {*changes["applied"], *changes["kept_from_checkpoint"]}
+    kept = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert kept["optimizer"]["lr"] == 0.003 and kept["scheduler"]["decay_steps"] == 6
+    assert read_steps(run_dir)[7]["lr"] == pytest.approx(3e-4)  # the saved cosine's min_lr
 
     applied = [*_base(tiny_overrides, tmp_path, 10), "optimizer.lr=1e-3"]
     run_pretrain(2, [*applied, "checkpoint.schedule_on_resume=config"])
@@ -94,21 +101,6 @@ def test_changed_schedule_is_refused_then_applied_only_when_asked(
     assert steps[9]["lr"] == pytest.approx(expected, rel=1e-6)
     trained = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert trained["optimizer"]["lr"] == 1e-3
-
-
-@pytest.mark.slow
-def test_keeping_the_checkpoint_schedule_records_the_saved_values(
-    tiny_overrides: list[str], tmp_path: Path
-) -> None:
-    run_pretrain(2, _base(tiny_overrides, tmp_path, 6))
-    keep = [*_base(tiny_overrides, tmp_path, 8), "optimizer.lr=1e-3"]
-    run_pretrain(2, [*keep, "checkpoint.schedule_on_resume=checkpoint"])
-    run_dir = tmp_path / "run"
-    record = _attempts(run_dir)[-1]["config_changes"]
-    assert record["kept_from_checkpoint"]["optimizer.lr"] == [0.003, 0.001]
-    trained = yaml.safe_load((run_dir / "config.yaml").read_text())
-    assert trained["optimizer"]["lr"] == 0.003 and trained["scheduler"]["decay_steps"] == 6
-    assert read_steps(run_dir)[7]["lr"] == pytest.approx(3e-4)  # the saved cosine's min_lr
 
 
 @pytest.mark.slow

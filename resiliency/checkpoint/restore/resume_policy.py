@@ -220,8 +220,9 @@ def _with_saved_schedule(run: RunConfig, saved: dict[str, Any]) -> RunConfig:
     """``run`` with the checkpoint's optimizer and scheduler sections (its kind stays)."""
     optimizer = dataclasses.replace(run.optimizer, **_known(run.optimizer, saved["optimizer"]))
     scheduler = dataclasses.replace(run.scheduler, **_known(run.scheduler, saved["scheduler"]))
-    if run.scheduler.decay_steps is None and saved["scheduler"].get("decay_steps") is None:
-        # The saved schedule decayed over the saved train_steps: pin that horizon.
+    if saved["scheduler"].get("decay_steps") is None:
+        # The saved schedule decayed over the saved train_steps: pin that horizon (an unset
+        # value would follow this launch's train_steps, whatever this launch set it to).
         scheduler = dataclasses.replace(scheduler, decay_steps=saved["train"]["train_steps"])
     return dataclasses.replace(run, optimizer=optimizer, scheduler=scheduler)
 

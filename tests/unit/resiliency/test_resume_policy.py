@@ -79,3 +79,21 @@ def test_an_implicit_decay_horizon_is_a_schedule_change() -> None:
         _run("train.train_steps=40", "checkpoint.schedule_on_resume=checkpoint"), _saved(), 30
     )
     assert kept.run.scheduler.decay_steps == 30 and kept.run.train.train_steps == 40
+
+
+@pytest.mark.parametrize("decay_now", ["30", "50"])
+def test_keeping_an_implicit_horizon_pins_the_saved_one_whatever_this_launch_set(
+    decay_now: str,
+) -> None:
+    """The saved schedule decayed over the saved train_steps (30). Kept, it stays 30 when this
+    launch pins the same horizon (no change at all) or another one (kept), never the new
+    train_steps (40) an unset value would follow."""
+    now = _run(
+        "train.train_steps=40",
+        f"scheduler.decay_steps={decay_now}",
+        "optimizer.lr=1e-3",
+        "checkpoint.schedule_on_resume=checkpoint",
+    )
+    kept = reconcile(now, _saved(), step=30)
+    assert kept.run.scheduler.decay_steps == 30 and kept.run.optimizer.lr == 3e-3
+    assert ("scheduler.decay_steps" in {c.key for c in kept.kept}) == (decay_now != "30")
