@@ -12,6 +12,8 @@ from typing import Any
 from launch.k8s import trainjob
 from launch.k8s.pod import CONTAINER
 from launch.k8s.render import API_VERSION, JOB_NAME_LABEL, KIND, Rendered
+from recipes import ConfigError
+from recipes.config.launch import K8sConfig
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +93,8 @@ def submit(api: Any, rendered: Rendered) -> dict[str, Any]:
     from kubernetes import client
 
     core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    if rendered.pod_run.launch.k8s.runtime:
+        _check_cluster_runtime(custom, rendered.pod_run.launch.k8s)  # before anything exists
     # The ConfigMap first: pods that start before their config volume exists sit in
     # ContainerCreating, and the owner's uid exists only once the job does.
     with _api_errors(f"creating ConfigMap {rendered.namespace}/{rendered.config_map_name}"):
@@ -127,6 +131,33 @@ def _resource(kind: str) -> tuple[str, str, str]:
     if kind == trainjob.TRAINJOB:
         return TRAINER_GROUP, TRAINER_VERSION, TRAINJOBS
     return GROUP, VERSION, PLURAL
+
+
+def _check_cluster_runtime(custom: Any, k8s: K8sConfig) -> None:
+    """``launch.k8s.runtime``: the cluster's runtime exists, and (``avoid_tainted``) its pods
+    do not tolerate every taint, unless ``launch.k8s.tolerations`` replaces theirs (a runtime
+    patch replaces the list whole). A ConfigError: what the user named is wrong."""
+    name = str(k8s.runtime)
+    try:
+        with _api_errors(f"reading ClusterTrainingRuntime {name}"):
+            runtime = custom.get_cluster_custom_object(
+                TRAINER_GROUP, TRAINER_VERSION, RUNTIMES, name
+            )
+    except K8sError as exc:
+        if "HTTP 404" in str(exc):
+            raise ConfigError(
+                f"launch.k8s.runtime={name}: this cluster has no ClusterTrainingRuntime of that "
+                "name (kubectl get clustertrainingruntimes)"
+            ) from None
+        log.warning("%s: its tolerations are not checked", exc)
+        return
+    blanket = trainjob.tolerating_every_taint(runtime)
+    if k8s.avoid_tainted and not k8s.tolerations and blanket:
+        raise ConfigError(
+            f"launch.k8s.runtime={name}: its {', '.join(blanket)} pods tolerate every taint, a "
+            "node problem detector's too: name the taints to tolerate in launch.k8s.tolerations "
+            "(they replace the runtime's), or set launch.k8s.avoid_tainted=false"
+        )
 
 
 def _create_runtime(custom: Any, runtime: dict[str, Any]) -> None:

@@ -28,6 +28,7 @@ API_VERSION, KIND = "kubeflow.org/v1", "PyTorchJob"
 LABEL = "mcore-recipes/"
 JOB_NAME_LABEL = f"{LABEL}job-name"  # on the ConfigMap: `k8s delete` finds it by this
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
 UPLOADER_LABEL = f"{LABEL}uploader"  # the uploader Deployment's selector
 # The wrapper needs this long after torchrun's workers stop to record the outcome and exit.
 GRACE_MARGIN_S = 15
@@ -113,7 +114,7 @@ def render(plan: LaunchPlan, submission: str, code_commit: str | None) -> Render
 def labels_without_queue(labels: dict[str, str]) -> dict[str, str]:
     """Kueue admits the job as one workload; the queue label on anything else (its pods, where
     Kueue's pod integration is on; the runtime) would queue it a second time."""
-    return {k: v for k, v in labels.items() if k != KUEUE_QUEUE_LABEL}
+    return {k: v for k, v in labels.items() if k not in (KUEUE_QUEUE_LABEL, KUEUE_PRIORITY_LABEL)}
 
 
 def uploader_name(job: str) -> str:
@@ -244,6 +245,8 @@ def run_labels(run: RunConfig, submission: str) -> dict[str, str]:
     if run.launch.k8s.queue:
         # Kueue admits jobs by this label; Volcano reads runPolicy.schedulingPolicy.queue.
         labels[KUEUE_QUEUE_LABEL] = label_value(run.launch.k8s.queue)
+    if run.launch.k8s.kueue_priority_class:
+        labels[KUEUE_PRIORITY_LABEL] = run.launch.k8s.kueue_priority_class
     return labels
 
 

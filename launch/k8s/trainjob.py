@@ -106,6 +106,18 @@ def render_runtime(
     }
 
 
+def tolerating_every_taint(runtime: dict[str, Any]) -> list[str]:
+    """The replicated jobs of a (cluster's) runtime whose pods tolerate every taint: a
+    toleration without a key."""
+    jobs = runtime.get("spec", {}).get("template", {}).get("spec", {}).get("replicatedJobs", [])
+
+    def tolerations(job: dict[str, Any]) -> list[dict[str, Any]]:
+        pod = job.get("template", {}).get("spec", {}).get("template", {}).get("spec", {})
+        return pod.get("tolerations") or []
+
+    return [job.get("name", "?") for job in jobs if any(not t.get("key") for t in tolerations(job))]
+
+
 def node_pod(runtime: dict[str, Any]) -> dict[str, Any]:
     """The pod spec of a rendered runtime's ``node`` job."""
     [node_job] = runtime["spec"]["template"]["spec"]["replicatedJobs"]

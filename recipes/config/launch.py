@@ -111,6 +111,13 @@ class K8sConfig:
     backoff_limit: int = 3  # PyTorchJob runPolicy.backoffLimit; TrainJob: JobSet maxRestarts
     queue: Optional[str] = None  # gang scheduling queue (Volcano/Kueue)
     priority_class: Optional[str] = None  # pod priorityClassName
+    # Kueue's WorkloadPriorityClass for the job (kueue.x-k8s.io/priority-class): the order of
+    # admission and preemption among Kueue workloads, apart from the pods' priorityClassName.
+    kueue_priority_class: Optional[str] = None
+    # The pods tolerate only the taints launch.k8s.tolerations names: a toleration without a
+    # key (every taint, a node problem detector's too) is refused, and on an existing runtime
+    # (launch.k8s.runtime) one whose pods tolerate every taint is refused at submission.
+    avoid_tainted: bool = True
     # Node names the pods are kept off (required anti-affinity), besides those whose health
     # check failed on hardware in an earlier attempt of the run (launch/k8s/isolation.py).
     avoid_nodes: list[str] = field(default_factory=list)
@@ -163,6 +170,21 @@ class K8sConfig:
             )
         for i, toleration in enumerate(self.tolerations):
             self._check_toleration(f"launch.k8s.tolerations[{i}]", toleration)
+            require(
+                not self.avoid_tainted or bool(toleration.get("key")),
+                f"launch.k8s.tolerations[{i}] has no key, so it tolerates every taint, a node "
+                "problem detector's too: name the taints the pods may run on, or set "
+                "launch.k8s.avoid_tainted=false",
+            )
+        require(
+            self.kueue_priority_class is None
+            or (
+                self.queue is not None
+                and bool(self._DNS_SUBDOMAIN.fullmatch(self.kueue_priority_class))
+            ),
+            f"launch.k8s.kueue_priority_class={self.kueue_priority_class!r} names a Kueue "
+            "WorkloadPriorityClass: it needs launch.k8s.queue and a valid object name",
+        )
         for key, value in self.node_selector.items():
             require(
                 self._label_key_ok(str(key))

@@ -387,6 +387,15 @@ def test_golden_manifest(recipe: str) -> None:
             "launch.k8s.tolerations[0].effect='NoExecut' is not one of",
         ),
         (
+            GPT + ["launch.k8s.tolerations=[{operator: Exists}]"] + BASE,
+            "launch.k8s.tolerations[0] has no key, so it tolerates every taint",
+        ),
+        (
+            GPT + ["launch.k8s.kueue_priority_class=high"] + BASE,
+            "launch.k8s.kueue_priority_class='high' names a Kueue WorkloadPriorityClass: it "
+            "needs launch.k8s.queue",
+        ),
+        (
             GPT + ["+launch.k8s.node_selector={gpu: a b}"] + BASE,
             "launch.k8s.node_selector: 'gpu': 'a b' is not a node label",
         ),
@@ -419,6 +428,8 @@ def test_golden_manifest(recipe: str) -> None:
         "capability-prefix",
         "toleration-field",
         "toleration-effect",
+        "toleration-of-every-taint",
+        "kueue-priority-without-queue",
         "node-selector",
         "pull-secret",
         "extended-resource-name",

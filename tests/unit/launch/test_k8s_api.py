@@ -25,10 +25,10 @@ from recipes.load import load_config_file
 from tests.helpers import REPO
 from tests.k8s_helpers import (
     BASE,
-    NO_FIT,
     COMMIT,
     GPT,
     IMAGE,
+    NO_FIT,
     RECIPES,
     STDLIB_ON_CLAIM,
     TOKEN,
@@ -489,6 +489,42 @@ def test_a_refused_trainjob_rolls_back_its_runtime_and_config_map(
     assert cli(argv) == exit_codes.INFRASTRUCTURE
     assert "HTTP 422" in caplog.text
     assert api.runtimes == {} and api.config_maps == {}
+
+
+def test_a_trainjob_on_the_clusters_runtime_is_checked_against_it_before_anything_is_created(
+    api: FakeApiServer, tmp_path: Path
+) -> None:
+    """The stock torch-distributed runtime (../shared/k8s/trainer-v2), as a cluster holds it:
+    missing, or with pods that tolerate every taint, the submission is refused before any
+    object exists; with the taints named (they replace the runtime's) or avoid_tainted=false
+    it goes ahead."""
+    helm = (REPO.parent / "shared/k8s/trainer-v2/torch-distributed.yaml").read_text()
+    stock = yaml.safe_load("\n".join(line for line in helm.splitlines() if "{{" not in line))
+    name = stock["metadata"]["name"]
+    argv = [*GPT, f"output_dir={tmp_path}", *BASE, "launch.k8s.api=trainjob",
+            f"launch.k8s.runtime={name}", *NO_FIT]  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match="no ClusterTrainingRuntime of that name",
+    ):
+        cli(argv)
+    api.runtimes[name] = copy.deepcopy(stock)
+    [node] = api.runtimes[name]["spec"]["template"]["spec"]["replicatedJobs"]
+    node["template"]["spec"]["template"]["spec"]["tolerations"] = [{"operator": "Exists"}]
+    with pytest.raises(ConfigError, match="node pods tolerate every taint"):
+        cli(argv)
+    assert [r["method"] for r in api.requests] == ["GET", "GET"] and api.config_maps == {}
+    gpu = "launch.k8s.tolerations=[{key: nvidia.com/gpu, operator: Exists}]"
+    assert cli([*argv, gpu]) == 0
+    [job] = api.jobs.values()
+    [patch] = job["spec"]["runtimePatches"]
+    [patched] = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    assert patched["template"]["spec"]["template"]["spec"]["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists"}
+    ]
+    assert cli(["delete", "gpt-125m"]) == 0
+    assert cli([*argv, "launch.k8s.avoid_tainted=false"]) == 0
+    assert list(api.runtimes) == [name]  # the cluster's: never created or deleted by us
 
 
 def test_cli_subprocess_dry_run(tmp_path: Path) -> None:

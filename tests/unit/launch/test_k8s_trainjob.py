@@ -82,13 +82,21 @@ def test_the_remote_tier_is_fetched_by_the_first_nodes_pod_only(tmp_path) -> Non
 
 
 def test_the_queue_admits_the_trainjob_alone() -> None:
-    _, rendered = k8s.render_run([*RECIPES["gpt_tiny"], *BASE, TRAINJOB])
+    workload_priority = "launch.k8s.kueue_priority_class=batch-low"
+    _, rendered = k8s.render_run([*RECIPES["gpt_tiny"], *BASE, TRAINJOB, workload_priority])
+    _, pytorchjob = k8s.render_run([*RECIPES["gpt_tiny"], *BASE, workload_priority])
     assert rendered.runtime is not None
-    queue = "kueue.x-k8s.io/queue-name"
-    assert rendered.job["metadata"]["labels"][queue] == "research"
-    assert queue not in rendered.runtime["metadata"]["labels"]
+    queue, priority = "kueue.x-k8s.io/queue-name", "kueue.x-k8s.io/priority-class"
+    for job in (rendered.job, pytorchjob.job):  # on the job, on either API
+        assert job["metadata"]["labels"][queue] == "research"
+        assert job["metadata"]["labels"][priority] == "batch-low"
     [rjob] = rendered.runtime["spec"]["template"]["spec"]["replicatedJobs"]
-    assert queue not in rjob["template"]["spec"]["template"]["metadata"]["labels"]
+    for labels in (
+        rendered.runtime["metadata"]["labels"],
+        rjob["template"]["spec"]["template"]["metadata"]["labels"],
+        master(pytorchjob.job)["template"]["metadata"]["labels"],
+    ):
+        assert not {queue, priority} & set(labels)  # one workload, admitted once
     assert "suspend" not in rendered.job["spec"]  # Kueue suspends it on admission itself
     assert _node_pod(rendered.runtime)["priorityClassName"] == "low"  # Kueue reads it there
 
