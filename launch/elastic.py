@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import re
-import socket
 import subprocess
 import threading
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import psutil
 
+from pretrain.platform.host import free_port
 from recipes import ConfigError
 from recipes.config.run import RunConfig
 
@@ -73,12 +73,6 @@ def workers_stop_timeout_s(run: RunConfig) -> float:
     if run.parallel.elastic:
         return max(grace, run.resiliency.emergency_save_timeout_s + 30.0)
     return grace
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def nodes_it_may_lose(run: RunConfig) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from pathlib import Path
 
 
@@ -38,3 +39,11 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def free_port() -> int:
+    """A TCP port on the loopback nobody listens on now (a rendezvous endpoint or a process
+    group's MASTER_PORT on one machine); the caller binds it soon, and a race is possible."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from safetensors.torch import load_file
 
 from pretrain.data.tokenizer import build_tokenizer
 from pretrain.platform.distributed import init_distributed
+from pretrain.platform.host import free_port
 from pretrain.train.session import build_trainer
 from recipes import ConfigError, RunConfig, load_config
 from resiliency.checkpoint.checkpointer import Checkpointer
@@ -126,7 +126,7 @@ def import_hf(hf_dir: Path, overrides: list[str]) -> Path:
             f"import refused: {layout.run_dir} already has checkpoints; import into a new run_id"
         )
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     trainer = build_trainer(run, init_distributed("cpu"), 1, layout.run_dir)
     tensors = from_hf(hf_tensors, run.model, trainer.parts.padded_vocab)
     filled = load_global_tensors(trainer.parts.chunks, tensors)
@@ -139,9 +139,3 @@ def import_hf(hf_dir: Path, overrides: list[str]) -> Path:
         checkpointer.save()
         checkpointer.close()
     return layout.step_dir(0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

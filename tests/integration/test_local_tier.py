@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pretrain.platform.host import free_port
 from resiliency.checkpoint.local.store import (
     REJECTED_SUFFIX,
     VerifiedLocalManager,
@@ -35,18 +35,12 @@ STEPS, KILL_AT, LOCAL_STEP, PERSISTENT_STEP = 12, 9, 8, 5
 LAYOUT = ["parallel.tp=1", "optimizer.use_distributed_optimizer=true"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_two_nodes(overrides: list[str], timeout: float = 300) -> list[subprocess.CompletedProcess]:
     """One launcher per simulated node; torchrun sets GROUP_RANK (node) and LOCAL_WORLD_SIZE=1.
 
     Output goes to files: a launcher blocked on a full pipe would stall the other's collectives.
     """
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as logs:
         procs, streams = [], []

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,22 +15,17 @@ from pathlib import Path
 
 import pytest
 
+from pretrain.platform.host import free_port
 from resiliency.monitor.stacks import waits_on_peers
 from tests.helpers import REPO
 
 pytestmark = [pytest.mark.current_stack]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("lost-peer")
-    out, port = root / "report.json", _free_port()
+    out, port = root / "report.json", free_port()
     worker = str(REPO / "tests" / "workers" / "lost_peer.py")
     procs = [
         subprocess.Popen(
