@@ -24,6 +24,7 @@ REPLICA_TYPE_LABEL = "training.kubeflow.org/replica-type"
 REPLICA_INDEX_LABEL = "training.kubeflow.org/replica-index"
 TRAINER_GROUP, TRAINER_VERSION = trainjob.API_VERSION.split("/")
 TRAINJOBS, RUNTIMES = "trainjobs", "clustertrainingruntimes"
+NAMESPACED_RUNTIMES = "trainingruntimes"
 # The server refuses a field its CRD does not know instead of dropping it: an older Trainer
 # whose JobSet lacks onJobFailureMessagePatterns would otherwise keep the rules without their
 # patterns, and its first rule (FailJobSet) would end the job at a planned stop.
@@ -111,7 +112,7 @@ def submit(api: Any, rendered: Rendered) -> dict[str, Any]:
                 )
         except K8sError:
             if rendered.runtime is not None:
-                _delete_runtime(custom, rendered.runtime["metadata"]["name"])
+                _delete_runtime(custom, rendered.runtime)
             raise
     except K8sError:
         _delete_config_map(core, rendered.namespace, rendered.config_map_name)
@@ -161,19 +162,54 @@ def _check_cluster_runtime(custom: Any, k8s: K8sConfig) -> None:
 
 
 def _create_runtime(custom: Any, runtime: dict[str, Any]) -> None:
-    """The submission's ClusterTrainingRuntime (cluster-scoped: no namespaced job can own it;
-    ``delete`` removes it by its labels)."""
-    name = runtime["metadata"]["name"]
-    with _api_errors(f"creating ClusterTrainingRuntime {name}"):
-        custom.create_cluster_custom_object(
-            TRAINER_GROUP, TRAINER_VERSION, RUNTIMES, runtime, **STRICT
-        )
+    """The submission's own runtime (owned by no TrainJob: ``delete`` removes it by its
+    labels, after the TrainJob)."""
+    kind, name = runtime["kind"], runtime["metadata"]["name"]
+    with _api_errors(f"creating {kind} {name}"):
+        if kind == trainjob.NAMESPACED_RUNTIME:
+            custom.create_namespaced_custom_object(
+                TRAINER_GROUP, TRAINER_VERSION, runtime["metadata"]["namespace"],
+                NAMESPACED_RUNTIMES, runtime, **STRICT,
+            )  # fmt: skip
+        else:
+            custom.create_cluster_custom_object(
+                TRAINER_GROUP, TRAINER_VERSION, RUNTIMES, runtime, **STRICT
+            )
 
 
-def _delete_runtime(custom: Any, name: str) -> None:
+def _delete_runtime(custom: Any, runtime: dict[str, Any]) -> None:
+    kind, name = runtime["kind"], runtime["metadata"]["name"]
     try:
-        with _api_errors(f"deleting ClusterTrainingRuntime {name}"):
-            custom.delete_cluster_custom_object(TRAINER_GROUP, TRAINER_VERSION, RUNTIMES, name)
+        with _api_errors(f"deleting {kind} {name}"):
+            if kind == trainjob.NAMESPACED_RUNTIME:
+                custom.delete_namespaced_custom_object(
+                    TRAINER_GROUP, TRAINER_VERSION, runtime["metadata"]["namespace"],
+                    NAMESPACED_RUNTIMES, name,
+                )  # fmt: skip
+            else:
+                custom.delete_cluster_custom_object(TRAINER_GROUP, TRAINER_VERSION, RUNTIMES, name)
+    except K8sError as exc:
+        log.warning("%s", exc)
+
+
+def _delete_runtimes(custom: Any, namespace: str, name: str, ref: dict[str, Any]) -> None:
+    """Every submission's runtime of TrainJob ``name`` (a resubmission renders one of its
+    own), of the kind its runtimeRef names; none where that is the cluster's own runtime
+    (``launch.k8s.runtime``: we created nothing, and the label selector finds nothing)."""
+    selector = f"{JOB_NAME_LABEL}={name}"
+    try:
+        if ref.get("kind") == trainjob.NAMESPACED_RUNTIME:
+            with _api_errors(f"deleting TrainingRuntimes {namespace}/{selector}"):
+                custom.delete_collection_namespaced_custom_object(
+                    TRAINER_GROUP, TRAINER_VERSION, namespace, NAMESPACED_RUNTIMES,
+                    label_selector=selector,
+                )  # fmt: skip
+        else:
+            selector += f",{trainjob.NAMESPACE_LABEL}={namespace}"  # cluster-scoped
+            with _api_errors(f"deleting ClusterTrainingRuntimes {selector}"):
+                custom.delete_collection_cluster_custom_object(
+                    TRAINER_GROUP, TRAINER_VERSION, RUNTIMES, label_selector=selector
+                )
     except K8sError as exc:
         log.warning("%s", exc)
 
@@ -259,30 +295,22 @@ def replica_logs(
 
 
 def delete(api: Any, namespace: str, name: str) -> str:
-    """Delete the job (its pods and owned ConfigMap go with it; a TrainJob's runtime is
-    deleted by name) and any ConfigMap rendered for a job of this name that is not owned (its
-    owner could not be set). Returns the job's kind."""
+    """Delete the job (its pods and owned ConfigMap go with it; a TrainJob's runtimes are
+    deleted by their labels) and any ConfigMap rendered for a job of this name that is not
+    owned (its owner could not be set). Returns the job's kind."""
     # optional k8s extra
     from kubernetes import client
 
     custom = client.CustomObjectsApi(api)
-    kind = get_job(api, namespace, name).get("kind", KIND)
+    job = get_job(api, namespace, name)
+    kind = job.get("kind", KIND)
     group, version, plural = _resource(kind)
     with _api_errors(f"deleting {kind} {namespace}/{name}"):
         custom.delete_namespaced_custom_object(
             group, version, namespace, plural, name, propagation_policy="Background"
         )
     if kind == trainjob.TRAINJOB:
-        # Cluster-scoped, so owned by no TrainJob: every submission's runtime of this job (a
-        # resubmission renders one of its own), after the TrainJob.
-        selector = f"{JOB_NAME_LABEL}={name},{trainjob.NAMESPACE_LABEL}={namespace}"
-        try:
-            with _api_errors(f"deleting ClusterTrainingRuntimes {selector}"):
-                custom.delete_collection_cluster_custom_object(
-                    TRAINER_GROUP, TRAINER_VERSION, RUNTIMES, label_selector=selector
-                )
-        except K8sError as exc:
-            log.warning("%s", exc)
+        _delete_runtimes(custom, namespace, name, job.get("spec", {}).get("runtimeRef", {}))
     selector = f"{JOB_NAME_LABEL}={name}"
     try:
         with _api_errors(f"deleting ConfigMaps {namespace}/{selector}"):

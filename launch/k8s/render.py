@@ -1,5 +1,5 @@
 """Render one run as Kubernetes objects: a ConfigMap with the pinned config and a PyTorchJob
-(or, with ``launch.k8s.api=trainjob``, a TrainJob and its ClusterTrainingRuntime:
+(or, with ``launch.k8s.api=trainjob``, a TrainJob and its runtime:
 :mod:`launch.k8s.trainjob`).
 
 Pure functions of the validated config (no cluster access, no clock): the same plan, code commit
@@ -43,7 +43,7 @@ class Rendered:
     config_map: dict[str, Any]
     job: dict[str, Any]  # the PyTorchJob, or the TrainJob (launch.k8s.api)
     uploader: dict[str, Any] | None = None  # checkpoint.remote: a Deployment of its own
-    runtime: dict[str, Any] | None = None  # the TrainJob's ClusterTrainingRuntime
+    runtime: dict[str, Any] | None = None  # the TrainJob's own runtime (namespaced or cluster)
 
     @property
     def objects(self) -> list[dict[str, Any]]:

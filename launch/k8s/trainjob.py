@@ -1,9 +1,10 @@
-"""Kubeflow Trainer v2 (``launch.k8s.api=trainjob``): a TrainJob and the ClusterTrainingRuntime
-it runs on, rendered as pure functions of the validated config.
+"""Kubeflow Trainer v2 (``launch.k8s.api=trainjob``): a TrainJob and the runtime it runs on,
+rendered as pure functions of the validated config.
 
 Trainer v2 replaced the training-operator's PyTorchJob with a ``trainer.kubeflow.org/v1alpha1``
-TrainJob that references a runtime: a JobSet template. Each run gets a runtime of its own,
-named after its namespace and job (a ClusterTrainingRuntime is cluster-scoped), holding the
+TrainJob that references a runtime: a JobSet template. Each submission gets a runtime of its
+own (``launch.k8s.runtime_scope``): a TrainingRuntime in the job's namespace, or a
+ClusterTrainingRuntime named after the namespace and the job (cluster-scoped). It holds the
 same pod as the PyTorchJob's: Guaranteed QoS, GPUs and extended resources, ``/dev/shm``, the
 shared claim, the local tier, the health check, the entry point's exit-code mapping.
 
@@ -37,6 +38,7 @@ from recipes import RunConfig
 GROUP = "trainer.kubeflow.org"
 API_VERSION = f"{GROUP}/v1alpha1"
 TRAINJOB, RUNTIME = "TrainJob", "ClusterTrainingRuntime"
+NAMESPACED_RUNTIME = "TrainingRuntime"  # launch.k8s.runtime_scope=namespace
 NODE = "node"  # the replicated job and the container Trainer's torch plugin configures
 ANCESTOR_LABEL = f"{GROUP}/trainjob-ancestor-step"  # marks the job that runs the trainer
 # Container exits the entry point (launch.k8s.entry) gives a planned stop: the agent stopped
@@ -49,11 +51,18 @@ DO_NOT_RETRY_RULE, PLANNED_RULE = 0, 1  # podFailurePolicy rule indexes
 NAMESPACE_LABEL = "mcore-recipes/namespace"  # the runtime is cluster-scoped: whose job it is
 
 
-def runtime_name(namespace: str, config_map: str) -> str:
-    """The submission's own ClusterTrainingRuntime: cluster-scoped, so named by namespace, and
-    per submission like the ConfigMap its pods mount (a resubmission never finds an earlier
-    one in its way while garbage collection catches up)."""
-    return f"{namespace}-{config_map}"[:253].rstrip("-.")
+def runtime_kind(run: RunConfig) -> str:
+    """The kind of the run's own runtime (``launch.k8s.runtime_scope``)."""
+    return NAMESPACED_RUNTIME if run.launch.k8s.runtime_scope == "namespace" else RUNTIME
+
+
+def runtime_name(run: RunConfig, config_map: str) -> str:
+    """The submission's own runtime, per submission like the ConfigMap its pods mount (a
+    resubmission never finds an earlier one in its way while garbage collection catches up);
+    a cluster-scoped one is also named by the namespace."""
+    if runtime_kind(run) == NAMESPACED_RUNTIME:
+        return config_map
+    return f"{run.launch.k8s.namespace}-{config_map}"[:253].rstrip("-.")
 
 
 def render_runtime(
@@ -65,8 +74,8 @@ def render_runtime(
     env: list[dict[str, Any]],
     affinity: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The ClusterTrainingRuntime: a JobSet template of one replicated job, ``node``, whose
-    Job runs one pod per node (Trainer sets the count from the TrainJob)."""
+    """The run's runtime: a JobSet template of one replicated job, ``node``, whose Job runs
+    one pod per node (Trainer sets the count from the TrainJob)."""
     pod = pod_spec(run, job, config_map, env, fetch=True, container_name=NODE, affinity=affinity)
     pod["restartPolicy"] = "Never"  # podFailurePolicy needs it; a failure restarts the set
     if "initContainers" in pod:
@@ -77,14 +86,16 @@ def render_runtime(
         "podFailurePolicy": pod_failure_policy(),
         "template": {"metadata": {"labels": dict(pod_labels)}, "spec": pod},
     }
-    namespace = run.launch.k8s.namespace
+    namespace, kind = run.launch.k8s.namespace, runtime_kind(run)
+    metadata: dict[str, Any] = {"name": runtime_name(run, config_map)}
+    if kind == NAMESPACED_RUNTIME:
+        metadata.update(namespace=namespace, labels=dict(labels))
+    else:
+        metadata["labels"] = {**labels, NAMESPACE_LABEL: namespace}
     return {
         "apiVersion": API_VERSION,
-        "kind": RUNTIME,
-        "metadata": {
-            "name": runtime_name(namespace, config_map),
-            "labels": {**labels, NAMESPACE_LABEL: namespace},
-        },
+        "kind": kind,
+        "metadata": metadata,
         "spec": {
             "mlPolicy": {"numNodes": run.launch.nodes, "torch": {}},
             "template": {
@@ -134,7 +145,7 @@ def render_trainjob(
         "kind": TRAINJOB,
         "metadata": {"name": job, "namespace": run.launch.k8s.namespace, "labels": labels},
         "spec": {
-            "runtimeRef": {"name": runtime, "apiGroup": GROUP, "kind": RUNTIME},
+            "runtimeRef": {"name": runtime, "apiGroup": GROUP, "kind": runtime_kind(run)},
             "trainer": {
                 "numNodes": run.launch.nodes,
                 "numProcPerNode": run.launch.nproc_per_node,
@@ -158,7 +169,7 @@ def on_existing_runtime(
     image, command, env and resources in ``spec.trainer``, the rest of ``pod`` (the pod our own
     runtime would hold) in a runtime patch; and what of ``pod`` the runtime decides instead."""
     [container] = pod["containers"]
-    spec = {**trainjob["spec"], "runtimeRef": {**trainjob["spec"]["runtimeRef"], "name": runtime}}
+    spec = {**trainjob["spec"], "runtimeRef": {"name": runtime, "apiGroup": GROUP, "kind": RUNTIME}}
     spec["trainer"] = {**spec["trainer"], "image": container["image"],
                        "command": container["command"], "env": container["env"]}  # fmt: skip
     if container.get("resources"):

@@ -28,7 +28,10 @@ from launch.k8s.schema import (
 )
 
 TRAINJOB_CRD = "trainer.kubeflow.org_trainjobs.yaml"
-RUNTIME_CRD = "trainer.kubeflow.org_clustertrainingruntimes.yaml"
+RUNTIME_CRDS = {
+    trainjob.RUNTIME: "trainer.kubeflow.org_clustertrainingruntimes.yaml",
+    trainjob.NAMESPACED_RUNTIME: "trainer.kubeflow.org_trainingruntimes.yaml",
+}
 JOBSET_CRD = "jobset.x-k8s.io_jobsets.yaml"
 VERSION, JOBSET_VERSION = "v1alpha1", "v1alpha2"
 # The Job failure reasons JobSet's webhook accepts in a failure-policy rule.
@@ -51,10 +54,7 @@ def trainjob_errors(job: Mapping[str, Any]) -> list[str]:
     errors = metadata_errors(job.get("metadata", {}), "metadata", DNS1035_LABEL, 63)
     spec = job.get("spec", {})
     ref = spec.get("runtimeRef", {})
-    if ref.get("apiGroup") != trainjob.GROUP or ref.get("kind") not in (
-        trainjob.RUNTIME,
-        "TrainingRuntime",
-    ):
+    if ref.get("apiGroup") != trainjob.GROUP or ref.get("kind") not in RUNTIME_CRDS:
         errors.append(f"spec.runtimeRef: {dict(ref)} names no Trainer runtime")
     trainer = spec.get("trainer", {})
     if trainer.get("numProcPerNode", 1) < 1:  # CEL: self >= 1
@@ -68,7 +68,10 @@ def trainjob_errors(job: Mapping[str, Any]) -> list[str]:
 
 
 def runtime_errors(runtime: Mapping[str, Any]) -> list[str]:
-    errors = schema_errors(runtime, shipped_crd(RUNTIME_CRD), version=VERSION)
+    """A TrainingRuntime or ClusterTrainingRuntime against its CRD, its JobSet template
+    against JobSet's, and what the webhooks check."""
+    kind = str(runtime.get("kind"))
+    errors = schema_errors(runtime, shipped_crd(RUNTIME_CRDS[kind]), version=VERSION)
     jobset = runtime.get("spec", {}).get("template", {}).get("spec", {})
     errors += schema_errors(
         jobset,
@@ -83,8 +86,10 @@ def runtime_errors(runtime: Mapping[str, Any]) -> list[str]:
     name = meta.get("name", "")
     if not DNS1123_SUBDOMAIN.fullmatch(name) or len(name) > 253:
         errors.append(f"metadata.name: {name!r} is not a DNS-1123 subdomain")
-    if "namespace" in meta:
+    if kind == trainjob.RUNTIME and "namespace" in meta:
         errors.append("metadata.namespace: a ClusterTrainingRuntime is cluster-scoped")
+    if kind == trainjob.NAMESPACED_RUNTIME and not meta.get("namespace"):
+        errors.append("metadata.namespace: a TrainingRuntime lives in its TrainJob's namespace")
     errors += label_errors(meta.get("labels", {}), "metadata.labels")
     errors += _failure_policy_errors(jobset)
     where = "spec.template.spec.replicatedJobs"
@@ -99,9 +104,12 @@ def runtime_errors(runtime: Mapping[str, Any]) -> list[str]:
 def pair_errors(job: Mapping[str, Any], runtime: Mapping[str, Any]) -> list[str]:
     """The TrainJob against the runtime it names: the name, and its pods' names."""
     errors = []
-    ref = job.get("spec", {}).get("runtimeRef", {}).get("name")
-    if ref != runtime.get("metadata", {}).get("name"):
-        errors.append(f"spec.runtimeRef.name: {ref!r} is not the rendered runtime")
+    ref = job.get("spec", {}).get("runtimeRef", {})
+    meta = runtime.get("metadata", {})
+    if (ref.get("name"), ref.get("kind")) != (meta.get("name"), runtime.get("kind")):
+        errors.append(f"spec.runtimeRef: {dict(ref)} is not the rendered runtime")
+    if meta.get("namespace", job["metadata"].get("namespace")) != job["metadata"].get("namespace"):
+        errors.append("metadata.namespace: a TrainingRuntime must be in its TrainJob's namespace")
     name = job.get("metadata", {}).get("name", "")
     nodes = job.get("spec", {}).get("trainer", {}).get("numNodes", 1)
     longest = f"{name}-{trainjob.NODE}-0-{max(nodes - 1, 0)}" + "x" * _POD_SUFFIX_RANDOM

@@ -25,6 +25,7 @@ def validate_objects(objects: Sequence[Mapping[str, Any]], path: Path | None = N
         "Deployment": lambda obj: deployment_errors(obj, path),
         "TrainJob": trainjob_schema.trainjob_errors,
         "ClusterTrainingRuntime": trainjob_schema.runtime_errors,
+        "TrainingRuntime": trainjob_schema.runtime_errors,
     }
     problems = []
     for obj in objects:
@@ -33,8 +34,9 @@ def validate_objects(objects: Sequence[Mapping[str, Any]], path: Path | None = N
         errors = check(obj) if check else [f"<root>: unexpected kind {kind!r}"]
         problems += [f"{kind}: {line}" for line in errors]
     by_kind = {obj.get("kind"): obj for obj in objects}
-    if not problems and "TrainJob" in by_kind and "ClusterTrainingRuntime" in by_kind:
-        pair = trainjob_schema.pair_errors(by_kind["TrainJob"], by_kind["ClusterTrainingRuntime"])
+    runtimes = [by_kind[k] for k in trainjob_schema.RUNTIME_CRDS if k in by_kind]
+    if not problems and "TrainJob" in by_kind and runtimes:
+        pair = trainjob_schema.pair_errors(by_kind["TrainJob"], runtimes[0])
         problems += [f"TrainJob: {line}" for line in pair]
     if problems:
         more = [f"... and {len(problems) - _SHOWN} more"] if len(problems) > _SHOWN else []

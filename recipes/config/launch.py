@@ -96,6 +96,10 @@ class K8sConfig:
     # its own (the image, command, env and resources go in the TrainJob, the pod's volumes and
     # placement in its runtimePatches; restarts and priority are that runtime's)
     runtime: Optional[str] = None
+    # api=trainjob without launch.k8s.runtime, where the run's own runtime lives: namespace (a
+    # TrainingRuntime beside the TrainJob: the namespace's rights suffice) or cluster (a
+    # ClusterTrainingRuntime: needs the right to create cluster-scoped objects)
+    runtime_scope: str = "namespace"
     image: Optional[str] = None  # container image with this repo installed (pin by digest)
     namespace: str = "default"  # Kubernetes namespace
     job_name: Optional[str] = None  # None: derived from run_id
@@ -153,6 +157,7 @@ class K8sConfig:
             f"launch.k8s.runtime={self.runtime!r} names a ClusterTrainingRuntime: it needs "
             "launch.k8s.api=trainjob and a valid object name",
         )
+        one_of("launch.k8s", "runtime_scope", self.runtime_scope, ("namespace", "cluster"))
         one_of("launch.k8s", "local_volume", self.local_volume, ("hostPath", "emptyDir"))
         require(
             self.local_host_path is None

@@ -66,7 +66,8 @@ class FakeApiServer:
         self.jobs: dict[str, dict[str, Any]] = {}
         self.config_maps: dict[str, dict[str, Any]] = {}
         self.deployments: dict[str, dict[str, Any]] = {}
-        self.runtimes: dict[str, dict[str, Any]] = {}
+        self.runtimes: dict[str, dict[str, Any]] = {}  # ClusterTrainingRuntimes by name
+        self.ns_runtimes: dict[str, dict[str, Any]] = {}  # TrainingRuntimes by "NS/name"
         self.pod_selectors: list[str] = []
         self.forbid_pytorchjobs = False
         self.fail_job_create = fail_job_create
@@ -121,6 +122,8 @@ class FakeApiServer:
             return self._deployments(req)
         if "clustertrainingruntimes" in parts:
             return self._runtimes(req, parts)
+        if "trainingruntimes" in parts:
+            return self._namespaced_runtimes(req, parts)
         jobs = [p for p in ("pytorchjobs", "trainjobs") if p in parts]
         if self.forbid_pytorchjobs and "pytorchjobs" in parts:  # a Trainer-only cluster
             return 403, _status(403, "pytorchjobs.kubeflow.org is forbidden")
@@ -221,6 +224,35 @@ class FakeApiServer:
             return 200, self.runtimes[parts[-1]]
         if req["method"] == "DELETE":
             del self.runtimes[parts[-1]]
+            return 200, _status(200)
+        return 404, _status(404, f"no route {req['method']} {req['path']}")
+
+    def _namespaced_runtimes(self, req: dict[str, Any], parts: list[str]) -> tuple[int, Any]:
+        """/apis/trainer.kubeflow.org/v1alpha1/namespaces/NS/trainingruntimes[/name], kept
+        by "NS/name"."""
+        assert parts[:4] == ["apis", "trainer.kubeflow.org", "v1alpha1", "namespaces"]
+        namespace, kind = parts[4], "trainingruntimes"
+        if req["method"] == "POST":
+            assert req["body"]["metadata"]["namespace"] == namespace
+            key = f"{namespace}/{req['body']['metadata']['name']}"
+            if key in self.ns_runtimes:
+                return 409, _status(409, f'{kind} "{key}" already exists')
+            self.ns_runtimes[key] = copy.deepcopy(req["body"])
+            return 201, req["body"]
+        if req["method"] == "DELETE" and parts[-1] == kind:  # by labels
+            key, value = req["query"]["labelSelector"][0].split("=")
+            for name, runtime in list(self.ns_runtimes.items()):
+                if (
+                    name.startswith(f"{namespace}/")
+                    and runtime["metadata"]["labels"].get(key) == value
+                ):
+                    del self.ns_runtimes[name]
+            return 200, _status(200)
+        key = f"{namespace}/{parts[-1]}"
+        if key not in self.ns_runtimes:
+            return 404, _status(404, f'{kind} "{parts[-1]}" not found')
+        if req["method"] == "DELETE":
+            del self.ns_runtimes[key]
             return 200, _status(200)
         return 404, _status(404, f"no route {req['method']} {req['path']}")
 
@@ -414,7 +446,9 @@ def test_status_logs_delete(
     assert cli(["status", "nope"]) == exit_codes.INFRASTRUCTURE
 
 
+@pytest.mark.parametrize("scope", ["namespace", "cluster"])
 def test_a_trainjob_is_submitted_followed_and_deleted_with_its_runtime(
+    scope: str,
     api: FakeApiServer,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
@@ -425,15 +459,18 @@ def test_a_trainjob_is_submitted_followed_and_deleted_with_its_runtime(
         f"output_dir={tmp_path}",
         *BASE,
         "launch.k8s.api=trainjob",
+        f"launch.k8s.runtime_scope={scope}",
     ]
     _, rendered = k8s.render_run(argv)
     argv += NO_FIT
     assert cli(argv) == 0
     trainer = "/apis/trainer.kubeflow.org/v1alpha1"
     cm_path = "/api/v1/namespaces/default/configmaps"
+    runtimes = {"namespace": "namespaces/default/trainingruntimes",
+                "cluster": "clustertrainingruntimes"}[scope]  # fmt: skip
     assert [(r["method"], r["path"]) for r in api.requests] == [
         ("POST", cm_path),
-        ("POST", f"{trainer}/clustertrainingruntimes"),  # cluster-scoped, before its TrainJob
+        ("POST", f"{trainer}/{runtimes}"),  # before the TrainJob that names it
         ("POST", f"{trainer}/namespaces/default/trainjobs"),
         ("PATCH", f"{cm_path}/llama3-70b-config-test"),
     ]
@@ -465,19 +502,19 @@ def test_a_trainjob_is_submitted_followed_and_deleted_with_its_runtime(
     # Resubmitted while the first runtime lingers: a runtime of its own; delete takes both,
     # and no other namespace's job of the same name.
     api.jobs.clear()
-    api.runtimes["other-llama3-70b-config-x"] = {
-        "metadata": {"labels": {"mcore-recipes/job-name": "llama3-70b",
-                                "mcore-recipes/namespace": "other"}},
-    }  # fmt: skip
+    labels = {"mcore-recipes/job-name": "llama3-70b", "mcore-recipes/namespace": "other"}
+    kept = {"namespace": api.ns_runtimes, "cluster": api.runtimes}[scope]
+    sep = {"namespace": "/", "cluster": "-"}[scope]
+    kept[f"other{sep}llama3-70b-config-x"] = {"metadata": {"labels": labels}}
     monkeypatch.setenv(k8s.SUBMISSION_ENV, "second")
     assert cli(argv) == 0
-    assert sorted(api.runtimes) == [
-        "default-llama3-70b-config-second",
-        "default-llama3-70b-config-test",
-        "other-llama3-70b-config-x",
+    assert sorted(kept) == [
+        f"default{sep}llama3-70b-config-second",
+        f"default{sep}llama3-70b-config-test",
+        f"other{sep}llama3-70b-config-x",
     ]
     assert cli(["delete", "llama3-70b"]) == 0
-    assert api.jobs == {} and list(api.runtimes) == ["other-llama3-70b-config-x"]
+    assert api.jobs == {} and list(kept) == [f"other{sep}llama3-70b-config-x"]
     assert api.config_maps == {}
 
 

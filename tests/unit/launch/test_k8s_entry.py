@@ -96,19 +96,24 @@ def test_installed_wheel_renders_and_validates_outside_the_repo(tmp_path: Path) 
     assert schema_errors(job, shipped) == [] and operator_errors(job) == []
     assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 7
     # Kubeflow Trainer v2: every GPU recipe, against the CRDs the wheel ships (the TrainJob,
-    # the ClusterTrainingRuntime and the JobSet its template embeds)
-    for recipe in ("gpt_125m", "llama3_70b", "mixtral_8x7b"):
+    # the TrainingRuntime or ClusterTrainingRuntime, and the JobSet its template embeds)
+    for recipe, runtime in (
+        ("gpt_125m", "ClusterTrainingRuntime"),
+        ("llama3_70b", "TrainingRuntime"),
+        ("mixtral_8x7b", "TrainingRuntime"),
+    ):
+        scope = "cluster" if runtime.startswith("Cluster") else "namespace"
         argv = [*RECIPES[recipe], *BASE, f"output_dir={tmp_path / 'runs'}", "--dry-run"]
-        proc = subprocess.run(
-            [sys.executable, "-m", "launch", "k8s", *argv, "launch.k8s.api=trainjob"], **run
-        )
+        argv += ["launch.k8s.api=trainjob", f"launch.k8s.runtime_scope={scope}"]
+        proc = subprocess.run([sys.executable, "-m", "launch", "k8s", *argv], **run)
         assert proc.returncode == 0, proc.stderr[-3000:]
         kinds = [obj["kind"] for obj in yaml.safe_load_all(proc.stdout)]
-        assert kinds[:3] == ["ConfigMap", "ClusterTrainingRuntime", "TrainJob"], kinds
+        assert kinds[:3] == ["ConfigMap", runtime, "TrainJob"], kinds
     schemas = {p.name for p in (site / "launch" / "k8s" / "schemas").glob("*.yaml")}
     assert {
         "trainer.kubeflow.org_trainjobs.yaml",
         "trainer.kubeflow.org_clustertrainingruntimes.yaml",
+        "trainer.kubeflow.org_trainingruntimes.yaml",
         "jobset.x-k8s.io_jobsets.yaml",
     } <= schemas
 

@@ -39,20 +39,22 @@ def test_every_recipe_renders_a_trainjob_on_a_runtime_with_the_pytorchjobs_pod(
     assert runtime is not None
     assert [o["kind"] for o in rendered.objects[:3]] == [
         "ConfigMap",
-        "ClusterTrainingRuntime",
+        "TrainingRuntime",
         "TrainJob",
     ]  # the runtime exists before the TrainJob that names it
     assert (job["apiVersion"], job["kind"]) == ("trainer.kubeflow.org/v1alpha1", "TrainJob")
     assert job["spec"]["runtimeRef"] == {
         "name": runtime["metadata"]["name"],
         "apiGroup": "trainer.kubeflow.org",
-        "kind": "ClusterTrainingRuntime",
+        "kind": "TrainingRuntime",
     }
     assert job["spec"]["trainer"] == {
         "numNodes": launch.nodes,
         "numProcPerNode": launch.nproc_per_node,
     }
-    assert "namespace" not in runtime["metadata"]  # cluster-scoped
+    # beside the TrainJob, named like the ConfigMap of the same submission
+    assert runtime["metadata"]["namespace"] == job["metadata"]["namespace"]
+    assert runtime["metadata"]["name"] == rendered.config_map_name
     # The same pod as the PyTorchJob's master, in the container Trainer configures.
     _, v1 = k8s.render_run([*RECIPES[recipe], *BASE])
     v1_pod, pod = master(v1.job)["template"]["spec"], _node_pod(runtime)
@@ -60,6 +62,21 @@ def test_every_recipe_renders_a_trainjob_on_a_runtime_with_the_pytorchjobs_pod(
     assert pod.pop("restartPolicy") == "Never"
     assert {**pod["containers"][0], "name": "pytorch"} == v1_pod["containers"][0]
     assert {**pod, "containers": v1_pod["containers"]} == v1_pod
+
+
+def test_a_cluster_scoped_runtime_is_named_by_its_namespace() -> None:
+    argv = [*RECIPES["gpt_tiny"], *BASE, TRAINJOB, "launch.k8s.namespace=team-a"]
+    _, own = k8s.render_run(argv)
+    _, rendered = k8s.render_run([*argv, "launch.k8s.runtime_scope=cluster"])  # validated
+    runtime = rendered.runtime
+    assert runtime is not None and own.runtime is not None
+    assert runtime["kind"] == rendered.job["spec"]["runtimeRef"]["kind"] == "ClusterTrainingRuntime"
+    assert "namespace" not in runtime["metadata"]
+    assert runtime["metadata"]["name"] == f"team-a-{rendered.config_map_name}"
+    assert runtime["metadata"]["labels"]["mcore-recipes/namespace"] == "team-a"
+    assert runtime["spec"] == own.runtime["spec"]  # the same JobSet either way
+    with pytest.raises(ConfigError, match="a TrainingRuntime lives in its TrainJob's namespace"):
+        validate_objects([{**own.runtime, "metadata": {"name": "x", "labels": {}}}])
 
 
 def test_the_remote_tier_is_fetched_by_the_first_nodes_pod_only(tmp_path) -> None:
