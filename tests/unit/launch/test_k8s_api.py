@@ -42,6 +42,18 @@ pytest.importorskip("jsonschema", reason="the k8s extra validates manifests with
 # --- the API calls, against a loopback stand-in -----------------------------------------------
 
 
+def _delete_selected(
+    store: dict[str, dict[str, Any]], req: dict[str, Any], prefix: str = ""
+) -> None:
+    """A delete-collection by label selector ("k=v,k2=v2"): every object of ``store`` whose
+    key starts with ``prefix`` (a namespace) and whose labels match."""
+    wanted = dict(kv.split("=") for kv in req["query"]["labelSelector"][0].split(","))
+    for name, obj in list(store.items()):
+        labels = obj["metadata"].get("labels", {})
+        if name.startswith(prefix) and all(labels.get(k) == v for k, v in wanted.items()):
+            del store[name]
+
+
 def _status(code: int, message: str = "") -> dict[str, Any]:
     failed = code >= 400
     return {
@@ -212,11 +224,7 @@ class FakeApiServer:
             self.runtimes[name] = copy.deepcopy(req["body"])
             return 201, req["body"]
         if req["method"] == "DELETE" and parts[-1] == "clustertrainingruntimes":  # by labels
-            wanted = dict(kv.split("=") for kv in req["query"]["labelSelector"][0].split(","))
-            for name, runtime in list(self.runtimes.items()):
-                labels = runtime["metadata"]["labels"]
-                if all(labels.get(k) == v for k, v in wanted.items()):
-                    del self.runtimes[name]
+            _delete_selected(self.runtimes, req)
             return 200, _status(200)
         if parts[-1] not in self.runtimes:
             return 404, _status(404, f'clustertrainingruntimes "{parts[-1]}" not found')
@@ -240,13 +248,7 @@ class FakeApiServer:
             self.ns_runtimes[key] = copy.deepcopy(req["body"])
             return 201, req["body"]
         if req["method"] == "DELETE" and parts[-1] == kind:  # by labels
-            key, value = req["query"]["labelSelector"][0].split("=")
-            for name, runtime in list(self.ns_runtimes.items()):
-                if (
-                    name.startswith(f"{namespace}/")
-                    and runtime["metadata"]["labels"].get(key) == value
-                ):
-                    del self.ns_runtimes[name]
+            _delete_selected(self.ns_runtimes, req, prefix=f"{namespace}/")
             return 200, _status(200)
         key = f"{namespace}/{parts[-1]}"
         if key not in self.ns_runtimes:
@@ -262,10 +264,7 @@ class FakeApiServer:
             self.deployments[req["body"]["metadata"]["name"]] = copy.deepcopy(req["body"])
             return 201, req["body"]
         if req["method"] == "DELETE":  # by label selector
-            key, value = req["query"]["labelSelector"][0].split("=")
-            for name, dep in list(self.deployments.items()):
-                if dep["metadata"]["labels"].get(key) == value:
-                    del self.deployments[name]
+            _delete_selected(self.deployments, req)
             return 200, _status(200)
         return 404, _status(404, f"no route {req['method']} {req['path']}")
 
@@ -286,10 +285,7 @@ class FakeApiServer:
             self.config_maps[parts[-1]]["metadata"]["ownerReferences"] = op["value"]
             return 200, self.config_maps[parts[-1]]
         if req["method"] == "DELETE" and parts[-1] == "configmaps":  # by label selector
-            key, value = req["query"]["labelSelector"][0].split("=")
-            for name, cm in list(self.config_maps.items()):
-                if cm["metadata"]["labels"].get(key) == value:
-                    del self.config_maps[name]
+            _delete_selected(self.config_maps, req)
             return 200, _status(200)
         if req["method"] == "DELETE":
             self.config_maps.pop(parts[-1], None)
