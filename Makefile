@@ -54,19 +54,25 @@ pretrain: $(STAMP) $(CORPUS) $(BPE_CORPUS)
 		recipe=gpt_tiny_bpe run_id=$(RUN_ID) $(ARGS)
 	$(BIN)/python -m resiliency ls runs/$(RUN_ID)
 
-# The unit tests (one process each, no timing faults) run on $(UNIT_WORKERS) pytest-xdist workers;
-# the integration tests (multi-rank jobs, faults timed from outside) one at a time after them.
-# Either half may select nothing (pytest's exit 5) as long as the other ran: a filter that
-# matches nothing at all still fails.
+# The unit tests (one process each) run on $(UNIT_WORKERS) pytest-xdist workers, a file per
+# worker (a module's fixtures are built once); the integration tests (multi-rank jobs, faults
+# timed from outside) one at a time after them. Either half may select nothing (pytest's
+# exit 5) as long as the other ran: a filter that matches nothing at all still fails.
+# PYTEST_ARGS naming test paths (make test PYTEST_ARGS=tests/unit/...) runs just those, plainly.
 UNIT_WORKERS ?= 2
 PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest
+TEST_PATHS := $(filter tests% ./tests% %.py,$(PYTEST_ARGS))
 test: $(STAMP)
+ifneq ($(TEST_PATHS),)
+	$(PYTEST) $(PYTEST_ARGS)
+else
 	@unit=0; integration=0; \
-	$(PYTEST) -n $(UNIT_WORKERS) tests/unit $(PYTEST_ARGS) || unit=$$?; \
+	$(PYTEST) -n $(UNIT_WORKERS) --dist loadfile tests/unit $(PYTEST_ARGS) || unit=$$?; \
 	if [ $$unit != 0 ] && [ $$unit != 5 ]; then exit $$unit; fi; \
 	$(PYTEST) tests/integration $(PYTEST_ARGS) || integration=$$?; \
 	if [ $$integration = 5 ] && [ $$unit = 0 ]; then integration=0; fi; \
 	exit $$integration
+endif
 
 # Everything, the exhaustive tests too (matrix remainders, random-stop repeats): ~10 min more.
 test-all: $(STAMP)

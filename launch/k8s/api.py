@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from launch.k8s import trainjob
 from launch.k8s.pod import CONTAINER
-from launch.k8s.render import API_VERSION, JOB_NAME_LABEL, KIND, Rendered
+from launch.k8s.render import API_VERSION, JOB_NAME_LABEL, KIND, Rendered, config_map_prefix
 from recipes import ConfigError
 from recipes.config.launch import K8sConfig
 
@@ -117,7 +117,7 @@ def submit(api: Any, rendered: Rendered) -> dict[str, Any]:
     except K8sError:
         _delete_config_map(core, rendered.namespace, rendered.config_map_name)
         raise
-    _set_owner(core, rendered, created.get("metadata", {}).get("uid"))
+    _set_owner(core, custom, rendered, created.get("metadata", {}).get("uid"))
     if rendered.uploader is not None:
         # Not owned by the job: the uploader must outlive its pods (k8s delete removes it).
         where = f"Deployment {rendered.namespace}/{rendered.uploader['metadata']['name']}"
@@ -195,8 +195,10 @@ def _delete_runtime(custom: Any, runtime: dict[str, Any]) -> None:
 def _delete_runtimes(custom: Any, namespace: str, name: str, ref: dict[str, Any]) -> None:
     """Every submission's runtime of TrainJob ``name`` (a resubmission renders one of its
     own), of the kind its runtimeRef names; none where that is the cluster's own runtime
-    (``launch.k8s.runtime``: we created nothing, and the label selector finds nothing)."""
+    (``launch.k8s.runtime``): we created none, and deleting cluster-scoped objects by label
+    needs rights a namespace's user seldom has."""
     selector = f"{JOB_NAME_LABEL}={name}"
+    ours = trainjob.runtime_name(str(ref.get("kind")), namespace, config_map_prefix(name))
     try:
         if ref.get("kind") == trainjob.NAMESPACED_RUNTIME:
             with _api_errors(f"deleting TrainingRuntimes {namespace}/{selector}"):
@@ -204,7 +206,7 @@ def _delete_runtimes(custom: Any, namespace: str, name: str, ref: dict[str, Any]
                     TRAINER_GROUP, TRAINER_VERSION, namespace, NAMESPACED_RUNTIMES,
                     label_selector=selector,
                 )  # fmt: skip
-        else:
+        elif str(ref.get("name", "")).startswith(ours):
             selector += f",{trainjob.NAMESPACE_LABEL}={namespace}"  # cluster-scoped
             with _api_errors(f"deleting ClusterTrainingRuntimes {selector}"):
                 custom.delete_collection_cluster_custom_object(
@@ -214,16 +216,33 @@ def _delete_runtimes(custom: Any, namespace: str, name: str, ref: dict[str, Any]
         log.warning("%s", exc)
 
 
-def _set_owner(core: Any, rendered: Rendered, uid: str | None) -> None:
-    """Owned by the job, the ConfigMap goes with it however the job is deleted (garbage
-    collector). Only metadata changes: allowed on an immutable ConfigMap."""
-    where = f"ConfigMap {rendered.namespace}/{rendered.config_map_name}"
-    hint = f"it outlives the job; `python -m launch k8s delete {rendered.name}` removes both"
+def _set_owner(core: Any, custom: Any, rendered: Rendered, uid: str | None) -> None:
+    """Owned by the job, the ConfigMap and a namespaced runtime go with it however the job is
+    deleted (garbage collector; Trainer's finalizer keeps a runtime while a TrainJob uses it).
+    Only metadata changes: allowed on an immutable ConfigMap."""
+    namespace, runtime = rendered.namespace, rendered.runtime or {}
+    owned: dict[str, Callable[[list[dict[str, Any]]], Any]] = {
+        f"ConfigMap {namespace}/{rendered.config_map_name}": lambda patch: (
+            core.patch_namespaced_config_map(rendered.config_map_name, namespace, patch)
+        )
+    }
+    if runtime.get("kind") == trainjob.NAMESPACED_RUNTIME:
+        name = runtime["metadata"]["name"]
+        # The client sends custom objects' patches as merge patches only: an object body,
+        # whose list replaces the (absent) one.
+        owned[f"TrainingRuntime {namespace}/{name}"] = lambda patch: (
+            custom.patch_namespaced_custom_object(
+                TRAINER_GROUP, TRAINER_VERSION, namespace, NAMESPACED_RUNTIMES, name,
+                {"metadata": {"ownerReferences": patch[0]["value"]}},
+            )
+        )  # fmt: skip
+    hint = f"it outlives the job; `python -m launch k8s delete {rendered.name}` removes it"
     kind = rendered.job["kind"]
     if not uid:
         log.warning(
-            "the API server returned the %s without a uid: %s not owned; %s", kind, where, hint
-        )
+            "the API server returned the %s without a uid: %s not owned; %s",
+            kind, " and ".join(owned), hint,
+        )  # fmt: skip
         return
     # Neither controller (the operator controls nothing here) nor blockOwnerDeletion: that
     # needs update rights on pytorchjobs/finalizers, which users who may create jobs often lack.
@@ -231,11 +250,12 @@ def _set_owner(core: Any, rendered: Rendered, uid: str | None) -> None:
              "uid": uid}  # fmt: skip
     # A JSON Patch (a list body): every supported client version sends it as one.
     patch = [{"op": "add", "path": "/metadata/ownerReferences", "value": [owner]}]
-    try:
-        with _api_errors(f"setting the owner of {where}"):
-            core.patch_namespaced_config_map(rendered.config_map_name, rendered.namespace, patch)
-    except K8sError as exc:
-        log.warning("%s; %s", exc, hint)
+    for where, apply in owned.items():
+        try:
+            with _api_errors(f"setting the owner of {where}"):
+                apply(patch)
+        except K8sError as exc:
+            log.warning("%s; %s", exc, hint)
 
 
 def get_job(api: Any, namespace: str, name: str) -> dict[str, Any]:

@@ -178,7 +178,12 @@ def config_map_name(job: str, submission: str) -> str:
     """Unique per submission: a resubmit never collides with a ConfigMap that is still there
     (garbage collection of a deleted job's ConfigMap is asynchronous)."""
     suffix = re.sub(r"[^a-z0-9]+", "-", submission.lower()).strip("-") or "0"
-    return f"{job}-config-{suffix}"[:253].rstrip("-")
+    return f"{config_map_prefix(job)}{suffix}"[:253].rstrip("-")
+
+
+def config_map_prefix(job: str) -> str:
+    """What the name of every submission's ConfigMap of ``job`` starts with."""
+    return f"{job}-config-"
 
 
 def _check_grace(run: RunConfig) -> None:

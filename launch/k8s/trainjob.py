@@ -56,13 +56,13 @@ def runtime_kind(run: RunConfig) -> str:
     return NAMESPACED_RUNTIME if run.launch.k8s.runtime_scope == "namespace" else RUNTIME
 
 
-def runtime_name(run: RunConfig, config_map: str) -> str:
-    """The submission's own runtime, per submission like the ConfigMap its pods mount (a
-    resubmission never finds an earlier one in its way while garbage collection catches up);
-    a cluster-scoped one is also named by the namespace."""
-    if runtime_kind(run) == NAMESPACED_RUNTIME:
+def runtime_name(kind: str, namespace: str, config_map: str) -> str:
+    """The submission's own runtime, named like the ConfigMap its pods mount (per submission:
+    a resubmission never finds an earlier one in its way while garbage collection catches
+    up); a cluster-scoped one also by the namespace."""
+    if kind == NAMESPACED_RUNTIME:
         return config_map
-    return f"{run.launch.k8s.namespace}-{config_map}"[:253].rstrip("-.")
+    return f"{namespace}-{config_map}"[:253].rstrip("-.")
 
 
 def render_runtime(
@@ -87,7 +87,7 @@ def render_runtime(
         "template": {"metadata": {"labels": dict(pod_labels)}, "spec": pod},
     }
     namespace, kind = run.launch.k8s.namespace, runtime_kind(run)
-    metadata: dict[str, Any] = {"name": runtime_name(run, config_map)}
+    metadata: dict[str, Any] = {"name": runtime_name(kind, namespace, config_map)}
     if kind == NAMESPACED_RUNTIME:
         metadata.update(namespace=namespace, labels=dict(labels))
     else:

@@ -185,10 +185,12 @@ class K8sConfig:
             self.kueue_priority_class is None
             or (
                 self.queue is not None
+                and len(self.kueue_priority_class) <= 63
                 and bool(self._DNS_SUBDOMAIN.fullmatch(self.kueue_priority_class))
             ),
             f"launch.k8s.kueue_priority_class={self.kueue_priority_class!r} names a Kueue "
-            "WorkloadPriorityClass: it needs launch.k8s.queue and a valid object name",
+            "WorkloadPriorityClass: it needs launch.k8s.queue and a valid object name of at "
+            "most 63 characters (it goes in a label)",
         )
         for key, value in self.node_selector.items():
             require(

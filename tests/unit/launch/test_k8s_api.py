@@ -71,7 +71,8 @@ _KINDS = {"pytorchjobs": "PyTorchJob", "trainjobs": "TrainJob"}
 class FakeApiServer:
     """Answers the handful of API-server routes the adapter uses; records every request.
     Keeps ConfigMaps and jobs by name (a second create of one is 409 AlreadyExists), and
-    collects a deleted job's owned ConfigMaps at once, as the garbage collector would later."""
+    collects a deleted job's owned ConfigMaps and TrainingRuntimes at once, as the garbage
+    collector would later."""
 
     def __init__(self, fail_job_create: bool = False) -> None:
         self.requests: list[dict[str, Any]] = []
@@ -154,9 +155,10 @@ class FakeApiServer:
         if req["method"] == "DELETE" and jobs:
             job = self.jobs.pop(parts[-1])
             uid = job["metadata"]["uid"]
-            for name, cm in list(self.config_maps.items()):
-                if uid in [o["uid"] for o in cm["metadata"].get("ownerReferences", [])]:
-                    del self.config_maps[name]
+            for owned in (self.config_maps, self.ns_runtimes):
+                for name, obj in list(owned.items()):
+                    if uid in [o["uid"] for o in obj["metadata"].get("ownerReferences", [])]:
+                        del owned[name]
             return 200, _status(200)
         if req["method"] == "GET" and "trainjobs" in parts:
             job = self.jobs[parts[-1]]
@@ -253,6 +255,13 @@ class FakeApiServer:
         key = f"{namespace}/{parts[-1]}"
         if key not in self.ns_runtimes:
             return 404, _status(404, f'{kind} "{parts[-1]}" not found')
+        if req["method"] == "PATCH":  # the owner: a merge patch, the client's one form here
+            assert req["content_type"] == "application/merge-patch+json"
+            assert list(req["body"]) == ["metadata"] and list(req["body"]["metadata"]) == [
+                "ownerReferences"
+            ]
+            self.ns_runtimes[key]["metadata"].update(req["body"]["metadata"])
+            return 200, self.ns_runtimes[key]
         if req["method"] == "DELETE":
             del self.ns_runtimes[key]
             return 200, _status(200)
@@ -469,19 +478,23 @@ def test_a_trainjob_is_submitted_followed_and_deleted_with_its_runtime(
         ("POST", f"{trainer}/{runtimes}"),  # before the TrainJob that names it
         ("POST", f"{trainer}/namespaces/default/trainjobs"),
         ("PATCH", f"{cm_path}/llama3-70b-config-test"),
+        # a namespaced runtime is owned by its TrainJob too; a cluster-scoped one cannot be
+        *(
+            [("PATCH", f"{trainer}/{runtimes}/llama3-70b-config-test")]
+            if scope == "namespace"
+            else []
+        ),
     ]
     assert api.requests[1]["body"] == rendered.runtime
     assert api.requests[2]["body"] == rendered.job
     # Unknown fields refused, not dropped (an older JobSet's runtime would lose the patterns)
     assert all(api.requests[i]["query"]["fieldValidation"] == ["Strict"] for i in (1, 2))
-    assert api.config_maps["llama3-70b-config-test"]["metadata"]["ownerReferences"] == [
-        {
-            "apiVersion": "trainer.kubeflow.org/v1alpha1",
-            "kind": "TrainJob",
-            "name": "llama3-70b",
-            "uid": "u-1",
-        }
-    ]
+    owner = {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob",
+             "name": "llama3-70b", "uid": "u-1"}  # fmt: skip
+    assert api.config_maps["llama3-70b-config-test"]["metadata"]["ownerReferences"] == [owner]
+    if scope == "namespace":
+        owned = api.ns_runtimes["default/llama3-70b-config-test"]["metadata"]["ownerReferences"]
+        assert owned == [owner]
     capsys.readouterr()
     assert cli(["status", "llama3-70b"]) == 0
     out = capsys.readouterr().out
@@ -521,17 +534,22 @@ def test_a_refused_trainjob_rolls_back_its_runtime_and_config_map(
     argv = [*GPT, f"output_dir={tmp_path}", *BASE, "launch.k8s.api=trainjob", *NO_FIT]
     assert cli(argv) == exit_codes.INFRASTRUCTURE
     assert "HTTP 422" in caplog.text
-    assert api.runtimes == {} and api.config_maps == {}
+    assert api.runtimes == {} and api.ns_runtimes == {} and api.config_maps == {}
+    assert [r["method"] for r in api.requests if "trainingruntimes" in r["path"]] == [
+        "POST",
+        "DELETE",
+    ]  # created, then rolled back
 
 
 def test_a_trainjob_on_the_clusters_runtime_is_checked_against_it_before_anything_is_created(
     api: FakeApiServer, tmp_path: Path
 ) -> None:
-    """The stock torch-distributed runtime (../shared/k8s/trainer-v2), as a cluster holds it:
+    """The stock torch-distributed runtime (Trainer's Helm chart, copied from
+    ../shared/k8s/trainer-v2 with its upstream commit), as a cluster holds it:
     missing, or with pods that tolerate every taint, the submission is refused before any
     object exists; with the taints named (they replace the runtime's) or avoid_tainted=false
     it goes ahead."""
-    helm = (REPO.parent / "shared/k8s/trainer-v2/torch-distributed.yaml").read_text()
+    helm = (REPO / "tests/golden/trainer-v2/torch-distributed.yaml").read_text()  # a copy
     stock = yaml.safe_load("\n".join(line for line in helm.splitlines() if "{{" not in line))
     name = stock["metadata"]["name"]
     argv = [*GPT, f"output_dir={tmp_path}", *BASE, "launch.k8s.api=trainjob",
@@ -558,6 +576,8 @@ def test_a_trainjob_on_the_clusters_runtime_is_checked_against_it_before_anythin
     assert cli(["delete", "gpt-125m"]) == 0
     assert cli([*argv, "launch.k8s.avoid_tainted=false"]) == 0
     assert list(api.runtimes) == [name]  # the cluster's: never created or deleted by us
+    assert not [r for r in api.requests if r["method"] in ("POST", "DELETE", "PATCH")
+                and "trainingruntimes" in r["path"]]  # fmt: skip
 
 
 def test_cli_subprocess_dry_run(tmp_path: Path) -> None:

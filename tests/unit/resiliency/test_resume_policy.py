@@ -97,3 +97,11 @@ def test_keeping_an_implicit_horizon_pins_the_saved_one_whatever_this_launch_set
     kept = reconcile(now, _saved(), step=30)
     assert kept.run.scheduler.decay_steps == 30 and kept.run.optimizer.lr == 3e-3
     assert ("scheduler.decay_steps" in {c.key for c in kept.kept}) == (decay_now != "30")
+
+
+def test_growing_train_steps_with_the_saved_horizon_pinned_is_no_schedule_change() -> None:
+    """The saved run left decay_steps unset (it followed train_steps=30); pinning it to 30
+    while growing train_steps is free, with no schedule_on_resume asked."""
+    grown = reconcile(_run("train.train_steps=40", "scheduler.decay_steps=30"), _saved(), 30)
+    assert [c.key for c in grown.applied] == ["train.train_steps"] and grown.kept == []
+    assert grown.run.scheduler.decay_steps == 30
