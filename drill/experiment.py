@@ -306,11 +306,15 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"error: {exc}")
         return EXIT_USAGE
     print(f"report: {result.report}")
+    print(verdict_line(result))
+    return result.exit_code
+
+
+def verdict_line(result: DrillResult) -> str:
+    """The CLI's last line: which checks failed, and how many of each status."""
     counts = ", ".join(
         f"{sum(c.status == s for c in result.checks)} {s}" for s in (PASS, FAIL, SKIP)
     )
     if result.failed:
-        print(f"drill FAILED: {', '.join(result.failed)} ({counts})")
-    else:
-        print(f"drill passed ({counts})")
-    return result.exit_code
+        return f"drill FAILED: {', '.join(result.failed)} ({counts})"
+    return f"drill passed ({counts})"

@@ -7,6 +7,7 @@ one ulp in the trainer's own step file, which the drill must catch.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -17,13 +18,22 @@ import pytest
 
 from drill.acceptance import FAIL, PASS, run_checks
 from drill.cli import main
-from drill.experiment import DrillConfig, DrillResult, prepare_out, run_drill
+from drill.experiment import (
+    DrillConfig,
+    DrillResult,
+    add_args,
+    config_from_args,
+    prepare_out,
+    run_drill,
+    verdict_line,
+)
 from drill.jobs import DrillError, LaunchResult, LaunchSpec
 from drill.report import plot_data, write_report
 from drill.run_records import read_run, restore_events
-from drill.runs import BASELINE, RECOVERY, DrillPlan, Runner, Scenario
+from drill.runs import BASELINE, RECOVERY, DrillPlan, ResumeExtras, Runner, Scenario
 from pretrain.context import exit_codes
 from pretrain.context.run_dir import RunDir
+from pretrain.platform.compat import SKIP_ENV
 from resiliency.storage.attempts import write_attempt_record
 from resiliency.storage.layout import RunLayout
 
@@ -122,7 +132,9 @@ def test_a_resume_that_drifts_by_one_ulp_fails_the_drill(
     assert [c for c in checks if c.status == FAIL] == [exact]
     report = write_report(prepare_out(tmp_path / "out"), data, checks, plot_data(data), [])
     assert report.read_text().startswith("# Fault-recovery drill: FAIL (")
-    assert DrillResult(checks, plot_data(data), report, data).exit_code == 1
+    result = DrillResult(checks, plot_data(data), report, data)
+    assert result.exit_code == 1
+    assert verdict_line(result).startswith("drill FAILED: exact_resume (")
 
 
 # ---------------------------------------------------------------- fast: no training
@@ -208,3 +220,17 @@ def test_relaunch_loop_stops_when_the_budget_is_spent(tmp_path: Path) -> None:
     ]
     assert scenario.attempts == [1, 2, 3]
     assert all("train.fault=kill@2:1" in r.spec.overrides for r in scenario.launches)
+
+
+def test_the_cli_carries_resume_extras_and_a_subset_of_scenarios(tmp_path: Path) -> None:
+    """What a drill of the drill needs from the command line (the environment and overrides
+    only launches that restore get)."""
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    args = parser.parse_args(
+        ["--out", str(tmp_path / "d"), "--scenarios", "recovery", "--resume-env",
+         f"{SKIP_ENV}=I", "--resume-override", "train.seed=7", "recipe=gpt_tiny"]
+    )  # fmt: skip
+    cfg = config_from_args(args)
+    assert cfg.scenarios == ("recovery",) and cfg.overrides == ("recipe=gpt_tiny",)
+    assert cfg.resume == ResumeExtras({SKIP_ENV: "I"}, ("train.seed=7",))
