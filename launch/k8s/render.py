@@ -247,8 +247,9 @@ def run_labels(run: RunConfig, submission: str) -> dict[str, str]:
         f"{LABEL}model": label_value(run.model.name),
         f"{LABEL}submission": label_value(submission),
     }
-    if run.launch.k8s.queue:
-        # Kueue admits jobs by this label; Volcano reads runPolicy.schedulingPolicy.queue.
+    if run.launch.k8s.queue and run.launch.k8s.gang_scheduler != "volcano":
+        # Kueue admits jobs by this label; Volcano reads runPolicy.schedulingPolicy.queue (a
+        # TrainJob's runtime gets Volcano's queue annotation instead: launch.k8s.trainjob).
         labels[KUEUE_QUEUE_LABEL] = label_value(run.launch.k8s.queue)
     if run.launch.k8s.kueue_priority_class:
         labels[KUEUE_PRIORITY_LABEL] = run.launch.k8s.kueue_priority_class

@@ -39,6 +39,7 @@ GROUP = "trainer.kubeflow.org"
 API_VERSION = f"{GROUP}/v1alpha1"
 TRAINJOB, RUNTIME = "TrainJob", "ClusterTrainingRuntime"
 NAMESPACED_RUNTIME = "TrainingRuntime"  # launch.k8s.runtime_scope=namespace
+VOLCANO_QUEUE_ANNOTATION = "scheduling.volcano.sh/queue-name"  # launch.k8s.gang_scheduler
 NODE = "node"  # the replicated job and the container Trainer's torch plugin configures
 ANCESTOR_LABEL = f"{GROUP}/trainjob-ancestor-step"  # marks the job that runs the trainer
 # Container exits the entry point (launch.k8s.entry) gives a planned stop: the agent stopped
@@ -78,6 +79,9 @@ def render_runtime(
     one pod per node (Trainer sets the count from the TrainJob)."""
     pod = pod_spec(run, job, config_map, env, fetch=True, container_name=NODE, affinity=affinity)
     pod["restartPolicy"] = "Never"  # podFailurePolicy needs it; a failure restarts the set
+    k8s = run.launch.k8s
+    if k8s.gang_scheduler == "volcano":  # Trainer builds the PodGroup, not the pods' scheduler
+        pod["schedulerName"] = "volcano"
     if "initContainers" in pod:
         pod["initContainers"] = [_first_node_only(c) for c in pod["initContainers"]]
     job_spec = {
@@ -92,29 +96,30 @@ def render_runtime(
         metadata.update(namespace=namespace, labels=dict(labels))
     else:
         metadata["labels"] = {**labels, NAMESPACE_LABEL: namespace}
-    return {
-        "apiVersion": API_VERSION,
-        "kind": kind,
-        "metadata": metadata,
+    jobset: dict[str, Any] = {
         "spec": {
-            "mlPolicy": {"numNodes": run.launch.nodes, "torch": {}},
-            "template": {
-                "spec": {
-                    "failurePolicy": failure_policy(run),
-                    "replicatedJobs": [
-                        {
-                            "name": NODE,
-                            "replicas": 1,
-                            "template": {
-                                "metadata": {"labels": {ANCESTOR_LABEL: "trainer"}},
-                                "spec": job_spec,
-                            },
-                        }
-                    ],
+            "failurePolicy": failure_policy(run),
+            "replicatedJobs": [
+                {
+                    "name": NODE,
+                    "replicas": 1,
+                    "template": {
+                        "metadata": {"labels": {ANCESTOR_LABEL: "trainer"}},
+                        "spec": job_spec,
+                    },
                 }
-            },
-        },
+            ],
+        }
     }
+    spec: dict[str, Any] = {"mlPolicy": {"numNodes": run.launch.nodes, "torch": {}}}
+    if k8s.gang_scheduler == "volcano":
+        # One PodGroup of every node's pod, priority from their priorityClassName; Trainer
+        # reads the queue from the template's annotations.
+        spec["podGroupPolicy"] = {"volcano": {}}
+        if k8s.queue:
+            jobset["metadata"] = {"annotations": {VOLCANO_QUEUE_ANNOTATION: k8s.queue}}
+    spec["template"] = jobset
+    return {"apiVersion": API_VERSION, "kind": kind, "metadata": metadata, "spec": spec}
 
 
 def tolerating_every_taint(runtime: dict[str, Any]) -> list[str]:

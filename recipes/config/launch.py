@@ -114,6 +114,10 @@ class K8sConfig:
     termination_grace_s: int = 180  # pod grace period: the emergency save's window
     backoff_limit: int = 3  # PyTorchJob runPolicy.backoffLimit; TrainJob: JobSet maxRestarts
     queue: Optional[str] = None  # gang scheduling queue (Volcano/Kueue)
+    # api=trainjob: volcano puts the pods in a Volcano PodGroup (all start together or none;
+    # launch.k8s.queue is then Volcano's queue, not Kueue's). None: Kueue admits the job
+    # whole where launch.k8s.queue is set. A PyTorchJob's gang scheduler is the operator's.
+    gang_scheduler: Optional[str] = None
     priority_class: Optional[str] = None  # pod priorityClassName
     # Kueue's WorkloadPriorityClass for the job (kueue.x-k8s.io/priority-class): the order of
     # admission and preemption among Kueue workloads, apart from the pods' priorityClassName.
@@ -158,6 +162,7 @@ class K8sConfig:
             "launch.k8s.api=trainjob and a valid object name",
         )
         one_of("launch.k8s", "runtime_scope", self.runtime_scope, ("namespace", "cluster"))
+        self._check_gang_scheduler()
         one_of("launch.k8s", "local_volume", self.local_volume, ("hostPath", "emptyDir"))
         require(
             self.local_host_path is None
@@ -216,6 +221,23 @@ class K8sConfig:
                 "spells it (upper case, no CAP_ prefix, e.g. IPC_LOCK)",
             )
         self._check_extended_resources()
+
+    def _check_gang_scheduler(self) -> None:
+        if self.gang_scheduler is None:
+            return
+        one_of("launch.k8s", "gang_scheduler", self.gang_scheduler, ("volcano",))
+        require(
+            self.api == "trainjob" and self.runtime is None,
+            "launch.k8s.gang_scheduler=volcano needs launch.k8s.api=trainjob and a runtime of "
+            "the run's own (no launch.k8s.runtime: a TrainJob cannot set a runtime's "
+            "podGroupPolicy); a PyTorchJob's gang scheduler is the training-operator's "
+            "--gang-scheduler-name",
+        )
+        require(
+            self.kueue_priority_class is None,
+            "launch.k8s.kueue_priority_class is Kueue's; with launch.k8s.gang_scheduler=volcano "
+            "the PodGroup takes its priority from launch.k8s.priority_class",
+        )
 
     def _label_key_ok(self, key: str) -> bool:
         prefix, _, name = key.rpartition("/")

@@ -79,6 +79,33 @@ def test_a_cluster_scoped_runtime_is_named_by_its_namespace() -> None:
         validate_objects([{**own.runtime, "metadata": {"name": "x", "labels": {}}}])
 
 
+def test_volcano_gangs_the_trainjobs_pods_in_its_queue() -> None:
+    """gpt_tiny's queue, research, becomes Volcano's (the runtime's template annotation, which
+    Trainer's Volcano plugin reads), not Kueue's; validated against the shipped CRDs."""
+    volcano = "launch.k8s.gang_scheduler=volcano"
+    _, rendered = k8s.render_run([*RECIPES["gpt_tiny"], *BASE, TRAINJOB, volcano])
+    runtime = rendered.runtime
+    assert runtime is not None
+    assert runtime["spec"]["podGroupPolicy"] == {"volcano": {}}
+    assert runtime["spec"]["template"]["metadata"] == {
+        "annotations": {"scheduling.volcano.sh/queue-name": "research"}
+    }
+    pod = _node_pod(runtime)
+    assert pod["schedulerName"] == "volcano" and pod["priorityClassName"] == "low"
+    assert "kueue.x-k8s.io/queue-name" not in rendered.job["metadata"]["labels"]
+    for refused, message in (
+        ([], "a PyTorchJob's gang scheduler is the training-operator's"),
+        ([TRAINJOB, "launch.k8s.runtime=torch-distributed"], "cannot set a runtime's"),
+        (
+            [TRAINJOB, "launch.k8s.kueue_priority_class=batch"],
+            "launch.k8s.kueue_priority_class is Kueue's",
+        ),
+        ([TRAINJOB, "launch.k8s.gang_scheduler=yunikorn"], "gang_scheduler"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            k8s.render_run([*RECIPES["gpt_tiny"], *BASE, volcano, *refused])
+
+
 def test_the_remote_tier_is_fetched_by_the_first_nodes_pod_only(tmp_path) -> None:
     remote = ["checkpoint.remote.url=s3://bucket/runs", "launch.k8s.remote_secret=s3-creds"]
     _, v1 = k8s.render_run([*RECIPES["gpt_tiny"], *BASE, *remote])
