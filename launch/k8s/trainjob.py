@@ -144,7 +144,8 @@ def render_trainjob(
     run: RunConfig, job: str, labels: dict[str, str], runtime: str
 ) -> dict[str, Any]:
     """The TrainJob: its size and its runtime. Kueue admits it by the queue label (and takes
-    its priority from the pods' priorityClassName); Kueue suspends it itself until then."""
+    its priority from the pods' priorityClassName); Kueue suspends it itself until then.
+    With ``launch.k8s.gang_scheduler=volcano`` the queue is Volcano's, on the runtime."""
     return {
         "apiVersion": API_VERSION,
         "kind": TRAINJOB,

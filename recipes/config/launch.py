@@ -238,6 +238,12 @@ class K8sConfig:
             "launch.k8s.kueue_priority_class is Kueue's; with launch.k8s.gang_scheduler=volcano "
             "the PodGroup takes its priority from launch.k8s.priority_class",
         )
+        require(
+            self.queue is None
+            or (len(self.queue) <= 253 and bool(self._DNS_SUBDOMAIN.fullmatch(self.queue))),
+            f"launch.k8s.queue={self.queue!r} is not a Volcano Queue name (a DNS-1123 "
+            "subdomain: lower case, digits, '-' and '.')",
+        )
 
     def _label_key_ok(self, key: str) -> bool:
         prefix, _, name = key.rpartition("/")

@@ -101,6 +101,7 @@ def test_volcano_gangs_the_trainjobs_pods_in_its_queue() -> None:
             "launch.k8s.kueue_priority_class is Kueue's",
         ),
         ([TRAINJOB, "launch.k8s.gang_scheduler=yunikorn"], "gang_scheduler"),
+        ([TRAINJOB, "launch.k8s.queue=Research_Q"], "is not a Volcano Queue name"),
     ):
         with pytest.raises(ConfigError, match=message):
             k8s.render_run([*RECIPES["gpt_tiny"], *BASE, volcano, *refused])
