@@ -52,7 +52,14 @@ from launch.elastic import (
     nodes_it_may_lose,
     workers_stop_timeout_s,
 )
-from launch.retry_policy import STOP, Decision, decide, newest_attempt, read_outcome
+from launch.retry_policy import (
+    STOP,
+    Decision,
+    decide,
+    newest_attempt,
+    newest_attempt_exits,
+    read_outcome,
+)
 from launch.standby.launch import Standby, standby_env
 from pretrain.context import exit_codes
 from pretrain.context.run_dir import RunDir
@@ -392,15 +399,3 @@ def _close_quietly(keep: IO[str] | None) -> None:
         keep.close()
     except OSError:
         pass  # its last line did not fit: already said
-
-
-def newest_attempt_exits(
-    layout: RunLayout, attempts: list[int], events: LauncherEvents
-) -> tuple[int, ...]:
-    """The worker exit codes the launcher logged during the newest of ``attempts`` (from its
-    record's start; else during the last launch): ft_launcher restarts its workers within one
-    launch, and an earlier attempt's SIGKILL must not stand for this one's."""
-    since = events.launches[-1][0] if events.launches else 0.0
-    if attempts:
-        since = read_record(layout, attempts[-1]).get("start_time", since)
-    return tuple(e["exit_code"] for e in events.exits if e["time"] >= since)

@@ -31,6 +31,7 @@ from launch.requeues import append_ledger, excluded_so_far, failures_used, plan_
 from launch.slurm.postmortem import finalize_job, launcher_events
 from pretrain.context import exit_codes
 from resiliency.monitor.health import unhealthy_nodes
+from resiliency.monitor.postmortem import LauncherEvents, read_record
 from resiliency.storage.attempts import recorded_attempts
 from resiliency.storage.layout import RunLayout
 
@@ -194,7 +195,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--job-log",
         type=Path,
-        help="the job's log: finalize its attempts (root cause, work lost, recovery ledger) first",
+        action="append",
+        default=[],
+        help="the job's log: finalize its attempts (root cause, work lost, recovery ledger) "
+        "first; the first of several that exists is read (a node-local copy, then the run "
+        "dir's, which a full disk may have cut short)",
     )
     parser.add_argument("--tokens-per-step", type=int, default=0)
     parser.add_argument(
@@ -206,15 +211,30 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def newest_attempt_exits(
+    layout: RunLayout, attempts: list[int], events: LauncherEvents
+) -> tuple[int, ...]:
+    """The worker exit codes the launcher logged during the newest of ``attempts`` (from its
+    record's start; else during the last launch): ft_launcher restarts its workers within one
+    launch, and an earlier attempt's SIGKILL must not stand for this one's."""
+    since = events.launches[-1][0] if events.launches else 0.0
+    if attempts:
+        since = read_record(layout, attempts[-1]).get("start_time", since)
+    return tuple(e["exit_code"] for e in events.exits if e["time"] >= since)
+
+
 def main(argv: list[str]) -> int:
     args = _parse(argv)
     if args.newest_attempt:
         print(newest_attempt(args.run_dir))
         return 0
     seen: tuple[int, ...] = ()
-    if args.job_log is not None and args.job_log.is_file():
-        finalize_job(args.run_dir, args.after_attempt, args.job_log, args.tokens_per_step)
-        seen = tuple(e["exit_code"] for e in launcher_events(args.job_log).exits)
+    job_log = next((log for log in args.job_log if log.is_file()), None)
+    if job_log is not None:
+        finalize_job(args.run_dir, args.after_attempt, job_log, args.tokens_per_step)
+        layout = RunLayout.from_run_dir(args.run_dir)
+        attempts = [a for a in recorded_attempts(layout) if a > args.after_attempt]
+        seen = newest_attempt_exits(layout, attempts, launcher_events(job_log))
     unhealthy = sorted({n for d in args.health_dir for n in unhealthy_nodes(d)})
     if args.job_id is None:
         decision = decide(

@@ -471,9 +471,13 @@ trap 'on_signal TERM' TERM
 
 # ---------------------------------------------------------------- logs
 # One log per job and restart (the --output file above gets everything as well). tee ignores
-# TERM so a cancel cannot cut the log (and SIGPIPE this shell) before the end.
+# TERM so a cancel cannot cut the log (and SIGPIPE this shell) before the end. A copy goes to
+# this node's own disk: the retry policy reads the launchers' exit lines from it, which a full
+# run disk would cut from the run dir's copy (tee writes on to the files it still can).
 mkdir -p "$RUN_DIR/slurm"
-exec > >(trap '' TERM INT; exec tee -a "$RUN_DIR/slurm/${SLURM_JOB_ID}-restart-${RESTART}.log") 2>&1
+JOB_LOG="$RUN_DIR/slurm/${SLURM_JOB_ID}-restart-${RESTART}.log"
+LOCAL_LOG="${TMPDIR:-/tmp}/mcore-recipes-${SLURM_JOB_ID}-restart-${RESTART}.log"
+exec > >(trap '' TERM INT; exec tee -a "$JOB_LOG" "$LOCAL_LOG") 2>&1
 
 # ---------------------------------------------------------------- environment for every rank
 @@{code_commit_line}
@@ -591,12 +595,13 @@ PARTITION_NODES=$(sinfo -h -p "${SLURM_JOB_PARTITION:-}" -o %D 2>/dev/null \
     | awk '{s += $1} END {print s + 0}')
 POLICY_OUT=$(policy "$RUN_DIR" --restart-count "$RESTART" --max-requeues "$MAX_REQUEUES" \
     --after-attempt "$AFTER_ATTEMPT" --job-id "$SLURM_JOB_ID" \
-    --job-log "$RUN_DIR/slurm/${SLURM_JOB_ID}-restart-${RESTART}.log" \
+    --job-log "$LOCAL_LOG" --job-log "$JOB_LOG" \
     --tokens-per-step @@{tokens_per_step} \
     --health-dir "$HEALTH_DIR" --health-dir "$HEALTH_DIR-after" --job-nodes "$SLURM_NNODES" \
     --launch-nodes @@{nodes} --min-nodes @@{min_nodes} --max-excluded @@{max_excluded} \
     --partition-nodes "$PARTITION_NODES" --cpus-per-task "${SLURM_CPUS_PER_TASK:-1}") \
     && RC=0 || RC=$?
+rm -f "$LOCAL_LOG"  # read; what follows is in the run dir's copy
 DECISION=$(sed -n 1p <<<"$POLICY_OUT")
 UPDATE=$(sed -n 2p <<<"$POLICY_OUT")
 echo "[$(date +%T)] retry policy: ${DECISION:-<no decision, exit $RC>}"

@@ -24,8 +24,7 @@ import pytest
 
 from drill.jobs import SLURM_TERMINAL as TERMINAL  # states after which a job never runs again
 from launch.__main__ import main as launch_main
-from launch.local import newest_attempt_exits
-from launch.retry_policy import REQUEUE, STOP, decide
+from launch.retry_policy import REQUEUE, STOP, decide, newest_attempt_exits
 from pretrain.context import exit_codes
 from pretrain.context.run_dir import RunDir, read_jsonl
 from resiliency.monitor.postmortem import LauncherEvents
@@ -130,6 +129,32 @@ def test_only_the_newest_attempts_exits_decide_an_unfinished_record(tmp_path: Pa
     assert (decision.action, decision.exit_code) == (STOP, exit_codes.CHECKPOINT_IO), decision
     every = decide(tmp_path, 0, 3, seen_exits=tuple(e["exit_code"] for e in events.exits))
     assert every.action == REQUEUE  # what the whole launch's exits said: the bug this guards
+
+
+def test_the_policy_reads_the_node_local_log_a_full_run_disk_cut_short(tmp_path: Path) -> None:
+    """The batch script passes the node-local copy of its log first, then the run dir's. The
+    run dir's copy stopped at attempt 1's SIGKILL when the disk filled; the local one also
+    holds attempt 2's exit 10 (and the SIGTERM after it). Only attempt 2's exits decide."""
+    start = time.time() - 100
+    lines = []
+    for at, code in ((start + 20, -9), (start + 21, 1), (start + 80, 10), (start + 81, -15)):
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at))
+        lines.append(f"0: [{stamp},000] [ERROR] failed (exitcode: {code}) local_rank: 0 (pid: 7)")
+    local, cut = tmp_path / "local.log", tmp_path / "run-dir.log"
+    local.write_text("\n".join(lines) + "\n")
+    cut.write_text("\n".join(lines[:2]) + "\n")
+
+    def policy(run_dir: Path, *logs: Path) -> subprocess.CompletedProcess[str]:
+        _record(run_dir, 1, "failed", exit_codes.INFRASTRUCTURE, start_time=start)
+        _record(run_dir, 2, "running", start_time=start + 50)
+        job_logs = [arg for log in logs for arg in ("--job-log", log)]
+        return _policy_cli(run_dir, "--restart-count", "0", "--max-requeues", "3", *job_logs)
+
+    proc = policy(tmp_path / "a", local, cut)
+    assert proc.returncode == exit_codes.CHECKPOINT_IO, proc
+    assert proc.stdout.startswith(f"stop {exit_codes.CHECKPOINT_IO} "), proc
+    gone = policy(tmp_path / "b", tmp_path / "gone.log", cut)
+    assert gone.returncode == 0 and gone.stdout.startswith("requeue "), gone  # all it could see
 
 
 def test_newest_record_decides(tmp_path: Path) -> None:
