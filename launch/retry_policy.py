@@ -223,18 +223,25 @@ def newest_attempt_exits(
     return tuple(e["exit_code"] for e in events.exits if e["time"] >= since)
 
 
+def _job_log_exits(args: argparse.Namespace) -> tuple[int, ...]:
+    """Finalize this job's attempts from the first of its logs that exists (read once); the
+    worker exits its launchers logged during the newest attempt."""
+    job_log = next((log for log in args.job_log if log.is_file()), None)
+    if job_log is None:
+        return ()
+    layout = RunLayout.from_run_dir(args.run_dir)
+    attempts = [a for a in recorded_attempts(layout) if a > args.after_attempt]
+    events = launcher_events(job_log)
+    finalize_job(layout, attempts, events, args.tokens_per_step)
+    return newest_attempt_exits(layout, attempts, events)
+
+
 def main(argv: list[str]) -> int:
     args = _parse(argv)
     if args.newest_attempt:
         print(newest_attempt(args.run_dir))
         return 0
-    seen: tuple[int, ...] = ()
-    job_log = next((log for log in args.job_log if log.is_file()), None)
-    if job_log is not None:
-        finalize_job(args.run_dir, args.after_attempt, job_log, args.tokens_per_step)
-        layout = RunLayout.from_run_dir(args.run_dir)
-        attempts = [a for a in recorded_attempts(layout) if a > args.after_attempt]
-        seen = newest_attempt_exits(layout, attempts, launcher_events(job_log))
+    seen = _job_log_exits(args)
     unhealthy = sorted({n for d in args.health_dir for n in unhealthy_nodes(d)})
     if args.job_id is None:
         decision = decide(

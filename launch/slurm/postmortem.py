@@ -13,7 +13,6 @@ import re
 from pathlib import Path
 
 from resiliency.monitor.postmortem import LauncherEvents, finalize_attempts
-from resiliency.storage.attempts import recorded_attempts
 from resiliency.storage.layout import RunLayout
 
 log = logging.getLogger(__name__)
@@ -39,14 +38,14 @@ def launcher_events(job_log: Path) -> LauncherEvents:
     return events
 
 
-def finalize_job(run_dir: Path, after_attempt: int, job_log: Path, tokens_per_step: int) -> None:
-    """Finalize this job's attempts (those above ``after_attempt``); a log or record that
-    cannot be read leaves the records as the ranks wrote them."""
-    layout = RunLayout.from_run_dir(run_dir)
-    attempts = [a for a in recorded_attempts(layout) if a > after_attempt]
+def finalize_job(
+    layout: RunLayout, attempts: list[int], events: LauncherEvents, tokens_per_step: int
+) -> None:
+    """Finalize this job's ``attempts`` from its launchers' ``events``; a record that cannot be
+    read leaves the records as the ranks wrote them."""
     if not attempts:
         return
     try:
-        finalize_attempts(layout, attempts, launcher_events(job_log), tokens_per_step)
+        finalize_attempts(layout, attempts, events, tokens_per_step)
     except Exception as exc:  # noqa: BLE001 - the retry decision must still be made
         log.warning("post-mortem of attempts %s skipped: %r", attempts, exc)
