@@ -108,7 +108,7 @@ def pair_errors(job: Mapping[str, Any], runtime: Mapping[str, Any]) -> list[str]
     meta = runtime.get("metadata", {})
     if (ref.get("name"), ref.get("kind")) != (meta.get("name"), runtime.get("kind")):
         errors.append(f"spec.runtimeRef: {dict(ref)} is not the rendered runtime")
-    if meta.get("namespace", job["metadata"].get("namespace")) != job["metadata"].get("namespace"):
+    if "namespace" in meta and meta["namespace"] != job.get("metadata", {}).get("namespace"):
         errors.append("metadata.namespace: a TrainingRuntime must be in its TrainJob's namespace")
     name = job.get("metadata", {}).get("name", "")
     nodes = job.get("spec", {}).get("trainer", {}).get("numNodes", 1)

@@ -24,8 +24,7 @@ def validate_objects(objects: Sequence[Mapping[str, Any]], path: Path | None = N
         "ConfigMap": config_map_errors,
         "Deployment": lambda obj: deployment_errors(obj, path),
         "TrainJob": trainjob_schema.trainjob_errors,
-        "ClusterTrainingRuntime": trainjob_schema.runtime_errors,
-        "TrainingRuntime": trainjob_schema.runtime_errors,
+        **{kind: trainjob_schema.runtime_errors for kind in trainjob_schema.RUNTIME_CRDS},
     }
     problems = []
     for obj in objects:

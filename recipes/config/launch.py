@@ -189,9 +189,7 @@ class K8sConfig:
         require(
             self.kueue_priority_class is None
             or (
-                self.queue is not None
-                and len(self.kueue_priority_class) <= 63
-                and bool(self._DNS_SUBDOMAIN.fullmatch(self.kueue_priority_class))
+                self.queue is not None and self._object_name_ok(self.kueue_priority_class, limit=63)
             ),
             f"launch.k8s.kueue_priority_class={self.kueue_priority_class!r} names a Kueue "
             "WorkloadPriorityClass: it needs launch.k8s.queue and a valid object name of at "
@@ -206,12 +204,12 @@ class K8sConfig:
             )
         for name in self.image_pull_secrets:
             require(
-                bool(self._DNS_SUBDOMAIN.fullmatch(name)) and len(name) <= 253,
+                self._object_name_ok(name),
                 f"launch.k8s.image_pull_secrets: {name!r} is not a Secret name",
             )
         for name in self.avoid_nodes:
             require(
-                bool(self._DNS_SUBDOMAIN.fullmatch(name)) and len(name) <= 253,
+                self._object_name_ok(name),
                 f"launch.k8s.avoid_nodes: {name!r} is not a node name",
             )
         for cap in self.capabilities:
@@ -239,16 +237,19 @@ class K8sConfig:
             "the PodGroup takes its priority from launch.k8s.priority_class",
         )
         require(
-            self.queue is None
-            or (len(self.queue) <= 253 and bool(self._DNS_SUBDOMAIN.fullmatch(self.queue))),
+            self.queue is None or self._object_name_ok(self.queue),
             f"launch.k8s.queue={self.queue!r} is not a Volcano Queue name (a DNS-1123 "
             "subdomain: lower case, digits, '-' and '.')",
         )
 
+    def _object_name_ok(self, name: str, limit: int = 253) -> bool:
+        """A Kubernetes object name: a DNS-1123 subdomain of at most ``limit`` characters."""
+        return len(name) <= limit and bool(self._DNS_SUBDOMAIN.fullmatch(name))
+
     def _label_key_ok(self, key: str) -> bool:
         prefix, _, name = key.rpartition("/")
         return (
-            (not prefix or (bool(self._DNS_SUBDOMAIN.fullmatch(prefix)) and len(prefix) <= 253))
+            (not prefix or self._object_name_ok(prefix))
             and len(name) <= 63
             and bool(self._LABEL_NAME.fullmatch(name))
         )
