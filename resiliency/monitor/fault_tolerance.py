@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -351,7 +352,7 @@ class FaultToleranceHook(TrainHook):
             log.warning(
                 "ft: the launcher closed this rank's monitor connection (%s); it is stopping "
                 "the worker group: section monitoring off for the rest of this process",
-                type(_connection_error(exc)).__name__,
+                type(_connection_error(exc)).__name__ if _connection_error(exc) else "no reply",
             )
 
     def _request_shutdown(self, reason: str) -> None:
@@ -366,20 +367,31 @@ class FaultToleranceHook(TrainHook):
             log.warning("ft: could not ask ft_launcher to stop (%s)", exc)
 
 
-def _connection_error(exc: BaseException) -> BaseException | None:
-    """The peer-closed socket error behind ``exc`` (nvrx raises its client error while
-    handling it, so it is the context), if any."""
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and the exceptions it was raised from or while handling, once each."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
-        if isinstance(current, (BrokenPipeError, ConnectionResetError)):
-            return current
+        yield current
         seen.add(id(current))
         current = current.__cause__ or current.__context__
-    return None
+
+
+def _connection_error(exc: BaseException) -> BaseException | None:
+    """The peer-closed socket error behind ``exc`` (nvrx raises its client error while
+    handling it, so it is the context), if any."""
+    closed = (BrokenPipeError, ConnectionResetError)
+    return next((e for e in _chain(exc) if isinstance(e, closed)), None)
+
+
+# nvrx's client reads a reply with read_obj_from_ipc_socket, which prints a socket error and
+# returns None: the reset is then gone from the chain, and only this reply says so.
+_NO_REPLY = "Unexpected reply: None."
 
 
 def _connection_closed(exc: BaseException) -> bool:
-    """nvrx's rank-monitor client failed because the other end closed the socket."""
-    client_error = type(exc).__name__ == "RankMonitorClientError"
-    return client_error and _connection_error(exc) is not None
+    """nvrx's rank-monitor client failed because the other end closed the socket: the socket
+    error is in the chain, or the reply nvrx read was None (it swallowed the error)."""
+    if type(exc).__name__ != "RankMonitorClientError":
+        return False
+    return _connection_error(exc) is not None or any(_NO_REPLY in str(e) for e in _chain(exc))
