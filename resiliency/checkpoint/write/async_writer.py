@@ -119,6 +119,11 @@ class SpawnedWriter(AsyncCaller):
             if self.process.is_alive():
                 self.process.kill()
         self.process.join()
+        # A request the writer never read (it died first: killed, or the launcher's SIGTERM
+        # before it could ignore it) is stuck in the queue's feeder thread, which multiprocessing
+        # joins at interpreter exit: the rank would hang until the launcher's SIGKILL (30 s
+        # under torchrun). Nothing reads it now, so drop it.
+        self._requests.cancel_join_thread()
         self.process = None
 
     def __del__(self) -> None:
