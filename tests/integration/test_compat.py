@@ -112,12 +112,22 @@ def test_l_marks_uninitialised_weights_tensor_parallel(
         assert resumed == killed_runs["baseline"]
 
 
-def _orphans() -> set[int]:
+TAG_ENV = "MCORE_RECIPES_TEST_TAG"
+
+
+def _orphans(tag: str) -> set[int]:
+    """Orphaned multiprocessing children started under this test's tag: a test on another
+    pytest worker may leave orphans of its own for a moment."""
     found = set()
     for proc in psutil.process_iter(["ppid", "cmdline"]):
         cmd = " ".join(proc.info["cmdline"] or [])
-        if proc.info["ppid"] == 1 and "multiprocessing" in cmd:
-            found.add(proc.pid)
+        if proc.info["ppid"] != 1 or "multiprocessing" not in cmd:
+            continue
+        try:
+            if proc.environ().get(TAG_ENV) == tag:
+                found.add(proc.pid)
+        except psutil.Error:
+            continue  # gone already
     return found
 
 
@@ -137,7 +147,7 @@ def test_killed_rank_leaves_no_orphaned_writer(
     skip: str, mode: str, tiny_overrides: list[str], tmp_path: Path
 ) -> None:
     """Async saves matter on 0.19, where they go through nvrx's writer and its own queue."""
-    before = _orphans()
+    tag = str(tmp_path)
     # Output goes to a file: an orphan holding a pipe would block reading it forever.
     cmd = pretrain_cmd(
         2,
@@ -151,13 +161,13 @@ def test_killed_rank_leaves_no_orphaned_writer(
         returncode = subprocess.run(
             cmd,
             cwd=REPO,
-            env={**os.environ, compat.SKIP_ENV: skip},
+            env={**os.environ, compat.SKIP_ENV: skip, TAG_ENV: tag},
             stdout=log,
             stderr=log,
             timeout=300,
         ).returncode
     assert returncode != 0
-    orphans = _orphans() - before
+    orphans = _orphans(tag)
     try:
         if skip:
             assert orphans, "without fix J a killed rank should orphan its writer manager"
