@@ -66,7 +66,7 @@ WORKERS ?= 2
 PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest
 PARALLEL := -n $(WORKERS) --dist loadfile
 SERIAL_TESTS := $(patsubst %,tests/integration/test_%.py,straggler fencing elastic \
-	soak_outside ft hangs goodput remote_faults)
+	soak_outside ft hangs remote_faults)
 TEST_PATHS := $(filter tests% ./tests% %.py,$(PYTEST_ARGS))
 test: $(STAMP)
 ifneq ($(TEST_PATHS),)
