@@ -1,6 +1,7 @@
 """The restore's head start: this rank's share of the newest published step read into the
-page cache before torch is imported (resiliency/checkpoint/restore/prefetch.py). Residency is
-read from outside the process that prefetched, with util-linux's ``fincore``."""
+page cache by the kernel's readahead before torch is imported
+(resiliency/checkpoint/restore/prefetch.py). Residency is read from outside the process that
+prefetched, with util-linux's ``fincore``."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -67,6 +69,9 @@ def test_the_newest_steps_own_shard_is_read_into_the_page_cache(layout: RunLayou
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert int(done.stdout) >= own.stat().st_size
+    deadline = time.monotonic() + 10  # the kernel reads ahead asynchronously
+    while _resident_bytes(own) < own.stat().st_size and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert _resident_bytes(own) == own.stat().st_size  # the whole file, every page
     assert _resident_bytes(other) == 0  # rank 0's shard: rank 0 reads it
     assert all(_resident_bytes(p) == 0 for p in _step_files(layout, 2))  # not the newest
