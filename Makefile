@@ -60,25 +60,27 @@ pretrain: $(STAMP) $(CORPUS) $(BPE_CORPUS)
 # peers and waits on I/O, timeouts or Slurm. Those in SERIAL_TESTS time what they test (a
 # detection within its goal, a lease's expiry, an upload within its interval, faults at
 # drawn moments) and run alone, last. Any phase may select nothing (pytest's exit 5) as long
-# as another ran: a filter that matches nothing at all still fails. PYTEST_ARGS naming test
+# as another ran: a filter that matches nothing at all still fails. A failing phase does not
+# stop the later ones; make exits with the first failure's code. PYTEST_ARGS naming test
 # paths (make test PYTEST_ARGS=tests/unit/...) runs just those, in one plain pytest.
 WORKERS ?= 2
 PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest
 PARALLEL := -n $(WORKERS) --dist loadfile
 SERIAL_TESTS := $(patsubst %,tests/integration/test_%.py,straggler fencing elastic \
-	soak_outside ft hangs remote_faults)
+	soak_outside ft hangs remote_faults standby)
 TEST_PATHS := $(filter tests% ./tests% %.py,$(PYTEST_ARGS))
 test: $(STAMP)
 ifneq ($(TEST_PATHS),)
 	$(PYTEST) $(PYTEST_ARGS)
 else
-	@ran=0; for phase in \
+	@ran=0; failed=0; for phase in \
 	  "$(PARALLEL) tests/unit" \
 	  "$(PARALLEL) tests/integration $(addprefix --ignore=,$(SERIAL_TESTS))" \
 	  "$(SERIAL_TESTS)"; do \
 	  code=0; $(PYTEST) $$phase $(PYTEST_ARGS) || code=$$?; \
-	  if [ $$code = 0 ]; then ran=1; elif [ $$code != 5 ]; then exit $$code; fi; \
+	  if [ $$code = 0 ]; then ran=1; elif [ $$code != 5 ] && [ $$failed = 0 ]; then failed=$$code; fi; \
 	done; \
+	if [ $$failed != 0 ]; then exit $$failed; fi; \
 	if [ $$ran = 0 ]; then exit 5; fi
 endif
 

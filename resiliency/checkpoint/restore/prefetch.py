@@ -5,12 +5,14 @@ the disk idles meanwhile. Started before torch is imported (pretrain's early-sta
 point), this reads this rank's share of the step the restore will most likely plan
 (``latest.json``'s) into the page cache, on a daemon thread: the
 restore's own single pass (streaming.py) then finds the bytes in memory and checks every one as
-before. The kernel reads them: ``posix_fadvise(WILLNEED)`` per 8 MiB (what one call reads on
-the 6.x kernel measured here) queues readahead into the page cache without copying a byte to
-the process. Measured on this VM for a rank's 0.75 GiB share: 0.2 CPU-seconds, against 1.0-1.3
-for reading it through a buffer, which took the CPU from the two ranks' imports on 2 cores
-(docs/benchmarks.md, P3). A file system that ignores the advice costs nothing: the load then
-reads cold, as without the prefetch. The share is
+before. The kernel reads them: ``posix_fadvise(WILLNEED)`` queues readahead into the page
+cache without copying a byte to the process. One call reads at most max(read_ahead_kb,
+max_sectors_kb) of the file's device (8 MiB on the VM measured here, 128 KiB by default), so
+the file is advised 128 KiB at a time: as fast here as 8 MiB calls. Measured on this VM for a
+rank's 0.75 GiB share: 0.2 CPU-seconds, against 1.0-1.3 for reading it through a buffer,
+which took the CPU from the two ranks' imports on 2 cores (docs/benchmarks.md, P3). A file
+system that ignores the advice costs nothing: the load then reads cold, as without the
+prefetch. The share is
 the re-hash's (``balanced_share``): at the same layout each rank's own shard files, which
 its load reads. Where the plan picks another step, or the layout changed, the only cost is
 disk bandwidth spent in the background.
@@ -34,7 +36,7 @@ if TYPE_CHECKING:
     from recipes.config.run import RunConfig
 
 log = logging.getLogger(__name__)
-ADVICE_BYTES = 8 << 20  # per WILLNEED call: what one call reads on the kernel measured
+ADVICE_BYTES = 128 << 10  # per WILLNEED call: what one call reads on any block device
 MEMORY_SHARE = 0.5  # of the host's available memory, for all of this host's ranks together
 
 
@@ -77,7 +79,7 @@ def prefetch_share(layout: RunLayout, rank: int, world_size: int) -> int:
         return 0
     started = time.perf_counter()
     for entry in sorted(share, key=lambda e: e.path):
-        _advise(step_dir / entry.path, entry.bytes)
+        _advise(step_dir / entry.path)
     log.debug(
         "restore prefetch: %d files, %.2f GiB of step %d advised in %.2f s",
         len(share),
@@ -88,7 +90,7 @@ def prefetch_share(layout: RunLayout, rank: int, world_size: int) -> int:
     return nbytes
 
 
-def _advise(path: Path, nbytes: int) -> None:
+def _advise(path: Path) -> None:
     """Ask the kernel to read the file into its page cache (asynchronously), in calls of
     ADVICE_BYTES: a larger one is cut short by the kernel."""
     try:
@@ -96,7 +98,7 @@ def _advise(path: Path, nbytes: int) -> None:
     except OSError:
         return  # gone or unreadable: the restore's checks report it
     try:
-        for offset in range(0, nbytes, ADVICE_BYTES):
+        for offset in range(0, os.fstat(fd).st_size, ADVICE_BYTES):
             os.posix_fadvise(fd, offset, ADVICE_BYTES, os.POSIX_FADV_WILLNEED)
     except OSError:
         pass

@@ -49,6 +49,12 @@ def layout(tmp_path: Path) -> RunLayout:
     return layout
 
 
+def _wait_resident(path: Path) -> None:
+    deadline = time.monotonic() + 10  # the kernel reads ahead asynchronously
+    while _resident_bytes(path) < path.stat().st_size and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _step_files(layout: RunLayout, step: int) -> list[Path]:
     return [p for p in layout.step_dir(step).rglob("*") if p.is_file()]
 
@@ -69,9 +75,7 @@ def test_the_newest_steps_own_shard_is_read_into_the_page_cache(layout: RunLayou
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert int(done.stdout) >= own.stat().st_size
-    deadline = time.monotonic() + 10  # the kernel reads ahead asynchronously
-    while _resident_bytes(own) < own.stat().st_size and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _wait_resident(own)
     assert _resident_bytes(own) == own.stat().st_size  # the whole file, every page
     assert _resident_bytes(other) == 0  # rank 0's shard: rank 0 reads it
     assert all(_resident_bytes(p) == 0 for p in _step_files(layout, 2))  # not the newest
@@ -94,3 +98,18 @@ def test_a_share_larger_than_half_the_available_memory_is_not_read(
     assert prefetch.prefetch_share(layout, 0, 2) == 0
     monkeypatch.setattr(prefetch, "_available_memory", lambda: 4 * share)
     assert prefetch.prefetch_share(layout, 0, 2) == share
+
+
+def test_a_shard_longer_than_one_readahead_is_read_whole(tmp_path: Path) -> None:
+    """A device's readahead caps what one WILLNEED call reads (128 KiB by default)."""
+    if shutil.which("fincore") is None:
+        pytest.skip("util-linux fincore is not installed")
+    layout = RunLayout(tmp_path / "runs", RUN)
+    write_random_step(layout, 2, files=1, size=24 << 20)
+    (shard,) = [p for p in _step_files(layout, 2) if p.suffix == ".distcp"]
+    _evict([shard])
+    if _resident_bytes(shard) != 0:
+        pytest.skip("this file system keeps files in memory (tmpfs): nothing to evict")
+    assert prefetch.prefetch_share(layout, 0, 1) >= shard.stat().st_size
+    _wait_resident(shard)
+    assert _resident_bytes(shard) == shard.stat().st_size
