@@ -31,7 +31,10 @@ def _resident_bytes(path: Path) -> int:
     return int(out.stdout.strip())
 
 
-def _evict(paths: list[Path]) -> None:
+def _evict(paths: list[Path], probe: Path) -> None:
+    """Drop ``paths`` from the page cache, or skip where residency cannot be seen or dropped."""
+    if shutil.which("fincore") is None:
+        pytest.skip("util-linux fincore is not installed")
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -39,6 +42,8 @@ def _evict(paths: list[Path]) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+    if _resident_bytes(probe) != 0:
+        pytest.skip("this file system keeps files in memory (tmpfs): nothing to evict")
 
 
 @pytest.fixture
@@ -60,13 +65,8 @@ def _step_files(layout: RunLayout, step: int) -> list[Path]:
 
 
 def test_the_newest_steps_own_shard_is_read_into_the_page_cache(layout: RunLayout) -> None:
-    if shutil.which("fincore") is None:
-        pytest.skip("util-linux fincore is not installed")
-    files = _step_files(layout, 2) + _step_files(layout, 4)
-    _evict(files)
     own, other = (layout.step_dir(4) / "model" / f"__{r}_0.distcp" for r in (1, 0))
-    if _resident_bytes(own) != 0:
-        pytest.skip("this file system keeps files in memory (tmpfs): nothing to evict")
+    _evict(_step_files(layout, 2) + _step_files(layout, 4), probe=own)
     # Rank 1 of 2, in a process of its own, as a worker would (run dir from the config).
     code = (
         "import sys; from resiliency.checkpoint.restore.prefetch import prefetch_share; "
@@ -102,14 +102,10 @@ def test_a_share_larger_than_half_the_available_memory_is_not_read(
 
 def test_a_shard_longer_than_one_readahead_is_read_whole(tmp_path: Path) -> None:
     """A device's readahead caps what one WILLNEED call reads (128 KiB by default)."""
-    if shutil.which("fincore") is None:
-        pytest.skip("util-linux fincore is not installed")
     layout = RunLayout(tmp_path / "runs", RUN)
     write_random_step(layout, 2, files=1, size=24 << 20)
     (shard,) = [p for p in _step_files(layout, 2) if p.suffix == ".distcp"]
-    _evict([shard])
-    if _resident_bytes(shard) != 0:
-        pytest.skip("this file system keeps files in memory (tmpfs): nothing to evict")
+    _evict([shard], probe=shard)
     assert prefetch.prefetch_share(layout, 0, 1) >= shard.stat().st_size
     _wait_resident(shard)
     assert _resident_bytes(shard) == shard.stat().st_size
