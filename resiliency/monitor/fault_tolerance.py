@@ -349,10 +349,11 @@ class FaultToleranceHook(TrainHook):
             if not _connection_closed(exc):
                 raise
             self.detached = True
+            socket_error = _connection_error(exc)
             log.warning(
                 "ft: the launcher closed this rank's monitor connection (%s); it is stopping "
                 "the worker group: section monitoring off for the rest of this process",
-                type(_connection_error(exc)).__name__ if _connection_error(exc) else "no reply",
+                type(socket_error).__name__ if socket_error else "no reply",
             )
 
     def _request_shutdown(self, reason: str) -> None:

@@ -3,19 +3,19 @@
 A restore waits for its shards after the imports, the process group and the model build;
 the disk idles meanwhile. Started before torch is imported (pretrain's early-start entry
 point), this reads this rank's share of the step the restore will most likely plan
-(``latest.json``'s) into the page cache, on a daemon thread: the
-restore's own single pass (streaming.py) then finds the bytes in memory and checks every one as
-before. The kernel reads them: ``posix_fadvise(WILLNEED)`` queues readahead into the page
-cache without copying a byte to the process. One call reads at most max(read_ahead_kb,
+(``latest.json``'s) into the page cache, on a daemon thread: the restore's own single pass
+(streaming.py) then finds the bytes in memory and checks every one as before. The share is the
+re-hash's (``balanced_share``): at the same layout each rank's own shard files, which its load
+reads. Where the plan picks another step, or the layout changed, the only cost is disk
+bandwidth spent in the background.
+
+The kernel reads the bytes: ``posix_fadvise(WILLNEED)`` queues readahead into the page cache
+without copying a byte to the process. One call reads at most max(read_ahead_kb,
 max_sectors_kb) of the file's device (8 MiB on the VM measured here, 128 KiB by default), so
-the file is advised 128 KiB at a time: as fast here as 8 MiB calls. Measured on this VM for a
-rank's 0.75 GiB share: 0.2 CPU-seconds, against 1.0-1.3 for reading it through a buffer,
-which took the CPU from the two ranks' imports on 2 cores (docs/benchmarks.md, P3). A file
-system that ignores the advice costs nothing: the load then reads cold, as without the
-prefetch. The share is
-the re-hash's (``balanced_share``): at the same layout each rank's own shard files, which
-its load reads. Where the plan picks another step, or the layout changed, the only cost is
-disk bandwidth spent in the background.
+each file is advised 128 KiB at a time, as fast here as 8 MiB calls. For a rank's 0.75 GiB
+share this VM spent 0.2 CPU-seconds, against 1.0-1.3 reading it through a buffer, CPU the two
+ranks' imports needed on 2 cores (docs/benchmarks.md, P3). A file system that ignores the
+advice costs nothing: the load then reads cold, as without the prefetch.
 """
 
 from __future__ import annotations
