@@ -63,19 +63,25 @@ def _setup(overrides: list[str], with_hooks: bool) -> tuple[Any, Any, list[Any]]
 
 
 # ---------------------------------------------------------------- baselines
-def raw_write(directory: Path, rank: int, source: memoryview) -> float:
+def raw_write(directory: Path, rank: int, source: memoryview, early: bool = False) -> float:
     """Every rank writes its share sequentially (8 MiB writes) and fsyncs; barrier to barrier.
     ``source`` holds as many bytes as the rank's share of the checkpoint, in memory of its own:
     a save has to read every byte it writes from RAM, so the baseline does too (8 MiB written
-    over and over from one buffer would come from the CPU's cache)."""
+    over and over from one buffer would come from the CPU's cache). ``early``: start the
+    kernel's writeback every 16 MiB, as the checkpoint's writers do (storage/writeback.py)."""
+    from resiliency.storage.writeback import EarlyWriteback
+
     path = directory / f"raw-write-{rank}.bin"
     _barrier()
     start = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    writeback = EarlyWriteback(fd if early else None)
     try:
         at = 0
         while at < len(source):
-            at += os.write(fd, source[at : at + 8 * MIB])
+            wrote = os.write(fd, source[at : at + 8 * MIB])
+            writeback.wrote(wrote)
+            at += wrote
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -200,20 +206,30 @@ def mode_save(args: argparse.Namespace) -> dict[str, Any]:
     out.update(bytes=total, bytes_per_rank=share)
     # Raw writes and saves alternate, each save between two raw writes: its baseline is their
     # mean, so the disk's drift over the run (a virtual disk's host cache, other tenants)
-    # cancels within each pair instead of landing in the spread.
+    # cancels within each pair instead of landing in the spread. A repetition is the median of
+    # --pairs such pairs (as P5's is of its step pairs), so one fast or slow second of the disk
+    # does not decide it. The first raw write is a warm-up: a run's first write into blocks the
+    # file system has not used lately was 2-4x slower than every later one on this VM.
+    raw_write(layout.steps_dir, rank, buf)
     raw_before = raw_write(layout.steps_dir, rank, buf)
     for _ in range(args.reps):
-        _next_step_dir(trainer)  # the model state is the same size
-        pair: dict[str, Any] = {}
-        pair["save_s"], pair["bytes"] = one_save()
-        pair["phases"] = dict(getattr(ckpt, "phase_times", {}) or {})
-        if rank == 0:  # what the commit cost when it read every file back
-            pair["reread_checksum_s"] = _reread(layout.step_dir(trainer.state.step))
-        raw_after = raw_write(layout.steps_dir, rank, buf)
-        pair["raw_s"] = (raw_before + raw_after) / 2
-        pair["raw_around_s"] = [raw_before, raw_after]
-        raw_before = raw_after
-        out["sync"].append(pair)
+        pairs = []
+        for _ in range(args.pairs):
+            _next_step_dir(trainer)  # the model state is the same size
+            pair: dict[str, Any] = {}
+            pair["save_s"], pair["bytes"] = one_save()
+            pair["phases"] = dict(getattr(ckpt, "phase_times", {}) or {})
+            if rank == 0:  # what the commit cost when it read every file back
+                pair["reread_checksum_s"] = _reread(layout.step_dir(trainer.state.step))
+            raw_after = raw_write(layout.steps_dir, rank, buf)
+            pair["raw_s"] = (raw_before + raw_after) / 2
+            pair["raw_around_s"] = [raw_before, raw_after]
+            # The same bytes written the way the checkpoint's writers write them: reported
+            # beside P1, not its baseline (see docs/benchmarks.md).
+            pair["raw_early_s"] = raw_write(layout.steps_dir, rank, buf, early=True)
+            raw_before = raw_after
+            pairs.append(pair)
+        out["sync"].append(pairs)
 
     # P2: async saves; the hook's per-step finalize(blocking=False) is what publishes them.
     # A new checkpointer set up as an attempt's is (its writer process spawned at start):
@@ -484,6 +500,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("mode", choices=("save", "overhead"))
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--pairs", type=int, default=3, help="save/raw pairs per P1 repetition")
     parser.add_argument("--idle-steps", type=int, default=3)
     parser.add_argument("--max-busy-steps", type=int, default=50)
     parser.add_argument("--block-steps", type=int, default=10)

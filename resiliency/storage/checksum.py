@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import crc32c
 
 from resiliency.storage.layout import fsync_file
+from resiliency.storage.writeback import early_writeback
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +138,8 @@ def share_of(rel_paths: list[str], rank: int, world_size: int) -> list[str]:
 
 # ---------------------------------------------------------------- checksums inside the writers
 class ChecksummingStream:
-    """A binary write stream that crc32c-hashes the bytes on their way to the kernel.
+    """A binary write stream that crc32c-hashes the bytes on their way to the kernel, and
+    starts the kernel's writeback of a file as it grows (writeback.py).
 
     A seek makes the running checksum meaningless: ``valid`` turns False and the file must be
     checksummed by reading it back.
@@ -146,6 +148,7 @@ class ChecksummingStream:
     def __init__(self, raw: Any) -> None:
         self._raw = raw
         self.crc, self.nbytes, self.valid = 0, 0, True
+        self._writeback = early_writeback(raw)
 
     @property
     def checksum(self) -> str:
@@ -157,7 +160,9 @@ class ChecksummingStream:
             view = view.cast("B")
         self.crc = crc32c.crc32c(view, self.crc)
         self.nbytes += view.nbytes
-        return self._raw.write(view)
+        written = self._raw.write(view)
+        self._writeback.wrote(view.nbytes)
+        return written
 
     def seek(self, *args: Any) -> int:
         self.valid = False
