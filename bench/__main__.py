@@ -113,8 +113,8 @@ def worker(
 
 
 # ---------------------------------------------------------------- P1 + P2
-def bench_save(config: str, work: Path, data: str, reps: int) -> dict[str, Any]:
-    raw = worker("save", config, work, data, f"--reps={reps}")
+def bench_save(config: str, work: Path, data: str, reps: int, pairs: int) -> dict[str, Any]:
+    raw = worker("save", config, work, data, f"--reps={reps}", f"--pairs={pairs}")
     asyn = raw["async"]
     nbytes = raw["bytes"]
     sync = [pair for rep in raw["sync"] for pair in rep]
@@ -305,19 +305,21 @@ def _time_to_training(config: str, work: Path, data: str, run_dir: Path) -> dict
     return {"first_step_s": first, **phases}
 
 
-def bench_restore(config: str, work: Path, data: str, reps: int) -> dict[str, Any]:
+def bench_restore(config: str, work: Path, data: str, reps: int, pairs: int) -> dict[str, Any]:
     """P3: (launch -> training resumes) - (launch -> training starts, same job, fresh) over
-    the checkpoint's cold read time: what restoring adds to a start, per byte-read time."""
+    the checkpoint's cold read time: what restoring adds to a start, per byte-read time. A
+    repetition is the median of ``pairs`` fresh/restore pairs (P5's estimator), the order
+    flipped every other pair."""
     run_dir = work / "runs" / config
     step_dir = max(RunDir(run_dir).steps_dir.glob("step-?????????"))
     files = [p for p in step_dir.rglob("*") if p.is_file()]
     nbytes = sum(p.stat().st_size for p in files)
     samples = []
-    for rep in range(reps):
+    for index in range(reps * pairs):
         sample: dict[str, float] = {}
-        for which in ("fresh", "restore") if rep % 2 == 0 else ("restore", "fresh"):
+        for which in ("fresh", "restore") if index % 2 == 0 else ("restore", "fresh"):
             if which == "fresh":
-                fresh = work / "fresh" / f"rep{rep}" / config  # no checkpoint: a fresh start
+                fresh = work / "fresh" / f"pair{index}" / config  # no checkpoint: a fresh start
                 sample["fresh_s"] = _time_to_training(config, work, data, fresh)["resumed_s"]
                 continue
             sample["read_s"] = _cold_read(files)
@@ -326,10 +328,15 @@ def bench_restore(config: str, work: Path, data: str, reps: int) -> dict[str, An
         samples.append(sample)
     # Restore ends when training resumes (the first step starts); the step itself is training
     # and is reported next to it.
-    ratios = [(s["resumed_s"] - s["fresh_s"]) / s["read_s"] for s in samples]
+    per_pair = [(s["resumed_s"] - s["fresh_s"]) / s["read_s"] for s in samples]
+    ratios = [statistics.median(per_pair[i : i + pairs]) for i in range(0, len(per_pair), pairs)]
     return {
         "bytes": nbytes,
         "P3": stats(ratios),
+        "P3_pairs": len(samples),
+        # The same in seconds: what a restore adds whatever the disk's read speed.
+        "P3_added_s": stats([s["resumed_s"] - s["fresh_s"] for s in samples]),
+        "P3_samples": samples,  # every pair, with the restore's startup phases
         "resumed_s": stats([s["resumed_s"] for s in samples]),
         "fresh_s": stats([s["fresh_s"] for s in samples]),
         "first_step_s": stats([s["first_step_s"] for s in samples]),
@@ -439,6 +446,12 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="add the 1.5 GiB model and P4")
     parser.add_argument("--reps", type=int, default=5, help="repetitions per figure (>= 5)")
+    parser.add_argument(
+        "--pairs",
+        type=int,
+        default=3,
+        help="P1 and P3: baseline/subject pairs per repetition (its value is their median)",
+    )
     parser.add_argument("--hang-reps", type=int, default=1, help="P4 runs per section (~40 s)")
     parser.add_argument("--hang-stops", type=int, default=10, help="P4 random SIGSTOPs")
     parser.add_argument("--only", default="", help="comma-separated sections, e.g. P1,P5")
@@ -498,11 +511,13 @@ def main(argv: list[str]) -> int:
         for config in configs:
             if only & {"P1", "P2", "P3"}:  # P3 restores what the save bench wrote
                 results.setdefault("save", {})[config] = section(
-                    f"P1/P2 {config}", lambda c=config: bench_save(c, work, data, args.reps)
+                    f"P1/P2 {config}",
+                    lambda c=config: bench_save(c, work, data, args.reps, args.pairs),
                 )
             if "P3" in only and config not in SAVE_ONLY:
                 results.setdefault("restore", {})[config] = section(
-                    f"P3 {config}", lambda c=config: bench_restore(c, work, data, args.reps)
+                    f"P3 {config}",
+                    lambda c=config: bench_restore(c, work, data, args.reps, args.pairs),
                 )
         if "P4" in only:
             results["hang"] = section(

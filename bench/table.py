@@ -145,6 +145,16 @@ def _save_rows(save: dict[str, Any], row: Rows) -> None:
         )
 
 
+def _restore_pairs_note(r: dict[str, Any]) -> str:
+    if "P3_added_s" not in r:  # a result from before pairs per repetition
+        return ""
+    added = r["P3_added_s"]
+    return (
+        f"; median of {r['P3_pairs'] // r['P3']['n']} pairs per repetition; a restore added"
+        f" {added['median']:.2f} s to a start [{added['min']:.2f}-{added['max']:.2f}]"
+    )
+
+
 def _restore_rows(restore: dict[str, Any], row: Rows) -> None:
     for config, r in restore.items():
         row(
@@ -158,7 +168,8 @@ def _restore_rows(restore: dict[str, Any], row: Rows) -> None:
             f"{r['first_step_s']['median']:.1f} s), fresh start "
             f"{r['fresh_s']['median']:.1f} s, cold read "
             f"{r['read_GiBps']['median']:.2f} GiB/s, {r['bytes'] / GIB:.3f} GiB; "
-            + ", ".join(f"{k} {v:.1f}" for k, v in r.get("phases_s", {}).items()),
+            + ", ".join(f"{k} {v:.1f}" for k, v in r.get("phases_s", {}).items())
+            + _restore_pairs_note(r),
         )
 
 
