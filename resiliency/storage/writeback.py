@@ -5,20 +5,21 @@ RAM by default: GiBs on a training node) nothing is written back until the ``fsy
 disk idles while the writer copies and the writer idles while ``fsync`` waits for the disk.
 ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` starts the writeback of what has been written so far
 and returns without waiting for it, so the disk works during the copy (PostgreSQL's
-``checkpoint_flush_after`` does the same for its checkpoints). Measured on this project's VM:
-two processes writing 0.75 GiB each + ``fsync`` took 0.55-0.82 s, 0.41-0.45 s with writeback
-started every 16 or 64 MiB.
+``checkpoint_flush_after`` does the same for its checkpoints; measured in docs/checkpoints.md).
 
-It is a hint only: durability still comes from the ``fsync`` the writer calls afterwards.
-Where the call does not exist (not Linux) or a file system refuses it, nothing happens.
-Python's ``os`` module has no binding for it, hence ctypes.
+It is a hint only: durability still comes from the ``fsync`` the writer calls afterwards, and
+with ``SYNC_FILE_RANGE_WRITE`` alone the kernel does not consume a writeback error, so that
+``fsync`` still reports it. Where the call does not exist (not Linux) or a file refuses it
+(a pipe), nothing happens. Python's ``os`` module has no binding for it, hence ctypes.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +27,11 @@ log = logging.getLogger(__name__)
 # (48 for 0.75 GiB), small enough that little is left for the fsync at the end.
 CHUNK_BYTES = 16 << 20
 _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h
+# What a file system or file type that has no use for the hint answers.
+_UNSUPPORTED = {errno.ESPIPE, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP}
 
 
-def _libc_call() -> object | None:
+def _libc_call() -> Callable[[int, int, int, int], int] | None:
     try:
         call = ctypes.CDLL(None, use_errno=True).sync_file_range
     except (OSError, AttributeError):  # not Linux (glibc or musl)
@@ -42,30 +45,27 @@ _SYNC_FILE_RANGE = _libc_call()
 
 
 class EarlyWriteback:
-    """Tracks how much of one file descriptor's file has been written, and starts the
-    writeback of each further ``CHUNK_BYTES``. ``wrote(n)`` after every write."""
+    """Starts the writeback of one file descriptor's file each further ``CHUNK_BYTES`` written.
+    ``wrote(n)`` after every write."""
 
     def __init__(self, fd: int | None) -> None:
         self._fd = fd if _SYNC_FILE_RANGE is not None else None
-        self._written = 0
-        self._started = 0  # everything before this offset is being (or was) written back
+        self._unstarted = 0  # bytes written since the last start
 
     def wrote(self, nbytes: int) -> None:
         if self._fd is None:
             return
-        self._written += nbytes
-        if self._written - self._started < CHUNK_BYTES:
+        self._unstarted += nbytes
+        if self._unstarted < CHUNK_BYTES:
             return
-        # nbytes 0: up to the end of the file, so bytes a buffered stream still holds when
-        # this runs are covered by the next call.
-        if _SYNC_FILE_RANGE(self._fd, self._started, 0, _SYNC_FILE_RANGE_WRITE) != 0:
-            errno = ctypes.get_errno()
-            log.debug(
-                "sync_file_range on fd %d: %s; no early writeback", self._fd, os.strerror(errno)
-            )
+        self._unstarted = 0
+        # The whole file, every time: the kernel visits only its dirty pages, so this also
+        # covers what a buffered stream handed over after the last call, and any seek.
+        if _SYNC_FILE_RANGE(self._fd, 0, 0, _SYNC_FILE_RANGE_WRITE) != 0:
+            code = ctypes.get_errno()
+            level = logging.DEBUG if code in _UNSUPPORTED else logging.WARNING
+            log.log(level, "early writeback of fd %d off: %s", self._fd, os.strerror(code))
             self._fd = None
-            return
-        self._started = self._written
 
 
 def early_writeback(stream: object) -> EarlyWriteback:
