@@ -206,13 +206,16 @@ def mode_save(args: argparse.Namespace) -> dict[str, Any]:
     out.update(bytes=total, bytes_per_rank=share)
     # Raw writes and saves alternate, each save between two raw writes: its baseline is their
     # mean, so the disk's drift over the run (a virtual disk's host cache, other tenants)
-    # cancels within each pair instead of landing in the spread. The raw writes start the
-    # kernel's writeback as they go, as the save's writers do: written plainly (one write,
-    # then fsync) the same bytes leave the disk idle while they are copied, which is no limit
-    # of the disk; that plain write is measured after each pair for the notes. A repetition is
-    # the median of --pairs pairs (as P5's is of its step pairs), so one fast or slow second
-    # of the disk does not decide it. The first raw write is a warm-up: a run's first write
-    # into blocks the file system has not used lately was 2-4x slower than every later one.
+    # cancels within each pair instead of landing in the spread. A write right after a save
+    # ran at half the speed of one after a raw write on this VM (the save's after-effects on
+    # the disk), so every save is followed by an unmeasured raw write and both the measured
+    # raw writes and the saves come after a raw write. The raw writes start the kernel's
+    # writeback as they go, as the save's writers do: written plainly (all writes, then
+    # fsync) the same bytes leave the disk idle while they are copied, which measures the
+    # writer, not the disk. A repetition is the median of --pairs pairs (as P5's is of its
+    # step pairs), so one fast or slow second of the disk does not decide it. The first raw
+    # write is a warm-up: a run's first write into blocks the file system has not used lately
+    # was 2-4x slower than every later one.
     raw_write(layout.steps_dir, rank, buf, early=True)
     raw_before = raw_write(layout.steps_dir, rank, buf, early=True)
     for _ in range(args.reps):
@@ -222,12 +225,12 @@ def mode_save(args: argparse.Namespace) -> dict[str, Any]:
             pair: dict[str, Any] = {}
             pair["save_s"], pair["bytes"] = one_save()
             pair["phases"] = dict(getattr(ckpt, "phase_times", {}) or {})
+            pair["raw_after_save_s"] = raw_write(layout.steps_dir, rank, buf, early=True)
             if rank == 0:  # what the commit cost when it read every file back
                 pair["reread_checksum_s"] = _reread(layout.step_dir(trainer.state.step))
             raw_after = raw_write(layout.steps_dir, rank, buf, early=True)
             pair["raw_s"] = (raw_before + raw_after) / 2
             pair["raw_around_s"] = [raw_before, raw_after]
-            pair["raw_plain_s"] = raw_write(layout.steps_dir, rank, buf)
             raw_before = raw_after
             pairs.append(pair)
         out["sync"].append(pairs)
