@@ -119,11 +119,11 @@ def bench_save(config: str, work: Path, data: str, reps: int, pairs: int) -> dic
     nbytes = raw["bytes"]
     sync = [pair for rep in raw["sync"] for pair in rep]
 
-    def save_over(pair: dict[str, Any], raw_key: str) -> float:
-        return (pair["bytes"] / pair["save_s"]) / (raw["bytes_per_rank"] * 2 / pair[raw_key])
+    def save_over_raw(pair: dict[str, Any]) -> float:
+        return (pair["bytes"] / pair["save_s"]) / (raw["bytes_per_rank"] * 2 / pair["raw_s"])
 
     # A repetition: the median of its pairs' ratios (P5's estimator).
-    p1 = [statistics.median(save_over(p, "raw_s") for p in rep) for rep in raw["sync"]]
+    p1 = [statistics.median(save_over_raw(p) for p in rep) for rep in raw["sync"]]
     blocked = [a["blocked_s"] for a in asyn]
     memcpy = [a["memcpy_s"] for a in asyn]
     slowdown = [
