@@ -12,6 +12,8 @@ restores the previous step and finishes; the same for a forged node-local file.
 
 from __future__ import annotations
 
+import copyreg
+import io
 import json
 import os
 import pickle
@@ -161,6 +163,43 @@ def test_the_scan_reads_torch_archives_and_dcp_items(tmp_path: Path) -> None:
     )
     assert pickle_scan.step_pickle_problem(tmp_path, ["good.pt"]) is None
     assert not marker.exists()
+
+
+@CURRENT_STACK
+def test_the_c_fast_path_admits_only_what_the_walk_admits(tmp_path: Path) -> None:
+    """check_pickle first unpickles with stand-ins in C and admits only a pickle whose every
+    resolved global is admitted; it must see the globals the opcode walk names, and decline
+    (leaving the verdict to the walk) every payload, a Python 2 name the loader would rename,
+    and any pickle while a copyreg extension code is registered."""
+    fast = pickle_scan._admitted_by_stand_ins
+    torch.save({"rng": torch.arange(4)}, tmp_path / "good.pt")
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(tmp_path / "model"))
+    _sanitise_storage_meta(tmp_path / "model")
+    with (tmp_path / "good.pt").open("rb") as stream:
+        pickles = [data for _, data in pickle_scan.zip_pickles(stream, "good.pt")]
+    pickles.append((tmp_path / "model" / ".metadata").read_bytes())
+    for data in pickles:
+        recorder = pickle_scan._RecordingUnpickler(io.BytesIO(data))
+        recorder.load()
+        assert recorder.resolved == pickle_scan.pickle_globals(data, "x")
+        assert fast(data, admitted_globals())
+    for name, (data, _) in _payloads(tmp_path / "ran").items():
+        assert not fast(data, admitted_globals()), name
+    # Protocol 2 names builtins.set "__builtin__.set"; the loader renames it, the stand-ins do not.
+    old_name = b"\x80\x02c__builtin__\nset\n)R."
+    assert not fast(old_name, frozenset({("__builtin__", "set")}))
+    with pytest.raises(UnsafeCheckpointError, match="needs global 'builtins.set'"):
+        pickle_scan.check_pickle(old_name, "old.pkl", frozenset({("__builtin__", "set")}))
+    # An EXT code registered for an admitted global: C would resolve it; the walk refuses EXT.
+    ext = b"\x80\x02\x82" + bytes([EXT_CODE]) + b")R."
+    copyreg.add_extension("collections", "OrderedDict", EXT_CODE)
+    try:
+        assert not fast(ext, admitted_globals())
+        with pytest.raises(UnsafeCheckpointError, match="copyreg extension registry"):
+            pickle_scan.check_pickle(ext, "ext.pkl")
+    finally:
+        copyreg.remove_extension("collections", "OrderedDict", EXT_CODE)
+    assert not (tmp_path / "ran").exists()
 
 
 def _sanitise_storage_meta(model: Path) -> None:

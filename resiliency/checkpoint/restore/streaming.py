@@ -24,6 +24,7 @@ global outside torch's allow-list is admitted.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import logging
 import os
@@ -326,9 +327,11 @@ def _next_header(head: bytes, end: int, flags: int) -> int:
     raise NotStreamable("no local header after a data descriptor")
 
 
+@functools.lru_cache(maxsize=256)  # same-shaped tensors pickle alike: a model has a few dozen
 def _layout(pickled: bytes) -> torch.Tensor:
     """The stored tensor rebuilt on the meta device (no bytes read), by torch's weights-only
-    unpickler (the allow-list ``torch.load(weights_only=True)`` uses)."""
+    unpickler (the allow-list ``torch.load(weights_only=True)`` uses). Shared between the
+    items whose pickles are identical: only ever narrowed into views, never written."""
     from torch._weights_only_unpickler import Unpickler
 
     def persistent_load(saved_id: Any) -> Any:
