@@ -12,8 +12,6 @@ restores the previous step and finishes; the same for a forged node-local file.
 
 from __future__ import annotations
 
-import copyreg
-import io
 import json
 import os
 import pickle
@@ -166,39 +164,34 @@ def test_the_scan_reads_torch_archives_and_dcp_items(tmp_path: Path) -> None:
 
 
 @CURRENT_STACK
-def test_the_c_fast_path_admits_only_what_the_walk_admits(tmp_path: Path) -> None:
-    """check_pickle first unpickles with stand-ins in C and admits only a pickle whose every
-    resolved global is admitted; it must see the globals the opcode walk names, and decline
-    (leaving the verdict to the walk) every payload, a Python 2 name the loader would rename,
-    and any pickle while a copyreg extension code is registered."""
-    fast = pickle_scan._admitted_by_stand_ins
-    torch.save({"rng": torch.arange(4)}, tmp_path / "good.pt")
+def test_the_scan_walks_each_admitted_pickle_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pickle the walk admitted is not walked again (same bytes, same allow-list); a refused
+    one is refused every time, and an admission holds for its own allow-list only. A memo index
+    past the pickle's end (C's unpickler would allocate for it) is refused."""
+    walked: list[int] = []
+    walk = pickle_scan.pickle_globals
+    monkeypatch.setattr(
+        pickle_scan, "pickle_globals", lambda data, where: walked.append(1) or walk(data, where)
+    )
     dcp.save({"w": torch.ones(3)}, checkpoint_id=str(tmp_path / "model"))
     _sanitise_storage_meta(tmp_path / "model")
-    with (tmp_path / "good.pt").open("rb") as stream:
-        pickles = [data for _, data in pickle_scan.zip_pickles(stream, "good.pt")]
-    pickles.append((tmp_path / "model" / ".metadata").read_bytes())
-    for data in pickles:
-        recorder = pickle_scan._RecordingUnpickler(io.BytesIO(data))
-        recorder.load()
-        assert recorder.resolved == pickle_scan.pickle_globals(data, "x")
-        assert fast(data, admitted_globals())
-    for name, (data, _) in _payloads(tmp_path / "ran").items():
-        assert not fast(data, admitted_globals()), name
-    # Protocol 2 names builtins.set "__builtin__.set"; the loader renames it, the stand-ins do not.
-    old_name = b"\x80\x02c__builtin__\nset\n)R."
-    assert not fast(old_name, frozenset({("__builtin__", "set")}))
-    with pytest.raises(UnsafeCheckpointError, match="needs global 'builtins.set'"):
-        pickle_scan.check_pickle(old_name, "old.pkl", frozenset({("__builtin__", "set")}))
-    # An EXT code registered for an admitted global: C would resolve it; the walk refuses EXT.
-    ext = b"\x80\x02\x82" + bytes([EXT_CODE]) + b")R."
-    copyreg.add_extension("collections", "OrderedDict", EXT_CODE)
-    try:
-        assert not fast(ext, admitted_globals())
-        with pytest.raises(UnsafeCheckpointError, match="copyreg extension registry"):
-            pickle_scan.check_pickle(ext, "ext.pkl")
-    finally:
-        copyreg.remove_extension("collections", "OrderedDict", EXT_CODE)
+    metadata = (tmp_path / "model" / ".metadata").read_bytes()
+    for _ in range(3):
+        pickle_scan.check_pickle(metadata, ".metadata")
+    assert len(walked) == 1
+    evil, says = _payloads(tmp_path / "ran")["stack_global"]
+    for _ in range(2):
+        with pytest.raises(UnsafeCheckpointError, match="builtins.eval"):
+            pickle_scan.check_pickle(evil, "evil.pkl")
+    assert len(walked) == 3
+    bomb = b"\x80\x02Nr\xff\xff\xff\x7f."  # None, LONG_BINPUT 2**31-1: a 32 GiB memo in C
+    with pytest.raises(UnsafeCheckpointError, match="memo slot 2147483647, beyond its 9 bytes"):
+        pickle_scan.check_pickle(bomb, "bomb.pkl")
+    narrower = frozenset(admitted_globals() - {("torch", "Size")})
+    with pytest.raises(UnsafeCheckpointError, match="torch.Size"):
+        pickle_scan.check_pickle(metadata, ".metadata", narrower)
     assert not (tmp_path / "ran").exists()
 
 
