@@ -319,10 +319,12 @@ _DCP_ITEMS: dict[tuple[bytes, str], Mapping[str, list[tuple[int, int]]]] = {}
 
 def _scanned_dcp_items(metadata: bytes, where: str) -> Mapping[str, list[tuple[int, int]]]:
     key = (hashlib.blake2b(metadata, digest_size=32).digest(), where)
-    if key not in _DCP_ITEMS:
+    items = _DCP_ITEMS.get(key)
+    if items is None:
         check_pickle(metadata, where)
-        _remember(_DCP_ITEMS, key, MappingProxyType(dcp_items(metadata, where)))
-    return _DCP_ITEMS[key]
+        items = MappingProxyType(dcp_items(metadata, where))
+        _remember(_DCP_ITEMS, key, items)
+    return items
 
 
 def check_step_files(step_dir: Path, rels: Iterable[str]) -> None:
