@@ -18,8 +18,8 @@ distinct among a 1.5 GiB step's 428). A verdict that admits is remembered per co
 pickle's blake2b digest and the allow-list), so each distinct pickle is walked once per process.
 Not unpickled instead, even with stand-ins, because CPython's C unpickler sizes its memo array by
 the largest index a PUT names: five bytes can make it allocate gigabytes. The walk refuses such a
-pickle (no pickler writes a memo index past its own length), so the stand-in read of an admitted
-``.metadata`` below, and DCP's own load of it, cannot be made to.
+pickle (no fresh pickler writes a memo index past its own length), so the stand-in read of an
+admitted ``.metadata`` below, and DCP's own load of it, cannot be made to.
 
 Torch-free (the storage layer loads no torch): item offsets are read from ``.metadata`` by an
 unpickler whose every global is a stand-in record, so even that read runs nothing of the file.
@@ -33,6 +33,7 @@ import io
 import pickle
 import pickletools
 import struct
+import threading
 import zipfile
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path, PurePosixPath
@@ -74,8 +75,8 @@ def pickle_globals(data: bytes | memoryview, where: str) -> list[tuple[str, str]
     try:
         for op, arg, _ in pickletools.genops(data):
             name = op.name
-            if name in _PUTS and arg > len(data):  # no pickler writes one; C would allocate
-                raise UnsafeCheckpointError(  # a memo array of twice that many slots
+            if name in _PUTS and arg > len(data):  # no fresh pickler writes one: C would
+                raise UnsafeCheckpointError(  # allocate a memo array of twice that many slots
                     f"checkpoint file {where} stores into memo slot {arg}, beyond its "
                     f"{len(data)} bytes: refused (the unpickler would allocate memory for it)"
                 )
@@ -144,13 +145,14 @@ def check_pickle(
 
 # Pickles the walk admitted, by (digest, allow-list): bounded, oldest forgotten first.
 _ADMITTED: dict[tuple[bytes, frozenset[tuple[str, str]]], bool] = {}
-_REMEMBERED = 4096
+_REMEMBERED_LOCK = threading.Lock()  # the restore's main thread and its re-hash thread
 
 
-def _remember(cache: dict[Any, Any], key: Any, value: Any) -> None:
-    if len(cache) >= _REMEMBERED:  # the re-hash thread may be evicting too: no KeyError
-        cache.pop(next(iter(cache), None), None)
-    cache[key] = value
+def _remember(cache: dict[Any, Any], key: Any, value: Any, bound: int = 4096) -> None:
+    with _REMEMBERED_LOCK:
+        if len(cache) >= bound:
+            del cache[next(iter(cache))]
+        cache[key] = value
 
 
 class _Window(io.RawIOBase):
@@ -312,18 +314,18 @@ def _dcp_items_of(step_dir: Path, model_dir: str, cache: dict) -> Mapping[str, l
     return cache[model_dir]
 
 
-# .metadata item offsets by (digest, where): a restore reads them before the load and again in
-# the re-hash.
-_DCP_ITEMS: dict[tuple[bytes, str], Mapping[str, list[tuple[int, int]]]] = {}
+# .metadata item offsets by (digest, where, allow-list): a restore reads them before the load
+# and again in the re-hash.
+_DCP_ITEMS: dict[tuple[bytes, str, frozenset], Mapping[str, list[tuple[int, int]]]] = {}
 
 
 def _scanned_dcp_items(metadata: bytes, where: str) -> Mapping[str, list[tuple[int, int]]]:
-    key = (hashlib.blake2b(metadata, digest_size=32).digest(), where)
+    key = (hashlib.blake2b(metadata, digest_size=32).digest(), where, admitted_globals())
     items = _DCP_ITEMS.get(key)
     if items is None:
-        check_pickle(metadata, where)
+        check_pickle(metadata, where, key[2])
         items = MappingProxyType(dcp_items(metadata, where))
-        _remember(_DCP_ITEMS, key, items)
+        _remember(_DCP_ITEMS, key, items, bound=64)
     return items
 
 

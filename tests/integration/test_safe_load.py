@@ -181,11 +181,18 @@ def test_the_scan_walks_each_admitted_pickle_once(
     for _ in range(3):
         pickle_scan.check_pickle(metadata, ".metadata")
     assert len(walked) == 1
+    rels = ["model/.metadata", *(f"model/{p.name}" for p in (tmp_path / "model").glob("*.distcp"))]
+    pickle_scan.check_step_files(tmp_path, rels)
+    after_items = len(walked)
+    assert after_items > 1  # the item's pickle, walked once
+    pickle_scan.check_step_files(tmp_path, rels)  # .metadata offsets and the item remembered
+    assert len(walked) == after_items
+    walked.clear()
     evil, says = _payloads(tmp_path / "ran")["stack_global"]
     for _ in range(2):
         with pytest.raises(UnsafeCheckpointError, match="builtins.eval"):
             pickle_scan.check_pickle(evil, "evil.pkl")
-    assert len(walked) == 3
+    assert len(walked) == 2
     bomb = b"\x80\x02Nr\xff\xff\xff\x7f."  # None, LONG_BINPUT 2**31-1: a 32 GiB memo in C
     with pytest.raises(UnsafeCheckpointError, match="memo slot 2147483647, beyond its 9 bytes"):
         pickle_scan.check_pickle(bomb, "bomb.pkl")
