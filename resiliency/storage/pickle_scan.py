@@ -134,7 +134,7 @@ def check_pickle(
 ) -> None:
     """Raise UnsafeCheckpointError naming the first global ``data`` needs that is not admitted."""
     allowed = admitted_globals() if admitted is None else admitted
-    key = (hashlib.blake2b(data, digest_size=32).digest(), allowed)
+    key = (_digest(data), allowed)
     if key in _ADMITTED:
         return
     for module, qualname in pickle_globals(data, where):
@@ -146,6 +146,11 @@ def check_pickle(
 # Pickles the walk admitted, by (digest, allow-list): bounded, oldest forgotten first.
 _ADMITTED: dict[tuple[bytes, frozenset[tuple[str, str]]], bool] = {}
 _REMEMBERED_LOCK = threading.Lock()  # the restore's main thread and its re-hash thread
+
+
+def _digest(data: bytes | memoryview) -> bytes:
+    """What the caches below know a pickle by: its content."""
+    return hashlib.blake2b(data, digest_size=32).digest()
 
 
 def _remember(cache: dict[Any, Any], key: Any, value: Any, bound: int = 4096) -> None:
@@ -320,7 +325,7 @@ _DCP_ITEMS: dict[tuple[bytes, str, frozenset], Mapping[str, list[tuple[int, int]
 
 
 def _scanned_dcp_items(metadata: bytes, where: str) -> Mapping[str, list[tuple[int, int]]]:
-    key = (hashlib.blake2b(metadata, digest_size=32).digest(), where, admitted_globals())
+    key = (_digest(metadata), where, admitted_globals())
     items = _DCP_ITEMS.get(key)
     if items is None:
         check_pickle(metadata, where, key[2])
