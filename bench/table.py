@@ -148,9 +148,17 @@ def _restore_pairs_note(r: dict[str, Any]) -> str:
     if "P3_added_s" not in r:  # a result from before pairs per repetition
         return ""
     added = r["P3_added_s"]
+    by_phase = r.get("added_by_phase_s", {})
     return (
         f"; median of {r['P3_pairs'] // r['P3']['n']} pairs per repetition; a restore added"
         f" {added['median']:.2f} s to a start [{added['min']:.2f}-{added['max']:.2f}]"
+        + (
+            " (restore − fresh by phase: "
+            + ", ".join(f"{k} {v:+.2f}" for k, v in by_phase.items())
+            + ")"
+            if by_phase
+            else ""
+        )
     )
 
 

@@ -38,6 +38,9 @@ def test_table_has_one_well_formed_row_per_figure():
         "first_step_s": _s(5.0),
         "fresh_s": _s(3.0),
         "read_GiBps": _s(1.0),
+        "P3_pairs": 3,
+        "P3_added_s": _s(1.0),
+        "added_by_phase_s": {"start_s": 0.3, "plan_and_build_s": -0.4},
         "P3_goal_met": True,
     }
     results = {
@@ -95,6 +98,7 @@ def test_table_has_one_well_formed_row_per_figure():
     )
     figures = [line.split(" | ")[0][2:4] for line in lines[2:]]
     assert figures == ["P1", "P2", "P2", "P2", "P3", "P4", "P4", "P4", "P5", "P6"]
+    assert "(restore − fresh by phase: start_s +0.30, plan_and_build_s -0.40)" in lines[6]
     assert (
         "| P6 soak goodput" in lines[-1] and "| 0.970 |" in lines[-1] and "bit-exact" in lines[-1]
     )
