@@ -11,6 +11,18 @@ It is a hint only: durability still comes from the ``fsync`` the writer calls af
 with ``SYNC_FILE_RANGE_WRITE`` alone the kernel does not consume a writeback error, so that
 ``fsync`` still reports it. Where the call does not exist (not Linux) or a file refuses it
 (a pipe), nothing happens. Python's ``os`` module has no binding for it, hence ctypes.
+
+What has been written back is then dropped from the page cache (``POSIX_FADV_DONTNEED`` on
+the file's bytes more than ``DROP_LAG_BYTES`` behind the writer; the kernel drops clean pages
+only and skips any still dirty or under writeback, and the advice neither waits nor consumes
+a writeback error), as ``dd oflag=nocache`` does. A save's page-cache footprint stays at tens
+of MiB per file instead of the checkpoint's size: a Kubernetes pod's memory limit counts the
+page cache, and a checkpoint cached in full evicts the training data's pages. On this
+project's VM, whose free memory goes back to its host, every page a write takes afresh costs
+several microseconds more than one it recycles; a save that kept its 1.5 GiB cached made the
+next write take 1.5-5x as long (docs/benchmarks.md, P1). The cost: a step read right after
+it was written comes from the disk (a restore after a fault prefetches it anyway:
+restore/prefetch.py). On tmpfs (the node-local tier) the advice does nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +38,9 @@ log = logging.getLogger(__name__)
 # Bytes written between two writeback starts: large enough that the calls cost nothing
 # (48 for 0.75 GiB), small enough that little is left for the fsync at the end.
 CHUNK_BYTES = 16 << 20
+# Written bytes left in the page cache behind the writer: two chunks, whose writeback the
+# kernel has had the time of a chunk's copy to finish (pages it has not are skipped, not lost).
+DROP_LAG_BYTES = 2 * CHUNK_BYTES
 _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h
 # What a file system or file type that has no use for the hint answers.
 _UNSUPPORTED = {errno.ESPIPE, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP}
@@ -45,16 +60,21 @@ _SYNC_FILE_RANGE = _libc_call()
 
 
 class EarlyWriteback:
-    """Starts the writeback of one file descriptor's file each further ``CHUNK_BYTES`` written.
-    ``wrote(n)`` after every write."""
+    """Starts the writeback of one file descriptor's file each further ``CHUNK_BYTES`` written,
+    and drops what is more than ``DROP_LAG_BYTES`` behind from the page cache. ``wrote(n)``
+    after every write."""
 
     def __init__(self, fd: int | None) -> None:
         self._fd = fd if _SYNC_FILE_RANGE is not None else None
         self._unstarted = 0  # bytes written since the last start
+        self._written = 0  # bytes written in all
+        self._dropped = 0  # the file's first bytes already advised out of the page cache
+        self._drops = True
 
     def wrote(self, nbytes: int) -> None:
         if self._fd is None:
             return
+        self._written += nbytes
         self._unstarted += nbytes
         if self._unstarted < CHUNK_BYTES:
             return
@@ -66,6 +86,21 @@ class EarlyWriteback:
             level = logging.DEBUG if code in _UNSUPPORTED else logging.WARNING
             log.log(level, "early writeback of fd %d off: %s", self._fd, os.strerror(code))
             self._fd = None
+            return
+        self._drop_behind()
+
+    def _drop_behind(self) -> None:
+        """Advise the bytes written back by now out of the page cache (once each)."""
+        upto = self._written - DROP_LAG_BYTES
+        if not self._drops or upto <= self._dropped or self._fd is None:
+            return
+        try:
+            os.posix_fadvise(self._fd, self._dropped, upto - self._dropped, os.POSIX_FADV_DONTNEED)
+        except OSError as err:  # a file that takes no advice: the writeback starts go on
+            log.debug("dropping written pages of fd %d off: %s", self._fd, err)
+            self._drops = False
+            return
+        self._dropped = upto
 
 
 def early_writeback(stream: object) -> EarlyWriteback:

@@ -1,5 +1,6 @@
-"""A checkpoint writer starts the kernel's writeback as a file grows, seen from outside the
-writer process by strace; where the call is refused, writing goes on without it."""
+"""A checkpoint writer starts the kernel's writeback as a file grows and drops what is written
+back from the page cache, seen from outside the writer process by strace; where the calls are
+refused, writing goes on without them."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import crc32c
 import pytest
 
 from resiliency.storage.checksum import ChecksummingStream, WriterChecksums
-from resiliency.storage.writeback import CHUNK_BYTES
+from resiliency.storage.writeback import CHUNK_BYTES, DROP_LAG_BYTES
 
 MIB = 1 << 20
 REPO = Path(__file__).resolve().parents[3]
@@ -42,11 +43,11 @@ def _strace_works() -> bool:
 
 
 @pytest.mark.skipif(not _strace_works(), reason="needs strace, allowed to trace")
-def test_writer_starts_writeback_every_16_mib_before_its_fsync(tmp_path):
+def test_writer_starts_writeback_every_16_mib_and_drops_what_is_behind(tmp_path):
     path = tmp_path / "shard.distcp"
     trace = tmp_path / "trace"
     subprocess.run(
-        ["strace", "-f", "-o", str(trace), "-e", "trace=sync_file_range,fsync,write",
+        ["strace", "-f", "-o", str(trace), "-e", "trace=sync_file_range,fadvise64,fsync,write",
          sys.executable, "-c", WRITER, str(path)],
         cwd=REPO,
         check=True,
@@ -54,18 +55,22 @@ def test_writer_starts_writeback_every_16_mib_before_its_fsync(tmp_path):
     )  # fmt: skip
     calls = [line.split(None, 1)[1] for line in trace.read_text().splitlines() if "(" in line]
     # What the writer did to the shard, in order: W a 3 MiB write, S a writeback start of the
-    # whole file without waiting (SYNC_FILE_RANGE_WRITE only), F an fsync.
+    # whole file without waiting (SYNC_FILE_RANGE_WRITE only), D its first 4 MiB advised out
+    # of the page cache, F an fsync.
     events = "".join(
         "W" if c.startswith("write(") and c.endswith(f"= {3 * MIB}")
         else "S" if re.match(r"sync_file_range\(\d+, 0, 0, SYNC_FILE_RANGE_WRITE\)", c)
+        else "D" if re.match(rf"fadvise64\(\d+, 0, {4 * MIB}, POSIX_FADV_DONTNEED\) = 0", c)
         else "F" if c.startswith("fsync(")
+        else "?" if c.startswith("fadvise64(")
         else ""
         for c in calls
     )  # fmt: skip
     # 42 MiB in 3 MiB writes: started after 18 and 36 MiB (the first writes past each 16 MiB
-    # since the last start); the fsync, last, is what makes it durable.
-    assert CHUNK_BYTES == 16 * MIB
-    assert events == "W" * 6 + "S" + "W" * 6 + "S" + "W" * 2 + "F"
+    # since the last start); at 36 MiB what lies 32 MiB behind, the first 4, is dropped (at
+    # 18 nothing is that far behind); the fsync, last, is what makes it durable.
+    assert (CHUNK_BYTES, DROP_LAG_BYTES) == (16 * MIB, 32 * MIB)
+    assert events == "W" * 6 + "S" + "W" * 6 + "S" + "D" + "W" * 2 + "F"
     data = bytes(range(256)) * (3 << 12)
     assert path.read_bytes() == data * 14
 
