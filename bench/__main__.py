@@ -242,7 +242,8 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 
 def _startup_phases(run_dir: Path, launched: float) -> dict[str, float]:
-    """Where the restore run's time went, from its attempt record's startup clock."""
+    """Where a start's time went (a restore's or a fresh one's), from its attempt record's
+    startup clock."""
     records = sorted(RunDir(run_dir).attempts_dir.glob("attempt-*.json"))
     times = json.loads(records[-1].read_text()).get("startup", {}) if records else {}
     marks = [

@@ -154,7 +154,7 @@ def _restore_pairs_note(r: dict[str, Any]) -> str:
         f" {added['median']:.2f} s to a start [{added['min']:.2f}-{added['max']:.2f}]"
         + (
             " (restore − fresh by phase: "
-            + ", ".join(f"{k} {v:+.2f}" for k, v in by_phase.items())
+            + ", ".join(f"{k.removesuffix('_s')} {v:+.2f} s" for k, v in by_phase.items())
             + ")"
             if by_phase
             else ""

@@ -138,17 +138,18 @@ def share_of(rel_paths: list[str], rank: int, world_size: int) -> list[str]:
 
 # ---------------------------------------------------------------- checksums inside the writers
 class ChecksummingStream:
-    """A binary write stream that crc32c-hashes the bytes on their way to the kernel, and
-    starts the kernel's writeback of a file as it grows (writeback.py).
+    """A binary write stream that crc32c-hashes the bytes on their way to the kernel, starts
+    the kernel's writeback of a file as it grows and, with ``drop_behind``, drops the written
+    back pages from the page cache (writeback.py).
 
     A seek makes the running checksum meaningless: ``valid`` turns False and the file must be
     checksummed by reading it back.
     """
 
-    def __init__(self, raw: Any) -> None:
+    def __init__(self, raw: Any, drop_behind: bool = True) -> None:
         self._raw = raw
         self.crc, self.nbytes, self.valid = 0, 0, True
-        self._writeback = early_writeback(raw)
+        self._writeback = early_writeback(raw, drop_behind)
 
     @property
     def checksum(self) -> str:

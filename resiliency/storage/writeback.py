@@ -13,16 +13,19 @@ with ``SYNC_FILE_RANGE_WRITE`` alone the kernel does not consume a writeback err
 (a pipe), nothing happens. Python's ``os`` module has no binding for it, hence ctypes.
 
 What has been written back is then dropped from the page cache (``POSIX_FADV_DONTNEED`` on
-the file's bytes more than ``DROP_LAG_BYTES`` behind the writer; the kernel drops clean pages
-only and skips any still dirty or under writeback, and the advice neither waits nor consumes
-a writeback error), as ``dd oflag=nocache`` does. A save's page-cache footprint stays at tens
-of MiB per file instead of the checkpoint's size: a Kubernetes pod's memory limit counts the
-page cache, and a checkpoint cached in full evicts the training data's pages. On this
-project's VM, whose free memory goes back to its host, every page a write takes afresh costs
-several microseconds more than one it recycles; a save that kept its 1.5 GiB cached made the
-next write take 1.5-5x as long (docs/benchmarks.md, P1). The cost: a step read right after
-it was written comes from the disk (a restore after a fault prefetches it anyway:
-restore/prefetch.py). On tmpfs (the node-local tier) the advice does nothing.
+the file's bytes more than ``DROP_LAG_BYTES`` behind the writer, as ``dd oflag=nocache`` does;
+the kernel drops clean pages only, skipping any still dirty or under writeback, which the next
+call advises again; the advice does not wait for the disk and consumes no writeback error).
+On storage that keeps up with the writer, a save's page-cache footprint stays at tens of MiB
+per file instead of the checkpoint's size: a Kubernetes pod's memory limit counts the page
+cache, and a checkpoint cached in full evicts the training data's pages. On this project's
+VM, whose free memory goes back to its host, every page a write takes afresh costs several
+microseconds more than one it recycles; a save that kept its 1.5 GiB cached made the next
+write take 1.6-5x as long (docs/benchmarks.md, P1). The cost: a step read right after it was
+written comes from the disk (a signed commit's SHA-256 pass, an upload; a restore after a
+fault prefetches it anyway: restore/prefetch.py). The node-local tier keeps its pages
+(``drop_behind=False``): it exists for restores at memory speed on the same node. tmpfs
+ignores the advice.
 """
 
 from __future__ import annotations
@@ -64,12 +67,11 @@ class EarlyWriteback:
     and drops what is more than ``DROP_LAG_BYTES`` behind from the page cache. ``wrote(n)``
     after every write."""
 
-    def __init__(self, fd: int | None) -> None:
+    def __init__(self, fd: int | None, drop_behind: bool = True) -> None:
         self._fd = fd if _SYNC_FILE_RANGE is not None else None
         self._unstarted = 0  # bytes written since the last start
         self._written = 0  # bytes written in all
-        self._dropped = 0  # the file's first bytes already advised out of the page cache
-        self._drops = True
+        self._drops = drop_behind
 
     def wrote(self, nbytes: int) -> None:
         if self._fd is None:
@@ -90,23 +92,24 @@ class EarlyWriteback:
         self._drop_behind()
 
     def _drop_behind(self) -> None:
-        """Advise the bytes written back by now out of the page cache (once each)."""
+        """Advise the file's first bytes, up to the lag, out of the page cache. From the start
+        every time: pages skipped while under writeback are dropped by a later call (the kernel
+        visits only the pages still cached)."""
         upto = self._written - DROP_LAG_BYTES
-        if not self._drops or upto <= self._dropped or self._fd is None:
+        if not self._drops or upto <= 0 or self._fd is None:
             return
         try:
-            os.posix_fadvise(self._fd, self._dropped, upto - self._dropped, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(self._fd, 0, upto, os.POSIX_FADV_DONTNEED)
         except OSError as err:  # a file that takes no advice: the writeback starts go on
-            log.debug("dropping written pages of fd %d off: %s", self._fd, err)
+            level = logging.DEBUG if err.errno in _UNSUPPORTED else logging.WARNING
+            log.log(level, "dropping written pages of fd %d off: %s", self._fd, err)
             self._drops = False
-            return
-        self._dropped = upto
 
 
-def early_writeback(stream: object) -> EarlyWriteback:
+def early_writeback(stream: object, drop_behind: bool = True) -> EarlyWriteback:
     """For a stream with a ``fileno`` (a file), or none at all (anything else: a no-op)."""
     try:
         fd = stream.fileno()  # type: ignore[attr-defined]
     except (AttributeError, OSError, ValueError):  # io.BytesIO raises UnsupportedOperation
         fd = None
-    return EarlyWriteback(fd)
+    return EarlyWriteback(fd, drop_behind)

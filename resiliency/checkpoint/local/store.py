@@ -120,7 +120,8 @@ class VerifiedLocalManager(LocalCheckpointManager):
         final = self._local_ckpt_path_from_id(ckpt_id, False)
         try:
             with open(dirty, "xb") as stream:
-                writer = ChecksummingStream(stream)
+                # Kept in the page cache: this tier is for restores at memory speed on this node.
+                writer = ChecksummingStream(stream, drop_behind=False)
                 torch.save(state_dict, writer)  # nosec B614 - our own files, loaded by nvrx
         except FileExistsError as exc:
             raise SameMachineReplicationException(ckpt_id) from exc

@@ -98,7 +98,7 @@ def test_table_has_one_well_formed_row_per_figure():
     )
     figures = [line.split(" | ")[0][2:4] for line in lines[2:]]
     assert figures == ["P1", "P2", "P2", "P2", "P3", "P4", "P4", "P4", "P5", "P6"]
-    assert "(restore − fresh by phase: start_s +0.30, plan_and_build_s -0.40)" in lines[6]
+    assert "(restore − fresh by phase: start +0.30 s, plan_and_build -0.40 s)" in lines[6]
     assert (
         "| P6 soak goodput" in lines[-1] and "| 0.970 |" in lines[-1] and "bit-exact" in lines[-1]
     )

@@ -4,7 +4,10 @@ refused, writing goes on without them."""
 
 from __future__ import annotations
 
+import errno
 import io
+import logging
+import os
 import re
 import shutil
 import subprocess
@@ -88,3 +91,39 @@ def test_streams_the_call_cannot_serve_are_written_without_it(tmp_path):
     with sums.open(tmp_path / "small", "wb") as f:  # under one chunk: no call at all
         f.write(b"x" * MIB)
     assert (tmp_path / "small").stat().st_size == MIB
+
+
+def _write_48_mib(path: Path, drop_behind: bool = True) -> ChecksummingStream:
+    data = bytes(range(256)) * (1 << 14)  # 4 MiB
+    with open(path, "wb") as raw:
+        stream = ChecksummingStream(raw, drop_behind=drop_behind)
+        for _ in range(12):
+            assert stream.write(data) == len(data)
+    assert path.read_bytes() == data * 12
+    assert stream.checksum == f"{crc32c.crc32c(data * 12):08x}"
+    return stream
+
+
+def test_a_file_that_refuses_the_advice_is_written_without_it(tmp_path, monkeypatch, caplog):
+    calls = []
+
+    def refuse(fd, offset, length, advice):
+        calls.append((offset, length))
+        raise OSError(errno.EBADF, "Bad file descriptor")
+
+    monkeypatch.setattr(os, "posix_fadvise", refuse)
+    with caplog.at_level(logging.WARNING, logger="resiliency.storage.writeback"):
+        _write_48_mib(tmp_path / "shard")
+    # Advised once (at 48 MiB: its first 16 behind the lag), refused, never asked again; an
+    # unexpected refusal is said once, as a warning.
+    assert calls == [(0, 16 * MIB)]
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+
+
+def test_the_node_local_tier_keeps_its_pages(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda *args: calls.append(args))
+    _write_48_mib(tmp_path / "kept", drop_behind=False)
+    assert calls == []
+    _write_48_mib(tmp_path / "dropped")
+    assert [(offset, length) for _, offset, length, _ in calls] == [(0, 16 * MIB)]
