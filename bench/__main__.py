@@ -349,7 +349,7 @@ def bench_restore(config: str, work: Path, data: str, reps: int, pairs: int) -> 
         "read_GiBps": stats([nbytes / s["read_s"] / GIB for s in samples]),
         "phases_s": {
             k: statistics.median(s[k] for s in samples if k in s)
-            for k in ("start_s", "plan_and_build_s", "load_s", "first_step_s_only")
+            for k in (*_START_PHASES, "first_step_s_only")
             if any(k in s for s in samples)
         },
         # Where the added time went: each startup phase's restore - fresh, median over pairs
