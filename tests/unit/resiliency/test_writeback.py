@@ -93,15 +93,14 @@ def test_streams_the_call_cannot_serve_are_written_without_it(tmp_path):
     assert (tmp_path / "small").stat().st_size == MIB
 
 
-def _write_48_mib(path: Path, drop_behind: bool = True) -> ChecksummingStream:
+def _write_64_mib(path: Path, drop_behind: bool = True) -> None:
     data = bytes(range(256)) * (1 << 14)  # 4 MiB
     with open(path, "wb") as raw:
         stream = ChecksummingStream(raw, drop_behind=drop_behind)
-        for _ in range(12):
+        for _ in range(16):
             assert stream.write(data) == len(data)
-    assert path.read_bytes() == data * 12
-    assert stream.checksum == f"{crc32c.crc32c(data * 12):08x}"
-    return stream
+    assert path.read_bytes() == data * 16
+    assert stream.checksum == f"{crc32c.crc32c(data * 16):08x}"
 
 
 def test_a_file_that_refuses_the_advice_is_written_without_it(tmp_path, monkeypatch, caplog):
@@ -113,8 +112,8 @@ def test_a_file_that_refuses_the_advice_is_written_without_it(tmp_path, monkeypa
 
     monkeypatch.setattr(os, "posix_fadvise", refuse)
     with caplog.at_level(logging.WARNING, logger="resiliency.storage.writeback"):
-        _write_48_mib(tmp_path / "shard")
-    # Advised once (at 48 MiB: its first 16 behind the lag), refused, never asked again; an
+        _write_64_mib(tmp_path / "shard")
+    # Advised at 48 MiB (its first 16, behind the lag), refused, not asked again at 64; an
     # unexpected refusal is said once, as a warning.
     assert calls == [(0, 16 * MIB)]
     assert [r.levelno for r in caplog.records] == [logging.WARNING]
@@ -123,7 +122,7 @@ def test_a_file_that_refuses_the_advice_is_written_without_it(tmp_path, monkeypa
 def test_the_node_local_tier_keeps_its_pages(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(os, "posix_fadvise", lambda *args: calls.append(args))
-    _write_48_mib(tmp_path / "kept", drop_behind=False)
+    _write_64_mib(tmp_path / "kept", drop_behind=False)
     assert calls == []
-    _write_48_mib(tmp_path / "dropped")
-    assert [(offset, length) for _, offset, length, _ in calls] == [(0, 16 * MIB)]
+    _write_64_mib(tmp_path / "dropped")  # each advice from the file's start, up to the lag
+    assert [(offset, length) for _, offset, length, _ in calls] == [(0, 16 * MIB), (0, 32 * MIB)]
