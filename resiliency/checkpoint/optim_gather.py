@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from pretrain.platform.compat import fully_reshardable_state_from
-from resiliency.checkpoint.write.staging import Stager, StagingPlan, staging_key
+from resiliency.checkpoint.write.staging import Stager, StagingPlan, needs_staging, staging_key
 
 log = logging.getLogger(__name__)
 PREFIX = "optimizer.state"
@@ -114,6 +114,25 @@ def _in_place(live: torch.Tensor, shape: torch.Size) -> torch.Tensor | None:
     return None
 
 
+def _is_model_param(source: torch.Tensor, sharded: Any, snapshot: bool) -> bool:
+    """``source`` (an optimizer tensor, flat) is the memory of the model tensor ``sharded``
+    describes, and the save stages that tensor (stage_sharded_state would)."""
+    # megatron-core: imported after the CPU shim is applied (pretrain/platform/distributed.py)
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    data = sharded.data
+    return (
+        type(sharded) is ShardedTensor  # a factory's data is not what it writes
+        and isinstance(data, torch.Tensor)
+        and not data.is_meta
+        and data.dtype == source.dtype
+        and data.numel() == source.numel()
+        and data.is_contiguous()
+        and data.data_ptr() == source.data_ptr()
+        and needs_staging(data, snapshot)
+    )
+
+
 def build(
     opt: Any,
     model_sharded_state_dict: dict[str, Any],
@@ -149,6 +168,13 @@ def build(
                 }
             outputs = {}
             for key, source in sources.items():
+                if key == "param" and _is_model_param(source, sharded, snapshot):
+                    # fp32 training: the main param is the model param, which the save stages
+                    # anyway. Its record and the model's are written from one copy, not two.
+                    out = staging.get(staging_key(sharded), sharded.data.shape, source.dtype)
+                    out.copy_(sharded.data)  # blocking, as every copy here (GPU to host too)
+                    sharded.data = outputs[key] = out
+                    continue
                 # Gathered state lives in staging buffers reused per bucket: always copy it.
                 out = (
                     None

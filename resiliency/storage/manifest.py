@@ -153,6 +153,13 @@ def read_manifest(step_dir: Path) -> Manifest:
 
 
 def runtime_versions() -> dict[str, str | None]:
+    return dict(_runtime_versions())
+
+
+@functools.cache
+def _runtime_versions() -> dict[str, str | None]:
+    # Once per process (6 ms of every save's publish): installed packages do not change
+    # under a running process, and its imported modules would not follow them if they did.
     versions: dict[str, str | None] = {"python": platform.python_version()}
     for name in _PACKAGES:
         try:

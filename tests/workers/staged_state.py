@@ -4,7 +4,7 @@ Trains a few steps, then compares ``sharded_training_state`` built by megatron w
 built into staging buffers (twice, with a step between, so reused buffers must be refreshed).
 A sync save's variant (``snapshot=False``) must equal it too, with whole live tensors left in
 place. Rank 0 writes every rank's {"compared", "fast_tensors", "non_tensors", "mismatches",
-"in_place", "in_place_mismatches"} to ``--out``.
+"in_place", "in_place_mismatches", "shared_with_model", ...} to ``--out``.
 """
 
 from __future__ import annotations
@@ -63,6 +63,14 @@ def compare(ref: dict[str, Any], fast: dict[str, Any]) -> list[str]:
     return problems
 
 
+def _shared_with_model(sharded: dict[str, Any]) -> int:
+    """Optimizer records written from the very buffer a model record is (fp32 main params)."""
+    model = {id(data) for _, data in _described(sharded["model"]).values() if data is not None}
+    return sum(
+        1 for _, data in _described(sharded["optimizer"]).values() if id(data) in model
+    )
+
+
 def _reserved_save(parts: Any) -> tuple[list[str], dict[str, Any]]:
     """A dry run sizes shared buffers, reserved on a thread; then the save's state as an async
     save stages it. Returns the buffers that save had to allocate or replace, and the state."""
@@ -98,6 +106,7 @@ def main() -> None:
         "in_place_mismatches": [],
         "reserve_misses": [],
         "reserved_mismatches": [],
+        "shared_with_model": 0,
     }
     for _ in range(2):
         trainer.train_step()
@@ -109,6 +118,7 @@ def main() -> None:
             trainer.parts, "fully_reshardable", staging=staging, snapshot=False
         )
         report["in_place_mismatches"] += compare(ref["optimizer"], sync["optimizer"])
+        report["shared_with_model"] += _shared_with_model(fast) + _shared_with_model(sync)
         report["in_place"] += sum(
             1
             for _, data in _described(sync["optimizer"]).values()

@@ -142,6 +142,13 @@ def _is_view(tensor: torch.Tensor) -> bool:
     return tensor.untyped_storage().size() != tensor.numel() * tensor.element_size()
 
 
+def needs_staging(data: torch.Tensor, snapshot: bool) -> bool:
+    """A save copies ``data`` into a staging buffer: always for a snapshot (async saves);
+    else only a GPU tensor or a view megatron would clone (a sync save writes the rest in
+    place)."""
+    return snapshot or data.is_cuda or _is_view(data)
+
+
 def stage_sharded_state(
     sharded_state: dict[str, Any], staging: Stager, snapshot: bool = True
 ) -> None:
@@ -159,7 +166,7 @@ def stage_sharded_state(
         data = item.data
         if not isinstance(data, torch.Tensor) or staging.owns(data):
             continue
-        if not snapshot and not data.is_cuda and not _is_view(data):
+        if not needs_staging(data, snapshot):
             continue
         item.data = staging.stage(staging_key(item), data)
         cuda = cuda or data.is_cuda

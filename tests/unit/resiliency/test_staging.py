@@ -71,6 +71,8 @@ def test_staged_optimizer_state_equals_megatrons(
         # megatron's; gathered (DP>1) state is always copied.
         assert report["in_place_mismatches"] == [], (rank, report["in_place_mismatches"][:5])
         assert (report["in_place"] > 0) == in_place, report
+        # fp32 main params are the model params (DP=1): one staged copy serves both records.
+        assert (report["shared_with_model"] > 0) == in_place, report
         # Buffers reserved from a dry run (meta tensors, no collectives) are exactly the ones
         # the first async save stages into: it allocates none, and its state is megatron's.
         assert report["reserve_misses"] == [], (rank, report["reserve_misses"][:5])
