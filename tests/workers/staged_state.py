@@ -66,9 +66,7 @@ def compare(ref: dict[str, Any], fast: dict[str, Any]) -> list[str]:
 def _shared_with_model(sharded: dict[str, Any]) -> int:
     """Optimizer records written from the very buffer a model record is (fp32 main params)."""
     model = {id(data) for _, data in _described(sharded["model"]).values() if data is not None}
-    return sum(
-        1 for _, data in _described(sharded["optimizer"]).values() if id(data) in model
-    )
+    return sum(1 for _, data in _described(sharded["optimizer"]).values() if id(data) in model)
 
 
 def _reserved_save(parts: Any) -> tuple[list[str], dict[str, Any]]:
