@@ -123,8 +123,6 @@ def _is_model_param(source: torch.Tensor, sharded: Any, snapshot: bool) -> bool:
     data = sharded.data
     return (
         type(sharded) is ShardedTensor  # a factory's data is not what it writes
-        and isinstance(data, torch.Tensor)
-        and not data.is_meta
         and data.dtype == source.dtype
         and data.numel() == source.numel()
         and data.is_contiguous()
