@@ -5,7 +5,7 @@ A save that copies tensors into freshly allocated memory spends most of its time
 touched 0.015 s). Megatron clones every CPU view it writes (model params are views into the
 DDP buffer) and the fully-reshardable optimizer format builds its tensors anew on each save.
 Staging buffers are allocated once, keyed by the sharded key, and reused by every later save;
-they cost one copy of the rank's checkpoint bytes in host memory. They are also the async
+they cost at most one copy of the rank's checkpoint bytes in host memory. They are also the async
 save's snapshot: nothing writes to them until the next save, which waits for the previous one.
 """
 
@@ -20,7 +20,8 @@ import torch
 
 log = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
-# Checkpointed bytes per parameter byte: weights, fp32 main copy and two Adam moments.
+# Checkpointed bytes per parameter byte: weights, fp32 main copy and two Adam moments (an upper
+# bound: fp32 main params that are the model params share the weights' buffer).
 STATE_BYTES_PER_PARAM_BYTE = 4
 
 
