@@ -96,7 +96,7 @@ class EarlyWriteback:
         every time: pages skipped while under writeback are dropped by a later call (the kernel
         visits only the pages still cached)."""
         upto = self._written - DROP_LAG_BYTES
-        if not self._drops or upto <= 0 or self._fd is None:
+        if not self._drops or upto <= 0:
             return
         try:
             os.posix_fadvise(self._fd, 0, upto, os.POSIX_FADV_DONTNEED)
