@@ -109,6 +109,9 @@ def decide(
     outcome = read_outcome(run_dir, after_attempt)
     if outcome.status == "finished":
         return Decision(STOP, outcome.exit_code or exit_codes.OK, f"finished ({outcome.detail})")
+    if outcome.status == "interrupted" or outcome.exit_code == exit_codes.INTERRUPTED:
+        # The user's Ctrl-C: stopped as asked, after an emergency save; nothing to requeue.
+        return Decision(STOP, exit_codes.INTERRUPTED, f"interrupted by the user ({outcome.detail})")
     if outcome.status == "preempted" or outcome.exit_code == exit_codes.REQUEUE:
         # A time-limit or preemption save: planned, not a failure; the budget is for failures.
         return Decision(

@@ -1,18 +1,19 @@
-"""``python -m launch.torchrun [torchrun options] -m pretrain [overrides]``: torchrun whose
+"""python -m launch.torchrun [torchrun options] -m pretrain [overrides]: torchrun whose
 exit code is the documented one.
 
 torchrun (and ft_launcher) exit 1 whenever a worker fails, whatever code it returned, so a
 scheduler that reads the exit code would retry a config error (2) forever. This runs the same
 launcher in-process with the same arguments and exits with the code of the rank that failed
 first (torch elastic's error files order the failures), or the signal's 128+N when a worker was
-killed. Use it wherever a scheduler or wrapper decides from the exit code; ``python -m launch``
-does the same and also decides on requeues.
+killed, or 130 after a Ctrl-C (the ranks saved first). Use it wherever a scheduler or wrapper
+decides from the exit code; python -m launch does the same and also decides on requeues.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import signal
 import sys
 from dataclasses import dataclass
 
@@ -46,7 +47,8 @@ def run_launcher(launcher: str, argv: list[str]) -> Outcome:
             log.error("rank %s failed first, exit code %s", rank, failure.exitcode)
             return Outcome(int(failure.exitcode), planned=False)
         if hasattr(exc, "sigval"):
-            log.warning("launcher stopped by signal %s", int(exc.sigval))
+            name = signal.Signals(int(exc.sigval)).name
+            log.info("%s stopped by %s: its workers were told to stop first", launcher, name)
             return Outcome(-int(exc.sigval), planned=True)
         log.exception("launcher failed")
         return Outcome(exit_codes.INFRASTRUCTURE, planned=False)

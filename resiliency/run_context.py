@@ -88,7 +88,7 @@ class RunContext:
 
     @property
     def ended(self) -> bool:
-        """A terminal status is recorded (finished, preempted, failed, fenced)."""
+        """A terminal status is recorded (finished, preempted, interrupted, failed, fenced)."""
         return self.info.get("status") in TERMINAL_STATUSES
 
     def update(self, **extra: Any) -> None:

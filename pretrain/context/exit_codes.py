@@ -20,6 +20,10 @@ STRAGGLER = 11  # stopped on purpose: a rank is persistently slow (same hardware
 # launchers' final upload pass failed): the run is safe on the shared tier only.
 REMOTE_BEHIND = 12
 REQUEUE = 75  # planned exit after an emergency save (EX_TEMPFAIL): requeue me
+# Stopped by the user (Ctrl-C, SIGINT) after an emergency save, or at once on a second Ctrl-C:
+# 128 + SIGINT, as a shell reports an interrupted command. Not a failure and not a requeue:
+# no launcher retries it, and no retry budget counts it.
+INTERRUPTED = 130
 
 DO_NOT_RETRY = frozenset(
     {

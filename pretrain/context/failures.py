@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pretrain.context import exit_codes
+from pretrain.context import exit_codes, interrupts
 from recipes import ConfigError
 from recipes.inputs import DataInputError
 
@@ -46,6 +46,7 @@ class NonFiniteError(FloatingPointError):
 @dataclass(frozen=True)
 class Failure:
     # config | infrastructure | oom | user_code | data | numeric | topology | lease | checkpoint
+    # | interrupted
     kind: str
     exit_code: int
     retryable: bool
@@ -70,6 +71,8 @@ def classify(exc: BaseException) -> Failure:
     if isinstance(exc, (FileNotFoundError, UnicodeDecodeError)):
         return Failure("data", exit_codes.DATA, False, message)
     if _is_infrastructure(exc):
+        if interrupts.requested():  # a peer that stopped at once on a second Ctrl-C
+            return Failure("interrupted", exit_codes.INTERRUPTED, False, f"Ctrl-C: {message}")
         return Failure("infrastructure", exit_codes.INFRASTRUCTURE, True, message)
     return Failure("user_code", exit_codes.USER_CODE, False, message)
 

@@ -39,6 +39,8 @@ class StepResult:
     step_time_s: float
     tokens_per_s: float
     stop_asked: bool = False  # some rank's hook asked to stop (TrainHook.wants_stop)
+    # some rank had a Ctrl-C (pretrain/context/interrupts.py): stop_asked is set too
+    interrupted: bool = False
     # Throughput (pretrain/train/progress.py): model TFLOP/s per device, MFU (None: no known peak)
     tflops_per_device: float = 0.0
     mfu: float | None = None

@@ -20,7 +20,7 @@ from recipes import ConfigError, RunConfig, to_yaml
 
 log = logging.getLogger(__name__)
 # Deterministic failures whose message says everything: one line, no traceback.
-ONE_LINE_KINDS = ("config", "lease", "topology", "checkpoint", "data")
+ONE_LINE_KINDS = ("config", "lease", "topology", "checkpoint", "data", "interrupted")
 
 
 def train(run: RunConfig, device: str, dp: int) -> int:

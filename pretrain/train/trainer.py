@@ -10,7 +10,7 @@ import os
 import random
 import time
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pretrain.context import startup_clock
+from pretrain.context import exit_codes, interrupts, startup_clock
 from pretrain.context.failures import NonFiniteError
 from pretrain.context.run_dir import RunDir, append_jsonl
 from pretrain.data import dataset as data
@@ -132,6 +132,15 @@ def _have_te() -> bool:
     except ImportError:
         return False
     return True
+
+
+@dataclass(frozen=True)
+class StopVotes:
+    """What the ranks voted in a step's all-reduce: stop after it (any reason), and whether a
+    Ctrl-C was among the reasons (every rank then exits INTERRUPTED, not REQUEUE)."""
+
+    stop: bool
+    interrupt: bool
 
 
 class Trainer:
@@ -351,6 +360,9 @@ class Trainer:
                 continue  # rolled back: the loop goes on from the restored step
             for hook in self.hooks:
                 hook.after_step(self, result)
+            if result.interrupted and not self.stop_requested and self.state.step < last:
+                # No hook saved on it (checkpoints off): the user's stop, without a save.
+                self.request_stop(exit_codes.INTERRUPTED, "interrupted by the user (Ctrl-C)")
             interval = self.run.train.eval_interval
             if interval and result.step % interval == 0:
                 self.evaluate("valid")
@@ -374,7 +386,7 @@ class Trainer:
             loss_scale=self.faults.loss_scale(self.state.consumed_samples // gbs + 1),
         )
         self.faults.after_backward(self.state.step + 1, parts.ddp)
-        loss, stop_asked, bad_grads, sample_hash = self._reduce_loss(losses, sum(digests))
+        loss, votes, bad_grads, sample_hash = self._reduce_loss(losses, sum(digests))
         anomaly = self.guard.inspect(loss, bad_grads) if self.guard.active else None
         skipped = anomaly is not None
         if skipped:
@@ -395,7 +407,8 @@ class Trainer:
             lr,
             elapsed,
             self.tokens_per_step / elapsed,
-            stop_asked,
+            votes.stop,
+            interrupted=votes.interrupt,
             skipped=skipped,
             anomaly=anomaly,
             sample_hash=sample_hash,
@@ -489,18 +502,19 @@ class Trainer:
 
     def _reduce_loss(
         self, losses: list[dict], digest_sum: int
-    ) -> tuple[float, bool, bool, int | None]:
-        """Mean loss over microbatches and DP ranks, whether any rank's hook wants to stop,
-        (train.guard) whether any rank has a non-finite gradient, and the step's sample hash
-        (the sum of every DP rank's sample digests): known on every rank from one all-reduce,
-        before the optimizer step."""
+    ) -> tuple[float, StopVotes, bool, int | None]:
+        """Mean loss over microbatches and DP ranks, whether any rank's hook wants to stop or
+        had a Ctrl-C, (train.guard) whether any rank has a non-finite gradient, and the step's
+        sample hash (the sum of every DP rank's sample digests): known on every rank from one
+        all-reduce, before the optimizer step."""
         # megatron-core: imported after the CPU shim is applied (pretrain/platform/distributed.py)
         from megatron.core import parallel_state as ps
 
-        local = torch.zeros(4, dtype=torch.float64, device=self.env.torch_device)
+        local = torch.zeros(5, dtype=torch.float64, device=self.env.torch_device)
         if losses and ps.is_pipeline_last_stage(ignore_virtual=True):
             local[0] += torch.stack([x["lm loss"].double() for x in losses]).mean()
         local[1] = float(any(hook.wants_stop(self) for hook in self.hooks))
+        local[4] = float(interrupts.requested())
         if self.guard.checks_grads:
             local[2] = nonfinite_grads(self.parts.ddp)
         # One rank per DP replica adds its samples (its TP, PP and CP peers drew the same).
@@ -513,10 +527,11 @@ class Trainer:
         if counts_samples and hash_exact:
             local[3] = float(digest_sum)
         dist.all_reduce(local)
-        loss_sum, stop_votes, bad_grads, hash_sum = local.tolist()
+        loss_sum, stop_votes, bad_grads, hash_sum, interrupt_votes = local.tolist()
         last_stage_ranks = self.env.world_size // self.run.parallel.pp
         sample_hash = int(hash_sum) if hash_exact else None
-        return loss_sum / last_stage_ranks, stop_votes > 0, bad_grads > 0, sample_hash
+        votes = StopVotes(stop_votes + interrupt_votes > 0, interrupt_votes > 0)
+        return loss_sum / last_stage_ranks, votes, bad_grads > 0, sample_hash
 
     def _log(self, result: StepResult) -> None:
         """Throughput on every rank's result (hooks read it); the line and steps.jsonl on 0."""

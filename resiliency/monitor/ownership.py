@@ -71,7 +71,7 @@ class OwnershipHook(TrainHook):
             "failure_class": failure.kind,
             "error": failure.message[:2000],
         }
-        status = "fenced" if failure.kind == "lease" else "failed"
+        status = {"lease": "fenced", "interrupted": "interrupted"}.get(failure.kind, "failed")
         try:
             self.ctx.record(status, **fields)
         except OSError:
@@ -95,6 +95,8 @@ class OwnershipEndHook(TrainHook):
             status = "fenced"
         elif trainer.exit_code == exit_codes.REQUEUE:
             status = "preempted"
+        elif trainer.exit_code == exit_codes.INTERRUPTED:
+            status = "interrupted"
         else:
             status = "finished"
         self.ctx.record(status, step=trainer.state.step, exit_code=trainer.exit_code)

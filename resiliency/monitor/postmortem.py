@@ -40,6 +40,7 @@ from resiliency.monitor.recovery import (
     save_in_flight,
 )
 from resiliency.monitor.stacks import STACKS_DIR, read_stack_dump
+from resiliency.storage.attempts import PLANNED_STATUSES
 from resiliency.storage.layout import RunLayout, atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ CODE_CLASSES = {
     exit_codes.CHECKPOINT_IO: "checkpoint",
     exit_codes.STRAGGLER: "straggler",
     exit_codes.REQUEUE: "preempted",
+    exit_codes.INTERRUPTED: "interrupted",
     exit_codes.INFRASTRUCTURE: "infrastructure",
 }
 _JOIN = re.compile(r"attempts to join the next round of the rendezvous")
@@ -376,7 +378,7 @@ def summarize(
     monitor = [m for m in events.monitor_timeouts if start <= m["time"] <= end]
     if monitor:
         summary["monitor_timeouts"] = monitor
-    if record.get("status") in ("finished", "preempted"):
+    if record.get("status") in PLANNED_STATUSES:
         return summary  # a planned exit (rank 0 got through on_end): no root cause to find
     first = first_failure(evidence)
     if _is_hang(evidence, monitor):
@@ -439,7 +441,7 @@ def _exit_codes(
 
     Known from the rank's failure file or the launcher's log; ranks of a clean exit share it.
     """
-    clean = record.get("exit_code") if record.get("status") in ("finished", "preempted") else None
+    clean = record.get("exit_code") if record.get("status") in PLANNED_STATUSES else None
     codes: dict[str, Any] = {str(r["rank"]): clean for r in record.get("ranks", [])}
     codes.update({str(r): e["exit_code"] for r, e in rank_exits(record, events, window).items()})
     codes.update({str(r): e["exit_code"] for r, e in reaped.items()})
@@ -451,8 +453,9 @@ def _failure_fields(
     record: dict[str, Any], first: dict[str, Any] | None, evidence: list[dict[str, Any]]
 ) -> dict[str, Any]:
     fields: dict[str, Any] = {"evidence": evidence}
-    if record.get("status") in (None, "starting", "running"):
-        fields["status"] = "failed"  # killed before it could say so itself
+    if record.get("status") in (None, "starting", "running"):  # ended before it could say so
+        stopped = first is not None and first["exit_code"] == exit_codes.INTERRUPTED
+        fields["status"] = "interrupted" if stopped else "failed"  # a second Ctrl-C, or killed
     if first is None:
         return fields
     reported = {k: record[k] for k in ("failure_class", "exit_code") if k in record}

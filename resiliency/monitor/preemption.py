@@ -1,4 +1,8 @@
-"""Preemption: SIGTERM/SIGUSR1 -> emergency persistent save at the next step boundary -> REQUEUE.
+"""Preemption and Ctrl-C: an emergency persistent save at the next step boundary, then exit.
+
+SIGTERM/SIGUSR1 (a time limit, a preemption, a pod's deletion) end with REQUEUE; a Ctrl-C
+(SIGINT, pretrain/context/interrupts.py) ends with INTERRUPTED: the user stopped the run, no
+launcher requeues or retries it.
 
 The handler only sets a flag; ranks agree on it at the end of every step, in the same
 all-reduce as the step's loss (``TrainHook.wants_stop``), so every rank saves at the same step
@@ -51,30 +55,33 @@ class PreemptionHook(TrainHook):
             return
         if trainer.state.step >= trainer.run.train.train_steps:
             return
-        name = signal.Signals(self.received).name if self.received else "a peer's signal"
-        log.warning(
-            "preemption (%s): emergency save at step %d, then exit %d (requeue)",
-            name,
-            trainer.state.step,
-            exit_codes.REQUEUE,
-        )
-        watchdog = threading.Timer(self.timeout_s, self._give_up)
+        if result.interrupted:  # a Ctrl-C on any rank: every rank ends as the user asked
+            code, why, then = exit_codes.INTERRUPTED, "Ctrl-C", "stop"
+        else:
+            name = signal.Signals(self.received).name if self.received else "a peer's signal"
+            code, why, then = exit_codes.REQUEUE, f"preemption ({name})", "requeue"
+        if trainer.env.rank == 0:
+            again = "; Ctrl-C again to stop at once without it" if then == "stop" else ""
+            log.warning("%s: emergency save at step %d, then exit %d (%s)%s", why,
+                        trainer.state.step, code, then, again)  # fmt: skip
+        watchdog = threading.Timer(self.timeout_s, self._give_up, args=(code,))
         watchdog.daemon = True
         watchdog.start()
         try:
             self.checkpoint.save_now(trainer)
         finally:
             watchdog.cancel()
-        trainer.request_stop(exit_codes.REQUEUE, f"preempted ({name}), emergency save done")
+        reason = "interrupted by the user" if then == "stop" else f"preempted ({name})"
+        trainer.request_stop(code, f"{reason}, emergency save done")
 
-    def _give_up(self) -> None:
+    def _give_up(self, code: int) -> None:
         log.error(
             "emergency save exceeded %.0f s; exiting %d without it (the last published "
             "step is intact)",
             self.timeout_s,
-            exit_codes.REQUEUE,
+            code,
         )
-        os._exit(exit_codes.REQUEUE)
+        os._exit(code)
 
     def close(self) -> None:
         for sig, handler in self._previous.items():

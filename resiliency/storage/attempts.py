@@ -25,7 +25,10 @@ ATTEMPT_ENV = "MCORE_RECIPES_ATTEMPT"
 _ATTEMPT_RE = re.compile(r"^attempt-(\d{2,})\.json$")
 _tokens: dict[int, str] = {}
 # An attempt whose record says one of these wrote it at its own end: it writes nothing more.
-TERMINAL_STATUSES = frozenset({"finished", "preempted", "failed", "fenced"})
+TERMINAL_STATUSES = frozenset({"finished", "preempted", "interrupted", "failed", "fenced"})
+# Ended as planned: rank 0 got through the end hooks (the final or emergency save included).
+# "interrupted": the user's Ctrl-C, never a failure, never retried.
+PLANNED_STATUSES = ("finished", "preempted", "interrupted")
 
 
 class AttemptConflictError(RuntimeError):

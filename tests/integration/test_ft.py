@@ -58,7 +58,7 @@ def test_launcher_command_per_backend(tiny_overrides: list[str], tmp_path: Path)
     tr_plan = plan_launch([*tiny_overrides, f"output_dir={tmp_path}", "launch.backend=torchrun"])
     tr_cmd = launcher_command(tr_plan, tmp_path / "c.yaml", restarts=2)
     # torchrun never restarts by itself: the wrapper decides from the attempt records.
-    assert Path(tr_cmd[0]).name == "torchrun" and "--max-restarts=0" in tr_cmd
+    assert tr_cmd[1:3] == ["-m", "launch.torchrun"] and "--max-restarts=0" in tr_cmd
     assert tr_cmd[-4:] == ["-m", "pretrain", "--config", str(tmp_path / "c.yaml")]
 
 

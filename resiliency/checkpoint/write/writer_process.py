@@ -20,16 +20,19 @@ WRITER_NICE = 19
 
 def die_with_parent(parent: int | None = None) -> None:
     """For helper processes of a rank (the checkpoint writer): SIGKILLed when the rank dies,
-    deaf to the SIGTERM/SIGUSR1 that Slurm sends every process of a step. ``parent``: the
-    rank's pid; a rank that died before this ran (a spawned child needs seconds to get here)
-    sent no signal, so the child leaves at once instead of living on as an orphan."""
+    deaf to the SIGTERM/SIGUSR1 that Slurm sends every process of a step, and to SIGINT (a
+    Ctrl-C is the rank's to answer). ``parent``: the rank's pid; a rank that died before this
+    ran (a spawned child needs seconds to get here) sent no signal, so the child leaves at
+    once instead of living on as an orphan."""
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     if parent is not None and os.getppid() != parent:
         os._exit(0)
-    # Slurm signals every process of a step: outlive the rank's emergency save.
+    # Slurm signals every process of a step, torchrun the rank's whole session on a Ctrl-C:
+    # outlive the rank's emergency save (the rank stops the writer when it is done).
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def writer_main(requests: Any, done: Any, checksum_queue: Any, parent: int) -> None:
