@@ -22,9 +22,42 @@ def setup_logging(level: str = "INFO", rank: int | None = None) -> None:
     # megatron-core logs every dataset/index build at INFO on every rank: keep it to warnings.
     for noisy in ("megatron.core", "nvidia_resiliency_ext"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+    for name, routine in ROUTINE_NOTICES.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _RoutineNotices) for f in logger.filters):
+            logger.addFilter(_RoutineNotices(routine))
     # Library deprecation/fallback warnings repeat on every rank; keep them for DEBUG runs.
     logging.captureWarnings(True)
     if root.level > logging.DEBUG:
         warnings.filterwarnings("ignore", category=UserWarning)
         warnings.filterwarnings("ignore", category=FutureWarning)
         warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+
+# Third-party WARNINGs that every normal run prints, by logger: kept for DEBUG runs only, so a
+# normal run prints no warning (the loggers' other warnings pass).
+ROUTINE_NOTICES = {
+    # Said on every start ("Implicit initialization of Rerun State Machine!", "... initialized
+    # in mode RerunMode.DISABLED"): its rerun mode is off here by design.
+    "megatron.core.rerun_state_machine": (
+        "Implicit initialization of Rerun State Machine",
+        "RerunStateMachine initialized",
+    ),
+    # Rank 0 looks into the save's directory after a peer may have begun writing its shards:
+    # every save here goes to a tmp dir created empty for it (resiliency/storage/publish.py),
+    # and only a committed one is ever published.
+    "megatron.core.dist_checkpointing.serialization": (
+        "Overwriting old incomplete / corrupted checkpoint",
+    ),
+}
+
+
+class _RoutineNotices(logging.Filter):
+    def __init__(self, routine: tuple[str, ...]) -> None:
+        super().__init__()
+        self.routine = routine
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if logging.getLogger().isEnabledFor(logging.DEBUG):
+            return True
+        return not str(record.msg).startswith(self.routine)

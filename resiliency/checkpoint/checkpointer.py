@@ -457,7 +457,7 @@ class Checkpointer:
     def _apply_gc(plan: Any, fence: RunLease | None) -> None:
         try:
             for path in apply_gc(plan, fence):
-                log.info("retention: removed %s", path.name)
+                log.debug("retention: removed %s", path.name)  # one INFO line per save
         except LeaseLostError as exc:  # the heartbeat stops the run; nothing was deleted
             log.error("retention: %s", exc)
         except Exception:  # noqa: BLE001 - the published step stands; the next save retries

@@ -2,9 +2,11 @@
 
 For the first ``resiliency.watch.steps`` steps after a restore, each step's loss and grad norm
 are compared with the values ``metrics/steps.jsonl`` holds from before the failure: the same
-step if it was done then (an exact resume reproduces it), else the last value logged before the
-failure. An increase beyond the relative tolerance is logged as an error on rank 0 and recorded
-in the attempt record; with ``stop_on_jump`` the run fails as a numeric failure (not retried,
+step if it was done then (an exact resume reproduces it), else the highest value of the last
+``RECENT`` steps logged before the failure (one step's loss varies by more than the tolerance
+from the next on small batches: a single step as the yardstick cried wolf on normal resumes).
+An increase beyond the relative tolerance is logged as an error on rank 0 and recorded in the
+attempt record; with ``stop_on_jump`` the run fails as a numeric failure (not retried,
 nothing saved). Loss and grad norm are global values, identical on every rank, so every rank
 reaches the same verdict without communicating.
 """
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
     from resiliency.run_context import RunContext
 
 log = logging.getLogger(__name__)
+RECENT = 10  # steps before the failure whose peak a step beyond it is compared with
 
 
 class RestoreDivergedError(NonFiniteError):
@@ -44,7 +47,8 @@ def jumps(result: StepResult, reference: dict[str, Any], cfg: "WatchConfig") -> 
         limit = before * (1.0 + tolerance) if before > 0 else before + tolerance
         if now > limit:
             found.append(
-                f"{key} {now:.4f} vs {before:.4f} at step {reference['step']} "
+                f"{key} {now:.4f} vs {before:.4f} {reference.get('where') or 'at step'} "
+                f"{reference['step']} "
                 f"(+{(now - before) / max(abs(before), 1e-12):.0%}, tolerance "
                 f"{tolerance:.0%})"
             )
@@ -72,7 +76,7 @@ class PostRestoreWatchHook(TrainHook):
     def after_step(self, trainer: "TrainerView", result: StepResult) -> None:
         if result.step > self.until or result.skipped:  # train.guard dropped that update
             return
-        reference = self.history.get(result.step) or self.history[max(self.history)]
+        reference = self.history.get(result.step) or self._recent_peak()
         self.checked += 1
         found = jumps(result, reference, self.cfg)
         if found and self.rank == 0:
@@ -87,6 +91,13 @@ class PostRestoreWatchHook(TrainHook):
             raise RestoreDivergedError("post-restore watch: " + "; ".join(found))
         if result.step == self.until:
             self._finish()
+
+    def _recent_peak(self) -> dict[str, Any]:
+        """The last RECENT records before the failure, as one: the highest of each value."""
+        steps = sorted(self.history)[-RECENT:]
+        records = [self.history[s] for s in steps]
+        peak = {key: max(float(r[key]) for r in records) for key in ("loss", "grad_norm")}
+        return {**peak, "step": f"{steps[0]}-{steps[-1]}", "where": "the peak of steps"}
 
     def on_anomaly(self, trainer: "TrainerView", result: StepResult, action: str) -> None:
         # After a rollback (train.guard) the run leaves the logged trajectory on purpose.

@@ -68,7 +68,7 @@ def write_manifest_and_commit(
     fsync_tree(tmp_dir)
     write_durable(marker, marker_text(raw, key).encode())
     fsync_dir(tmp_dir)
-    logger.info(
+    logger.debug(  # the checkpointer says it once per save: "checkpoint step N published"
         "committed %s (%d files, %d bytes)", tmp_dir, len(manifest.files), manifest.total_bytes
     )
 
@@ -138,5 +138,5 @@ def publish(
         tmp_dir.rename(final)
         fsync_dir(layout.steps_dir)
         update_latest(layout, step)
-    logger.info("published %s", final)
+    logger.debug("published %s", final)  # the checkpointer's one line per save says it
     return final

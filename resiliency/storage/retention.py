@@ -156,6 +156,6 @@ def apply_gc(plan: GcPlan, fence: RunLease | None = None) -> list[Path]:
         except FileNotFoundError:
             logger.info("gc: %s already gone", path)
             continue
-        logger.info("gc: deleted %s (%s)", path, reason)
+        logger.debug("gc: deleted %s (%s)", path, reason)  # `resiliency gc` prints its count
         deleted.append(path)
     return deleted

@@ -85,7 +85,10 @@ def select_restore_step(
         if verdict.ok:
             return _chosen(layout, step, hint, verdict, skipped)
         _skip(skipped, step_name(step), verdict.reason)
-    logger.warning("restore: no verified checkpoint in %s; starting from scratch", layout.steps_dir)
+    if skipped:  # steps were there and none verifies: worth a warning, not so a fresh run
+        logger.warning(
+            "restore: no verified checkpoint in %s; starting from scratch", layout.steps_dir
+        )
     return Selection(None, None, "none", skipped)
 
 
