@@ -5,6 +5,10 @@ logging; composing instead keeps every rank's config identical, so the flags a H
 are implemented here: ``--cfg job|hydra|all`` with ``--resolve``, ``--info``, ``-m/--multirun``
 (Hydra's own sweep grammar, expanded by its BasicSweeper), ``~key`` deletion, and the ``hydra.*``
 keys that have a meaning here. The rest of ``hydra.*`` is refused, never silently ignored.
+
+A sweep value (``a=1,2``, ``range()``, ``choice()``...) is a sweep only with ``-m``: without it
+the command is refused (``refuse_sweep``), since a comma meant as a list would otherwise start
+one run per element.
 """
 
 from __future__ import annotations
@@ -18,7 +22,14 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
 from recipes.checks import ConfigError
-from recipes.load import is_group, schema_fields
+from recipes.load import (
+    SEARCH_PATH_KEY,
+    is_group,
+    parse_search_path,
+    schema_fields,
+    search_path_override,
+    sweep_message,
+)
 
 # hydra.* keys with a meaning here -> the key they set. Hydra's run dir is the job's output
 # dir; here a run's dir is <output_dir>/<run_id>, so both name output_dir.
@@ -33,6 +44,8 @@ FLAGS = {
     "--show-config",
     "--cfg",
     "-c",
+    "--config-dir",
+    "-cd",
     "--plan",
     "--gpu",
     "--vocab",
@@ -65,6 +78,9 @@ def parse_args(argv: Sequence[str]) -> CliRequest:
     req, args = CliRequest(), list(argv)
     while args:
         arg = args.pop(0)
+        if arg.startswith("--") and "=" in arg:  # --flag=value, as argparse takes it
+            arg, value = arg.split("=", 1)
+            args.insert(0, value)
         if arg in ("-h", "--help"):
             req.help = True
         elif arg in ("--cfg", "-c"):
@@ -73,6 +89,8 @@ def parse_args(argv: Sequence[str]) -> CliRequest:
             req.cfg, req.resolve = "job", True
         elif arg == "--config":
             req.config_file = _value(arg, args)
+        elif arg in ("--config-dir", "-cd"):  # Hydra's flag: more recipe and group files
+            req.overrides.append(config_dir_override(_value(arg, args)))
         elif arg == "--resolve":
             req.resolve = True
         elif arg == "--info":
@@ -97,6 +115,12 @@ def parse_args(argv: Sequence[str]) -> CliRequest:
         else:
             req.overrides.append(arg)
     return req
+
+
+def config_dir_override(folder: str) -> str:
+    """``--config-dir DIR`` as the override Hydra reads it: ``hydra.searchpath=[file://DIR]``
+    (an override, so a sweep's point processes and the fit check get it too)."""
+    return search_path_override([f"file://{folder}"])
 
 
 def _int_value(flag: str, args: list[str]) -> int:
@@ -132,7 +156,10 @@ def translate(overrides: Sequence[str]) -> list[str]:
 def _hydra_key(key: str, value: str, item: str) -> str:
     if key in HYDRA_KEYS and value:
         return f"{HYDRA_KEYS[key]}={value}"
+    if key == SEARCH_PATH_KEY:
+        return search_path_override(parse_search_path(item.lstrip("+")))
     honoured = ", ".join(f"{k} (= {v})" for k, v in HYDRA_KEYS.items())
+    honoured += f", {SEARCH_PATH_KEY}=[file://DIR] (= --config-dir DIR)"
     raise ConfigError(
         f"{item!r}: this project composes configs with Hydra's Compose API (no Hydra job, "
         f"working-dir change or Hydra logging), so this key would do nothing; honoured: "
@@ -163,26 +190,48 @@ def _schema_field(key: str) -> dataclasses.Field | None:
 
 def sweep_points(overrides: Sequence[str]) -> list[list[str]]:
     """Every combination of a ``-m`` sweep (``a=1,2 b=x,y``, ``range()``, ``choice()``...), in
-    Hydra's own order, each its own run; one point without sweep values."""
+    Hydra's own order, each its own run; one point without sweep values.
+
+    Run ids: a swept ``run_id=a,b`` names each point itself. A single ``run_id=X`` cannot name
+    several runs, so point i (from 0, Hydra's order) is run ``X-i``: the same command names
+    the same runs, and relaunching it continues each point. Without run_id, each point starts
+    a new run of its own (``<model>-<launch id>``)."""
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
         [points] = BasicSweeper.split_arguments(parsed, max_batch_size=None)
     except HydraException as exc:
         raise ConfigError(f"bad sweep: {exc}") from None
+    if len(points) == 1 or any(_is_run_id(o.input_line) for o in _sweeps(parsed)):
+        return [list(p) for p in points]
     return [_point_run_id(list(p), i) for i, p in enumerate(points)]
 
 
-def has_sweep(overrides: Sequence[str]) -> bool:
+def refuse_sweep(overrides: Sequence[str]) -> None:
+    """Without ``-m``, a sweep value is refused in one line (how to sweep, how to write a list),
+    before anything is composed or written: never one run per value unasked."""
+    for override in _sweeps(_parsed(overrides)):
+        key, _, value = override.input_line.partition("=")
+        raise ConfigError(sweep_message(key, value))
+
+
+def _parsed(overrides: Sequence[str]) -> list:
     try:
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
+        return OverridesParser.create().parse_overrides(list(overrides))
     except HydraException:
-        return False  # compose reports the syntax error itself
-    return any(o.is_sweep_override() for o in parsed)
+        return []  # not overrides (a `launch slurm logs NAME`), or compose reports the error
+
+
+def _sweeps(parsed: list) -> list:
+    return [o for o in parsed if o.is_sweep_override()]
+
+
+def _is_run_id(override: str) -> bool:
+    return override.split("=", 1)[0].lstrip("+") == "run_id"
 
 
 def _point_run_id(point: list[str], index: int) -> list[str]:
-    """A sweep point with its own run: ``run_id=<given>-<index>``, or a new run of its own."""
-    given = [o for o in point if o.split("=", 1)[0].lstrip("+") == "run_id"]
+    """Point ``index`` of a sweep given one ``run_id=X``: its own run, ``X-<index>``."""
+    given = [o for o in point if _is_run_id(o)]
     if not given:
         return point
     name = given[-1].split("=", 1)[1]
