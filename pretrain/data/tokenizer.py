@@ -1,4 +1,5 @@
-"""Tokenizers usable both by `pretrain.data.prepare` and as megatron-core's `GPTDatasetConfig.tokenizer`.
+"""Tokenizers usable both by `pretrain.data.prepare` and as megatron-core's
+`GPTDatasetConfig.tokenizer`.
 
 megatron-core's GPT datasets read `vocab_size`, `eod` and `pad`, and serialize
 `unique_identifiers` into the hash that names their index cache, so every tokenizer here
@@ -18,9 +19,9 @@ Nothing is ever downloaded: only local files are read, with Hugging Face's offli
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
-import functools
 import os
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -201,6 +202,13 @@ class MegatronLibraryTokenizer:
         # notices and then stops masking pad tokens, which is what we want.
         valid_pad = pad is not None and 0 <= pad < self.vocab_size
         return int(eod), int(pad) if valid_pad else int(eod)
+
+    @property
+    def backend(self) -> Any:
+        """The library's own tokenizer that encodes the text: the ``tiktoken.Encoding``, the
+        ``SentencePieceProcessor`` or the transformers tokenizer (for converters, e.g. the
+        Hugging Face export)."""
+        return self._mt._tokenizer.tokenizer
 
     @property
     def unique_identifiers(self) -> dict[str, Any]:

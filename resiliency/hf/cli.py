@@ -2,22 +2,28 @@
 
 Exit codes: 0 done (and, with a check, within tolerance); 1 the step does not verify, or the
 exported model's validation loss is off by more than ``--tolerance``; 2 usage or config error
-(no such path, a model with no transformers family, an output dir in the way).
+(no such path, a model with no transformers family, a tokenizer that cannot be read or
+converted, an output dir in the way or not writable); 70 an unexpected error (a bug: one line,
+the traceback with ``--debug``). Nothing else exits 1: a script reads 1 as "the checkpoint
+is bad".
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
 from pretrain.context import exit_codes
+from pretrain.data.tokenizer import TokenizerError
 from pretrain.platform.logs import setup_logging
 from recipes import ConfigError
 
 log = logging.getLogger("resiliency.hf")
 # As python -m resiliency's (resiliency/cli/base.py): 1 is "the checkpoint (or check) is bad".
 EXIT_OK, EXIT_BAD, EXIT_USAGE = exit_codes.OK, 1, exit_codes.CONFIG_ERROR
+EXIT_INTERNAL = os.EX_SOFTWARE  # 70: a bug, never mistaken for "the step does not verify"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,7 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m resiliency.hf",
         description="Export checkpoints to Hugging Face transformers, import from it.",
         epilog=f"exit codes: {EXIT_OK} ok; {EXIT_BAD} the step does not verify or the check "
-        f"failed; {EXIT_USAGE} usage or config error",
+        f"failed; {EXIT_USAGE} usage or config error; {EXIT_INTERNAL} an unexpected error (a bug)",
+    )
+    parser.add_argument(
+        "--debug", action="store_true", help="log DEBUG, and the traceback of an unexpected error"
     )
     sub = parser.add_subparsers(dest="command", required=True)
     export = sub.add_parser("export", help="a published step -> a transformers model directory")
@@ -65,13 +74,13 @@ def run_export(args: argparse.Namespace) -> int:
         log.error("export: %s is not a directory (give <run dir>/steps/step-N)", args.step_dir)
         return EXIT_USAGE
     # torch and megatron-core: not for --help
-    from resiliency.hf.export import ExportError, export_step
+    from resiliency.hf.export import ExportError, StepNotVerified, export_step
 
     try:
         step = export_step(args.step_dir, args.out, args.force, args.run_id)
     except ExportError as exc:
         log.error("export: %s", exc)
-        return EXIT_BAD if "does not verify" in str(exc) else EXIT_USAGE
+        return EXIT_BAD if isinstance(exc, StepNotVerified) else EXIT_USAGE
     print(f"exported step {step.manifest.step} of {step.manifest.run_id} to {args.out}")
     if not args.check:
         return EXIT_OK
@@ -80,6 +89,9 @@ def run_export(args: argparse.Namespace) -> int:
 
     try:
         result = hf_validation_loss(args.out, step)
+    except ImportError as exc:
+        log.error("export --check needs the hf extra (pip install transformers): %s", exc)
+        return EXIT_USAGE
     except ValueError as exc:
         log.error("export --check: %s", exc)
         return EXIT_USAGE
@@ -107,7 +119,7 @@ def run_import(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         step_dir = import_hf(args.hf_dir, args.overrides)
-    except ConfigError as exc:
+    except (ConfigError, TokenizerError) as exc:
         log.error("%s", exc)
         return EXIT_USAGE
     run_id = step_dir.parent.parent.name
@@ -119,6 +131,16 @@ def run_import(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    setup_logging()
     args = build_parser().parse_args(argv)
-    return {"export": run_export, "import": run_import}[args.command](args)
+    setup_logging("DEBUG" if args.debug else "INFO")
+    try:
+        return {"export": run_export, "import": run_import}[args.command](args)
+    except Exception as exc:  # noqa: BLE001 - an uncaught error would exit 1, "does not verify"
+        log.error(
+            "%s failed unexpectedly: %s: %s (a bug; --debug logs the traceback)",
+            args.command,
+            type(exc).__name__,
+            " ".join(str(exc).split()),
+        )
+        log.debug("traceback", exc_info=True)
+        return EXIT_INTERNAL

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -14,12 +15,13 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from pretrain.data.tokenizer import Tokenizer, build_tokenizer
+from pretrain.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer
 from recipes import ConfigError
 from recipes.config.run import RunConfig
 from recipes.load import load_config_dict
 from resiliency.hf.convert import hf_config, to_hf
 from resiliency.hf.tokenizer_files import write_tokenizer_dir
+from resiliency.hf.tokenizer_json import TokenizerConversionError
 from resiliency.storage.layout import MODEL_DIR
 from resiliency.storage.manifest import Manifest
 from resiliency.storage.tokenizer_copy import TOKENIZER_DIR
@@ -30,7 +32,12 @@ WEIGHTS_FILE = "model.safetensors"
 
 
 class ExportError(Exception):
-    """The step cannot be exported (it does not verify, or its model has no HF family)."""
+    """The step cannot be exported: a usage or config problem (its model has no HF family, its
+    tokenizer cannot be read or converted, ``--out`` is in the way or cannot be written)."""
+
+
+class StepNotVerified(ExportError):
+    """The step does not verify against its manifest."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,7 @@ def open_step(step_dir: Path, run_id: str | None = None) -> VerifiedStep:
         log.info("%s", note)
     verdict = verify_step_dir(step_dir, run_id, full=True)
     if not verdict.ok or verdict.manifest is None:
-        raise ExportError(f"{step_dir} does not verify: {verdict.reason}")
+        raise StepNotVerified(f"{step_dir} does not verify: {verdict.reason}")
     return VerifiedStep(step_dir, verdict.manifest, load_config_dict(verdict.manifest.config))
 
 
@@ -77,23 +84,13 @@ def export_step(
 ) -> VerifiedStep:
     """Write the transformers directory ``out`` for the published step ``step_dir``."""
     started = time.perf_counter()
-    step = open_step(step_dir, run_id)
-    model, tokenizer = step.run.model, step.manifest.tokenizer
-    vocab = int(tokenizer["vocab_size"])
-    tensors = read_model_tensors(step.step_dir / MODEL_DIR)
-    dtype = tensors["embedding.word_embeddings.weight"].dtype
     try:
-        eod = getattr(step_tokenizer(step), "eod", None)
-        config = hf_config(model, vocab, dtype, eod)
-        weights = to_hf(tensors, model, vocab)
-    except ConfigError as exc:
+        step = open_step(step_dir, run_id)
+        config, weights = _write_export(step, out, force)
+    except (ConfigError, TokenizerError, TokenizerConversionError) as exc:
         raise ExportError(str(exc)) from None
-    _prepare_out(out, force)
-    save_file(weights, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    files = sorted((step.step_dir / TOKENIZER_DIR).glob("*"))
-    write_tokenizer_dir(out, tokenizer["kind"], files, eod, model.seq_length)
-    (out / "mcore_recipes_export.json").write_text(json.dumps(_provenance(step), indent=2) + "\n")
+    except OSError as exc:  # --out not writable, a full disk
+        raise ExportError(f"{exc.filename or out}: {exc.strerror or exc}") from None
     log.info(
         "export: step %d of run %s -> %s (%s, %d tensors, %.1f MiB, %.1f s)",
         step.manifest.step,
@@ -107,12 +104,61 @@ def export_step(
     return step
 
 
+def _write_export(
+    step: VerifiedStep, out: Path, force: bool
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """config.json, model.safetensors, the tokenizer and the provenance into ``out``; the
+    config and the weights written."""
+    model, record = step.run.model, step.manifest.tokenizer
+    vocab = int(record["vocab_size"])
+    tensors = read_model_tensors(step.step_dir / MODEL_DIR)
+    dtype = tensors["embedding.word_embeddings.weight"].dtype
+    tokenizer = step_tokenizer(step)
+    config = hf_config(model, vocab, dtype, getattr(tokenizer, "eod", None))
+    weights = to_hf(tensors, model, vocab)
+    _prepare_out(out, force)
+    save_file(weights, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    files = sorted((step.step_dir / TOKENIZER_DIR).glob("*"))
+    write_tokenizer_dir(out, record["kind"], files, tokenizer, model.seq_length)
+    (out / "mcore_recipes_export.json").write_text(json.dumps(_provenance(step), indent=2) + "\n")
+    _set_new_file_modes(out)
+    return config, weights
+
+
 def step_tokenizer(step: VerifiedStep) -> Tokenizer:
     """The run's tokenizer from the step's own copy of its files (the path it was trained
     from may be gone or re-pointed)."""
     kind = step.manifest.tokenizer["kind"]
-    path = None if kind == "byte" else str(step.step_dir / TOKENIZER_DIR)
-    return build_tokenizer(kind, path)
+    return build_tokenizer(kind, step_tokenizer_path(step))
+
+
+def step_tokenizer_path(step: VerifiedStep) -> str | None:
+    """What ``data.tokenizer_path`` reads in the step's copy: None for the byte tokenizer; the
+    copied file for a tokenizer read from one file (SentencePiece's ``.model``, a tiktoken
+    vocabulary, a lone tokenizer.json); else the copy directory. A step saved before
+    tokenizers travelled with checkpoints holds no copy: the path the run recorded."""
+    record = step.manifest.tokenizer
+    if record["kind"] == "byte":
+        return None
+    copy = step.step_dir / TOKENIZER_DIR
+    names = sorted(record.get("files") or ())
+    if not names:
+        path = record.get("path")
+        log.info("export: %s holds no tokenizer copy; reading %s", step.step_dir, path)
+        return path
+    one_file = len(names) == 1 and (record["kind"] != "huggingface" or names[0].endswith(".json"))
+    return str(copy / names[0]) if one_file else str(copy)
+
+
+def _set_new_file_modes(out: Path) -> None:
+    """Every file of ``out`` gets the mode of a new file here (0644 under umask 022):
+    safetensors writes 0600 through a temporary file, copies keep their source's mode."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in out.iterdir():
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
 
 
 def _prepare_out(out: Path, force: bool) -> None:

@@ -9,29 +9,25 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from pretrain.data.tokenizer import ByteTokenizer
+from pretrain.data.tokenizer import Tokenizer as RunTokenizer
+from resiliency.hf.tokenizer_json import (
+    TokenizerConversionError,
+    bytes_to_unicode,
+    sentencepiece_tokenizer,
+    tiktoken_tokenizer,
+)
 
 EOD_TOKEN, PAD_TOKEN = "<|endoftext|>", "<|pad|>"
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable stand-in for each byte: the alphabet of a byte-level tokenizer."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    printable += range(ord("®"), ord("ÿ") + 1)
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
+TOKENIZER_JSON, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
+# Kinds megatron-core's tokenizer libraries read, converted to a tokenizer.json here.
+LIBRARY_KINDS = ("sentencepiece", "tiktoken")
 
 
 def byte_tokenizer_json() -> dict:
     """tokenizer.json that encodes text exactly as :class:`ByteTokenizer` (UTF-8 bytes as ids
     0..255, end-of-document 256, padding 257): byte-level BPE without merges."""
     byte = ByteTokenizer()
-    vocab = {char: b for b, char in _bytes_to_unicode().items()}
+    vocab = {char: b for b, char in bytes_to_unicode().items()}
     specials = [(EOD_TOKEN, byte.eod), (PAD_TOKEN, byte.pad)]
     return {
         "version": "1.0",
@@ -79,22 +75,33 @@ def byte_tokenizer_json() -> dict:
 
 
 def write_tokenizer_dir(
-    out: Path, kind: str, files: list[Path], eod: int | None, max_length: int
+    out: Path, kind: str, files: list[Path], tokenizer: RunTokenizer, max_length: int
 ) -> None:
-    """Write ``out``'s tokenizer: the run's own files (a huggingface tokenizer), or the byte
-    tokenizer's equivalent; tokenizer_config.json added when the files hold none."""
+    """Write ``out``'s tokenizer: the run's own files (a huggingface tokenizer), or a
+    tokenizer.json that encodes as the run's ``tokenizer`` did (byte, SentencePiece, tiktoken:
+    the step's own file copied beside it); tokenizer_config.json added when the files hold
+    none."""
+    eod_text: str | None
+    pad: str | None
     if kind == "byte":
         (out / "tokenizer.json").write_text(json.dumps(byte_tokenizer_json(), ensure_ascii=False))
-        eod_text: str | None = EOD_TOKEN
-        pad: str | None = PAD_TOKEN
+        eod_text, pad = EOD_TOKEN, PAD_TOKEN
     elif kind == "huggingface":
         for path in files:
-            shutil.copy2(path, out / path.name)
+            shutil.copyfile(path, out / path.name)
         if (out / "tokenizer_config.json").exists():
             return
-        eod_text, pad = _token_text(out / "tokenizer.json", eod), None
+        eod_text, pad = _token_text(out / "tokenizer.json", tokenizer.eod), None
+    elif kind in LIBRARY_KINDS:
+        for path in files:
+            if path.name not in (TOKENIZER_JSON, TOKENIZER_CONFIG):
+                shutil.copyfile(path, out / path.name)
+        converted = library_tokenizer_json(kind, tokenizer)
+        converted.save(str(out / TOKENIZER_JSON))
+        eod_text = converted.id_to_token(tokenizer.eod)
+        pad = None if tokenizer.pad == tokenizer.eod else converted.id_to_token(tokenizer.pad)
     else:
-        raise ValueError(f"tokenizer {kind!r} has no transformers form here")
+        raise TokenizerConversionError(f"tokenizer {kind!r} has no transformers form here")
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": max_length,
@@ -102,7 +109,18 @@ def write_tokenizer_dir(
         "pad_token": pad,
         "clean_up_tokenization_spaces": False,
     }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def library_tokenizer_json(kind: str, tokenizer: RunTokenizer) -> Tokenizer:
+    """tokenizer.json of a SentencePiece or tiktoken tokenizer, from the library object
+    megatron-core loaded for the run."""
+    backend = getattr(tokenizer, "backend", None)
+    if backend is None:
+        raise TokenizerConversionError(f"{tokenizer!r} is not a megatron-core {kind} tokenizer")
+    if kind == "sentencepiece":
+        return sentencepiece_tokenizer(backend.serialized_model_proto())
+    return tiktoken_tokenizer(backend)
 
 
 def _token_text(tokenizer_json: Path, token_id: int | None) -> str | None:

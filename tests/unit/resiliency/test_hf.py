@@ -3,7 +3,10 @@ exported directory computes megatron-core's logits, and its validation loss is t
 
 from __future__ import annotations
 
+import base64
+import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -60,7 +63,7 @@ TOKENS = [
 ]
 
 
-def hf_cli(*args: str) -> subprocess.CompletedProcess:
+def hf_cli(*args: str, umask: int = -1) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
         [sys.executable, "-m", "resiliency.hf", *args],
@@ -69,6 +72,7 @@ def hf_cli(*args: str) -> subprocess.CompletedProcess:
         text=True,
         capture_output=True,
         timeout=300,
+        umask=umask,
     )
 
 
@@ -243,9 +247,9 @@ def test_qkv_split_is_megatrons_group_layout() -> None:
 
 
 # A transformers model with gpt_tiny's shape in Llama/Mixtral form, made here (no hub access).
-def _hf_model(family: str, path: Path) -> None:
+def _hf_model(family: str, path: Path, vocab_size: int = 258) -> None:
     torch.manual_seed(7)
-    common = dict(vocab_size=258, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+    common = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
                   tie_word_embeddings=False, rope_theta=10000.0)  # fmt: skip
     if family == "llama":
@@ -351,3 +355,95 @@ def test_import_refuses_a_recipe_that_is_not_the_model(stdlib_corpus: str, tmp_p
     assert len(errors) == 1 and "model.normalization=LayerNorm (transformers: RMSNorm)" in errors[0]
     assert "model.activation=swiglu" in errors[0]  # the overrides that would match
     assert not (tmp_path / "wrong").exists()
+
+
+def _library_tokenizer(kind: str, tmp: Path) -> Path:
+    """A SentencePiece model or a megatron tiktoken vocabulary, made here."""
+    if kind == "sentencepiece":
+        import sentencepiece as spm
+
+        model = io.BytesIO()
+        texts = (REPO / "resiliency" / "hf" / "export.py").read_text().splitlines()
+        spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_writer=model,
+                                       vocab_size=200, model_type="bpe", minloglevel=2)  # fmt: skip
+        (tmp / "sp.model").write_bytes(model.getvalue())
+        return tmp / "sp.model"
+    merges = [b"th", b"the", b"de", b"def", b" def", b"in", b"ing", b"  ", b"    "]
+    tokens = [bytes([i]) for i in range(256)] + merges
+    entries = [{"rank": r, "token_bytes": base64.b64encode(t).decode(), "token_str": ""}
+               for r, t in enumerate(tokens)]  # fmt: skip
+    (tmp / "vocab.json").write_text(json.dumps(entries))  # the name a GPT-2 vocabulary has too
+    return tmp / "vocab.json"
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "tiktoken"])
+def test_export_of_a_sentencepiece_or_tiktoken_step_loads_in_transformers(
+    kind: str, tmp_path: Path
+) -> None:
+    """A step whose tokenizer megatron-core's libraries read: published by import (step 0),
+    exported by the CLI, loaded back by transformers: the weights bit for bit, the tokenizer
+    encoding as the run's, every file 0644."""
+    from safetensors.torch import load_file
+
+    from pretrain.data.tokenizer import build_tokenizer
+
+    path = _library_tokenizer(kind, tmp_path)
+    run_tokenizer = build_tokenizer(kind, str(path))
+    vocab = run_tokenizer.vocab_size
+    source = tmp_path / "source"
+    _hf_model("llama", source, vocab)
+    data = ["data.kind=mock", "data.paths=[]", f"data.tokenizer={kind}",
+            f"data.tokenizer_path={path}"]  # fmt: skip
+    proc = hf_cli("import", str(source), *IMPORTED["llama"], f"model.padded_vocab_size={vocab}",
+                  *data, f"output_dir={tmp_path}", "run_id=lib")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    step0 = tmp_path / "lib" / "steps" / "step-000000000"
+
+    out = tmp_path / "hf"
+    proc = hf_cli("export", str(step0), "--out", str(out), umask=0o022)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    files = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert {"model.safetensors", "config.json", "tokenizer.json", path.name} <= files.keys()
+    assert set(files.values()) == {0o644}, files
+
+    original, exported = (
+        load_file(str(source / "model.safetensors")),
+        load_file(str(out / "model.safetensors")),
+    )
+    assert original.keys() == exported.keys()
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    for text in ["def export_step(step_dir: Path):\n    return  None", " naïve café", ""]:
+        assert tokenizer(text)["input_ids"] == run_tokenizer.tokenize(text), text
+    assert tokenizer.eos_token_id == run_tokenizer.eod
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ids = torch.tensor([run_tokenizer.tokenize("def main(argv)")])
+    assert model(input_ids=ids).logits.shape == (1, ids.shape[1], vocab)
+
+    if kind == "tiktoken":
+        return
+    # A usage problem after the step verified (here: --out under a regular file) is one line
+    # and exit 2, never 1 ("the step does not verify").
+    proc = hf_cli("export", str(step0), "--out", str(out / "config.json" / "sub"))
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    errors = [line for line in proc.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "Not a directory" in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_an_unexpected_export_error_is_one_line_and_never_exit_1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from resiliency.hf import cli, export
+
+    def broken(*args: object) -> None:
+        raise KeyError("a bug\nover two lines")
+
+    monkeypatch.setattr(export, "export_step", broken)
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", root.handlers[:])  # main sets up logging: undone after
+    monkeypatch.setattr(root, "level", root.level)
+    code = cli.main(["export", str(tmp_path), "--out", str(tmp_path / "out")])
+    assert code == cli.EXIT_INTERNAL == 70
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "export failed unexpectedly: KeyError" in lines[0], lines
