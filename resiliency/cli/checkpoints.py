@@ -13,6 +13,7 @@ from resiliency.cli.attempt_table import attempt_rows
 from resiliency.cli.base import EXIT_BAD, EXIT_OK, EXIT_USAGE, Command
 from resiliency.cli.recorded import Setting, recorded_setting, schema_default
 from resiliency.cli.remote import remote_ls
+from resiliency.cli.run_arg import resolve_run_arg
 from resiliency.cli.run_table import run_dirs, run_rows
 from resiliency.cli.verify import VERIFY, add_signing_arg, cli_signing_key
 from resiliency.monitor.goodput import build_ledger, format_ledger
@@ -55,7 +56,10 @@ def _dir_bytes(path: Path) -> int:
 
 
 def _run_layout(run_dir: str) -> RunLayout | None:
-    path = Path(run_dir)
+    path = resolve_run_arg(run_dir)
+    if isinstance(path, str):
+        print(f"error: {path}")
+        return None
     if not path.is_dir():
         print(f"error: {path} is not a directory")
         return None
@@ -297,7 +301,9 @@ def _add_lease_timeout(p: argparse.ArgumentParser) -> None:
 def _add_ls_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint-url", help="s3:// runs: the S3-compatible server (AWS_ENDPOINT_URL)")
     p.add_argument(
-        "run_dir", help="<root>/<run_id>, or s3://bucket[/prefix]/<run_id> (the remote tier)"
+        "run_dir",
+        help="<root>/<run_id>, a run id under the default output_dir (runs/), an output dir "
+        "(its runs), or s3://bucket[/prefix]/<run_id> (the remote tier)",
     )
     p.add_argument(
         "--verify",
@@ -319,7 +325,7 @@ def _step_arg(value: str) -> int:
 
 
 def _add_gc_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dir", help="<root>/<run_id>")
+    p.add_argument("run_dir", help="<root>/<run_id>, or a run id under the default output_dir")
     p.add_argument("--dry-run", action="store_true", help="print the plan, delete nothing")
     p.add_argument(
         "--keep-last",

@@ -4,26 +4,32 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from pretrain.context.run_dir import RunDir
 from resiliency.cli.base import EXIT_OK, EXIT_USAGE, Command
+from resiliency.cli.run_arg import resolve_run_arg
 from resiliency.monitor.goodput import build_ledger, format_ledger
 from resiliency.monitor.recovery import format_recovery, recoveries
 from resiliency.monitor.resizes import format_resizes, resizes, throughput_by_size
 
 
 def _add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", type=Path, help="a run dir: <output_dir>/<run_id>")
+    parser.add_argument(
+        "run_dir", help="a run dir: <output_dir>/<run_id>, or a run id under the default output_dir"
+    )
     parser.add_argument("--json", action="store_true", help="the ledger as JSON")
 
 
 def cmd_goodput(args: argparse.Namespace) -> int:
-    if not RunDir(args.run_dir).attempts_dir.is_dir():
-        print(f"error: {args.run_dir} is not a run dir (no attempts/ in it)")
+    run_dir = resolve_run_arg(args.run_dir)
+    if isinstance(run_dir, str):
+        print(f"error: {run_dir}")
         return EXIT_USAGE
-    ledger, faults = build_ledger(args.run_dir), recoveries(args.run_dir)
-    resized, sizes = resizes(args.run_dir), throughput_by_size(args.run_dir)
+    if not RunDir(run_dir).attempts_dir.is_dir():
+        print(f"error: {run_dir} is not a run dir (no attempts/ in it)")
+        return EXIT_USAGE
+    ledger, faults = build_ledger(run_dir), recoveries(run_dir)
+    resized, sizes = resizes(run_dir), throughput_by_size(run_dir)
     if args.json:
         report = {**ledger.to_dict(), "recoveries": faults, "resizes": resized, "sizes": sizes}
         print(json.dumps(report, indent=1))

@@ -17,13 +17,18 @@ from pretrain.data.tokenizer import build_tokenizer
 from recipes import ConfigError, RunConfig, load_config
 from recipes.validate import validate_runtime
 from resiliency.cli.base import EXIT_BAD, EXIT_USAGE, Command
+from resiliency.cli.run_arg import resolve_run_arg
 from resiliency.storage.layout import RunLayout, parse_step
 from resiliency.storage.manifest import ManifestError, read_manifest
 from resiliency.storage.select import select_restore_step
 
 
 def _add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("path", type=Path, help="a run dir (newest verified step) or a step dir")
+    parser.add_argument(
+        "path",
+        help="a run dir (newest verified step) or a step dir; a relative path that does not "
+        "exist is looked up under the default output_dir (runs/)",
+    )
     parser.add_argument(
         "overrides",
         nargs="*",
@@ -41,7 +46,10 @@ class BadCheckpointError(Exception):
     """The checkpoint itself fails (exit 1), as opposed to how the tool was called (exit 2)."""
 
 
-def _step_dir(path: Path) -> Path:
+def _step_dir(value: str) -> Path:
+    path = resolve_run_arg(value)
+    if isinstance(path, str):
+        raise ConfigError(path)
     if not path.is_dir():
         raise ConfigError(f"{path} does not exist or is not a directory")
     if parse_step(path.name) is not None:

@@ -18,6 +18,7 @@ from pretrain.context.run_dir import RunDir
 from recipes.checks import ConfigError
 from resiliency.cli.base import EXIT_BAD, EXIT_OK, EXIT_USAGE, Command
 from resiliency.cli.remote import remote_verify
+from resiliency.cli.run_arg import resolve_run_arg
 from resiliency.storage.layout import RunLayout
 from resiliency.storage.signing import SigningKey, key_from_env
 from resiliency.storage.verify import expected_run_id, step_of_dir, verify_step_dir
@@ -58,7 +59,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     if args.path.startswith("s3://"):
         return remote_verify(args.path, args.endpoint_url, not args.quick, key)
-    target = _classify(Path(args.path).absolute())
+    path = resolve_run_arg(args.path)
+    target = path if isinstance(path, str) else _classify(path.absolute())
     if isinstance(target, str):
         print(f"error: {target}")
         return EXIT_USAGE
@@ -126,8 +128,10 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "path",
         help="a step dir (<root>/<run_id>/steps/step-NNNNNNNNN), or a run dir (<root>/<run_id>):"
-        " every published step of it; s3://bucket[/prefix]/<run_id>[/steps/step-N] on the remote"
-        " tier (full: every object downloaded and re-hashed)",
+        " every published step of it; a relative path that does not exist is looked up under"
+        " the default output_dir (runs/): <run_id>[/steps/step-N]; s3://bucket[/prefix]/"
+        "<run_id>[/steps/step-N] on the remote tier (full: every object downloaded and"
+        " re-hashed)",
     )
     p.add_argument("--quick", action="store_true", help="check sizes only, skip checksums")
     p.add_argument(

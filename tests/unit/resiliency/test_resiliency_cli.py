@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import shutil
 import subprocess
@@ -30,10 +31,11 @@ RUN = "run-cli-001"
 SHARD = "model/__0_0.distcp"
 
 
-def cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
+def cli(*args: str | Path, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "resiliency", *map(str, args)],
-        cwd=REPO,
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
         capture_output=True,
         text=True,
         timeout=60,
@@ -125,7 +127,38 @@ def test_ls_says_what_it_checked_and_verify_rehashes(layout: RunLayout) -> None:
 
 def test_ls_missing_dir(tmp_path: Path) -> None:
     out = cli("ls", tmp_path / "nope")
+    assert out.returncode == 2 and out.stdout == f"error: {tmp_path / 'nope'} does not exist\n"
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    out = cli("ls", a_file)
     assert out.returncode == 2 and "not a directory" in out.stdout
+
+
+def test_a_run_id_names_the_run_under_the_default_output_dir(tmp_path: Path) -> None:
+    """`ls tiny` is `ls runs/tiny` where tiny is not a path (output_dir's default: runs);
+    verify, gc, goodput and validate alike; an unknown id names both places tried, exit 2."""
+    layout = RunLayout(tmp_path / "runs", RUN)
+    for step in (100, 200):
+        write_synthetic_step(layout, step, attempt=1)
+    listed = cli("ls", RUN, cwd=tmp_path)
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    assert f"run:         {layout.run_dir} (run_id {RUN})" in listed.stdout
+    verified = cli("verify", RUN, cwd=tmp_path)
+    assert verified.returncode == 0 and "all 2 step(s) verify" in verified.stdout, verified.stdout
+    step = cli("verify", f"{RUN}/steps/step-000000100", cwd=tmp_path)
+    assert step.returncode == 0 and step.stdout.startswith("OK"), step.stdout
+    gc = cli("gc", RUN, "--dry-run", cwd=tmp_path)
+    assert gc.returncode == 0 and "dry run: 0 dir(s)" in gc.stdout, gc.stdout
+    goodput = cli("goodput", RUN, cwd=tmp_path)  # resolved: a run without attempts/ yet
+    assert goodput.returncode == 2
+    assert goodput.stdout == f"error: runs/{RUN} is not a run dir (no attempts/ in it)\n"
+    for command in ("ls", "verify", "gc", "goodput", "validate"):
+        unknown = cli(command, "no-such-run", cwd=tmp_path)
+        assert unknown.returncode == 2, (command, unknown.stdout + unknown.stderr)
+        assert unknown.stdout == (
+            "error: no-such-run is neither a path nor a run id under output_dir runs/ (tried "
+            f"{tmp_path / 'no-such-run'} and {tmp_path / 'runs' / 'no-such-run'})\n"
+        ), command
 
 
 def test_verify_ok_and_bad(layout: RunLayout) -> None:
@@ -426,7 +459,7 @@ def write_step_with_config(layout: RunLayout, step: int, config: dict) -> None:
 def test_validate_exit_codes(layout: RunLayout, tmp_path: Path) -> None:
     missing = cli("validate", tmp_path / "nope")
     assert missing.returncode == 2, missing.stdout
-    assert missing.stdout == f"error: {tmp_path / 'nope'} does not exist or is not a directory\n"
+    assert missing.stdout == f"error: {tmp_path / 'nope'} does not exist\n"
     for step in layout.published_steps():
         (layout.step_dir(step) / "COMMITTED").unlink()
     bad = cli("validate", layout.run_dir)
