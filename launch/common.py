@@ -1,16 +1,25 @@
-"""What every adapter does before it renders or submits: validate, pin the config, check the run."""
+"""What every adapter does before it renders or submits: validate, pin the config, check the run.
+
+Every check that can refuse a launch runs before anything is written, so a refused launch leaves
+the run dir byte-identical; a dry run renders into a directory of its own (``dry_run_dir``),
+never into the run dir, whose pinned config a queued or running job of the run trains from.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pretrain.context import exit_codes
 from pretrain.context.run_dir import RunDir
 from pretrain.fit.timing import progress_problems, resolve_save_interval
 from recipes import ConfigError, RunConfig, load_config, to_yaml
@@ -116,6 +125,19 @@ def rank_env(run: RunConfig) -> dict[str, str]:
     return {}
 
 
+class RunDirOwned(ConfigError):
+    """The run dir's lease is held by a live job: exit LEASE_HELD (6), as the trainer's own
+    acquire would, not CONFIG_ERROR (each launcher's ``run`` maps it: ``refused_code``)."""
+
+    exit_code = exit_codes.LEASE_HELD
+
+
+def refused_code(exc: RunDirOwned) -> int:
+    """Say a refusal that has an exit code of its own in one line; its code."""
+    log.error("%s", exc)
+    return exc.exit_code
+
+
 def check_run_dir_free(plan: LaunchPlan) -> None:
     """Refuse to submit a second job onto a run whose lease a job provably alive holds (on
     this host); any other owner is judged by the trainer's own acquire, which watches it."""
@@ -125,20 +147,104 @@ def check_run_dir_free(plan: LaunchPlan) -> None:
     except ValueError:
         return  # unreadable lease: the trainer's own acquire decides
     if info is not None and owner_liveness(info.host, info.pid, info.pid_ns, info.pid_start)[0]:
-        raise ConfigError(
+        raise RunDirOwned(
             f"run dir {plan.run_dir} is owned by a live job "
             f"({info.describe()}); stop it or choose another run_id"
         )
 
 
-def write_resolved_config(plan: LaunchPlan) -> Path:
-    """Pin the resolved config in the run dir; every rank and requeue loads this file."""
-    plan.run_dir.mkdir(parents=True, exist_ok=True)
-    path = RunDir(plan.run_dir).launch_config_path
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(to_yaml(plan.run))
+class PendingWrites:
+    """Files a launch writes before its scheduler accepts it, undone when the scheduler refuses
+    it (sbatch exits non-zero): the run dir is then byte-identical (names, bytes, modes) to
+    what it was, and no requeue of an earlier job of the run trains from a config nobody
+    submitted."""
+
+    def __init__(self) -> None:
+        self._saved: dict[Path, tuple[bytes, int] | None] = {}  # None: the file was absent
+        self._made: list[Path] = []  # directories created, outermost first
+
+    def prepare(self, path: Path) -> Path:
+        """Remember what ``path`` holds (once) and create its missing parent directories;
+        for a file someone else writes (write_launcher_config)."""
+        if path not in self._saved:
+            self._saved[path] = _snapshot(path)
+        missing = [d for d in (path.parent, *path.parent.parents) if not d.exists()]
+        for directory in reversed(missing):
+            try:
+                directory.mkdir()
+            except FileExistsError:
+                continue  # made meanwhile by someone else: theirs to keep
+            self._made.append(directory)
+        return path
+
+    def write_text(self, path: Path, text: str, mode: int | None = None) -> Path:
+        """``path`` replaced atomically by ``text`` (a reader sees the old or the new file)."""
+        self.prepare(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        if mode is not None:
+            tmp.chmod(mode)
+        tmp.replace(path)
+        return path
+
+    def undo(self) -> None:
+        """Every file back as it was, every directory made removed (newest first)."""
+        for path, saved in reversed(self._saved.items()):
+            _restore(path, saved)
+        for directory in reversed(self._made):
+            try:
+                directory.rmdir()
+            except OSError as exc:  # not empty: someone else wrote there meanwhile
+                log.warning("launch: left %s in place (%s)", directory, exc.strerror or exc)
+
+
+def _snapshot(path: Path) -> tuple[bytes, int] | None:
+    try:
+        return path.read_bytes(), stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:
+        return None
+
+
+def _restore(path: Path, saved: tuple[bytes, int] | None) -> None:
+    if saved is None:
+        path.unlink(missing_ok=True)
+        return
+    data, mode = saved
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.chmod(mode)
     tmp.replace(path)
-    return path
+
+
+def write_resolved_config(
+    plan: LaunchPlan, writes: PendingWrites | None = None, directory: Path | None = None
+) -> Path:
+    """Pin the resolved config in the run dir (every rank and requeue loads this file), once
+    every check passed; or in ``directory``, a dry run's."""
+    path = RunDir(directory or plan.run_dir).launch_config_path
+    return (writes or PendingWrites()).write_text(path, to_yaml(plan.run))
+
+
+def dry_run_dir(plan: LaunchPlan, out: Path | None) -> Path:
+    """Where a dry run renders: ``out/<run_id>`` (``out`` is to a dry run what output_dir is
+    to a run, so a sweep's points do not collide), else a new temporary directory. Never the
+    run dir: a queued or running job of the run requeues from the config pinned there."""
+    if out is not None:
+        return outside_run_dir(plan, out / plan.run.run_id)
+    safe = plan.run.run_id.replace(os.sep, "_")
+    return Path(tempfile.mkdtemp(prefix=f"mcore-recipes-dry-run-{safe}-"))
+
+
+def outside_run_dir(plan: LaunchPlan, out: Path) -> Path:
+    """``out`` made absolute; ConfigError when it is the run dir or inside it (``--out`` of a
+    dry run, which writes nothing into the run dir)."""
+    out, run_dir = out.absolute(), plan.run_dir.absolute()
+    if out == run_dir or run_dir in out.parents:
+        raise ConfigError(
+            f"--out: a dry run never writes into the run dir {run_dir}, and {out} is in it; "
+            "choose a folder outside it (or leave --out out: a new temporary folder)"
+        )
+    return out
 
 
 def submission_path(run_dir: Path, backend: str) -> Path:
@@ -205,14 +311,9 @@ def check_fit(plan: LaunchPlan) -> None:
 
 
 def _check_fit_at(plan: LaunchPlan, resize: list[str]) -> None:
-    # A process of its own: the plan initialises a fake process group and megatron-core.
-    cmd = [sys.executable, "-m", "pretrain", *plan.overrides, *resize, "--plan", "--json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if proc.returncode not in (0, 1):
-        reason = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        log.warning("fit check skipped (the plan failed: %s)", reason)
+    result = _plan_result(plan, resize)
+    if result is None:
         return
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
     peak = max(result["memory"], key=lambda m: m["total"])
     log.info(
         "fit check: stage %d needs %.1f GiB of %.1f GiB usable on %s",
@@ -230,6 +331,24 @@ def _check_fit_at(plan: LaunchPlan, resize: list[str]) -> None:
         f"smallest change that fits: {fix} (details: python -m pretrain "
         f"{' '.join([*plan.overrides, *resize])} --plan; submit anyway with --skip-fit-check)"
     )
+
+
+def _plan_result(plan: LaunchPlan, resize: list[str]) -> dict | None:
+    """``python -m pretrain --plan --json`` for the launch's overrides; None, with a warning,
+    where the plan cannot be made here (exit 2: the tokenizer's files are elsewhere; or it
+    crashed: exit 1 without its JSON line)."""
+    # A process of its own: the plan initialises a fake process group and megatron-core.
+    cmd = [sys.executable, "-m", "pretrain", *plan.overrides, *resize, "--plan", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    last = (proc.stdout.strip().splitlines() or [""])[-1]
+    if proc.returncode in (0, 1) and last.startswith("{"):
+        try:
+            return json.loads(last)
+        except json.JSONDecodeError:
+            pass
+    reason = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    log.warning("fit check skipped (the plan failed, exit %d: %s)", proc.returncode, reason)
+    return None
 
 
 def uploader_args(run: RunConfig, run_dir: Path | str, follow: bool) -> list[str] | None:

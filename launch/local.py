@@ -1,22 +1,21 @@
 """Run on this machine under torchrun or nvidia-resiliency-ext's ft_launcher, then decide.
 
-``python -m launch local [--nproc N] [--max-restarts K] key=value ...`` validates the overrides,
-pins the resolved config in ``<run_dir>/launch-config.yaml`` and runs the launcher chosen by
-``launch.backend``:
+`python -m launch local [--nproc N] [--max-restarts K] key=value ...` validates the overrides,
+pins the resolved config in <run_dir>/launch-config.yaml and runs the launcher chosen by
+launch.backend:
 
-* ``ft_launcher``: rank monitors watch the sections every rank reports
-  (:mod:`resiliency.monitor.fault_tolerance`);
-  a hung or dead rank gets the whole worker group torn down and restarted in place (at most K
-  times), resuming from the newest verified checkpoint. Ranks that fail deterministically ask
-  ft_launcher not to restart.
-* ``torchrun``: torchrun runs once per launch; this wrapper relaunches it after
-  infrastructure failures, at most K times.
+* ft_launcher: rank monitors watch the sections every rank reports
+  (resiliency/monitor/fault_tolerance.py); a hung or dead rank gets the whole worker group
+  torn down and restarted in place (at most K times), resuming from the newest verified
+  checkpoint. Ranks that fail deterministically ask ft_launcher not to restart.
+* torchrun: torchrun runs once per launch; this wrapper relaunches it after infrastructure
+  failures, at most K times.
 
-The launcher's output is passed through (and kept in ``<run_dir>/launch-local.log``) and read
-for the events the attempt records need (detection, teardown, exit codes, monitor timeouts).
-When the launcher is done, each attempt of this launch gets its root cause, losses and RTO
-(:mod:`resiliency.monitor.postmortem`), and the exit code comes from :mod:`launch.retry_policy`:
-0 when finished, REQUEUE (75) after a preemption, a "do not retry" code otherwise
+The launcher's output is passed through (and kept in <run_dir>/launch-local.log) and read for
+the events the attempt records need (detection, teardown, exit codes, monitor timeouts). When
+the launcher is done, each attempt of this launch gets its root cause, losses and RTO
+(resiliency/monitor/postmortem.py), and the exit code comes from launch/retry_policy.py: 0
+when finished, REQUEUE (75) after a preemption, a "do not retry" code otherwise
 (RETRY_BUDGET_EXHAUSTED after K restarts). SIGTERM/SIGINT are forwarded to the launcher, whose
 ranks make an emergency save.
 """
@@ -26,6 +25,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,13 +36,17 @@ from pathlib import Path
 from types import FrameType
 from typing import IO
 
+import psutil
+
 from launch import spares
 from launch.common import (
     LaunchPlan,
+    RunDirOwned,
     check_remote_tier,
     check_run_dir_free,
     plan_launch,
     rank_env,
+    refused_code,
     uploader_args,
     worker_module,
     write_resolved_config,
@@ -52,6 +57,7 @@ from launch.elastic import (
     nodes_it_may_lose,
     workers_stop_timeout_s,
 )
+from launch.processes import rank_workers
 from launch.retry_policy import (
     STOP,
     Decision,
@@ -61,7 +67,7 @@ from launch.retry_policy import (
     read_outcome,
 )
 from launch.standby.launch import Standby, standby_env
-from pretrain.context import exit_codes
+from pretrain.context import exit_codes, interrupts
 from pretrain.context.run_dir import RunDir
 from pretrain.context.startup_clock import host_clock
 from recipes import ConfigError
@@ -74,6 +80,12 @@ from resiliency.storage.layout import RunLayout
 log = logging.getLogger(__name__)
 LOG_NAME = "launch-local.log"
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
+# Exits after which the same launch continues the run from its newest verified step.
+RESUMABLE = frozenset({exit_codes.INTERRUPTED, exit_codes.REQUEUE, exit_codes.INFRASTRUCTURE,
+                       exit_codes.RETRY_BUDGET_EXHAUSTED})  # fmt: skip
+# The launcher dies with this process (util-linux's setpriv: no preexec_fn in a process
+# with threads); where setpriv is missing it outlives a SIGKILL of this one, as an orphan.
+_DIE_WITH_PARENT = ["setpriv", "--pdeathsig", "KILL", "--"] if shutil.which("setpriv") else []
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,6 +106,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.nproc is not None:
         overrides = [*overrides, f"launch.nproc_per_node={args.nproc}"]
+    try:
+        plan = _checked_plan(overrides)
+    except RunDirOwned as exc:
+        return refused_code(exc)
+    # Only now, every check passed: a refused launch leaves the run dir byte-identical.
+    config = write_resolved_config(plan)
+    budget = plan.run.resiliency.max_restarts if args.max_restarts is None else args.max_restarts
+    return LocalSupervisor(plan, config, budget).run()
+
+
+def _checked_plan(overrides: list[str]) -> LaunchPlan:
+    """Every check the launcher makes before it writes anything: the config and the layout,
+    elastic's limits, a live owner of the run dir, the object store."""
     plan = plan_launch(overrides)
     if plan.run.parallel.elastic:
         if plan.device == "cuda":
@@ -104,9 +129,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         check_launcher_release()
     check_run_dir_free(plan)
     check_remote_tier(plan)
-    config = write_resolved_config(plan)
-    budget = plan.run.resiliency.max_restarts if args.max_restarts is None else args.max_restarts
-    return LocalSupervisor(plan, config, budget).run()
+    return plan
 
 
 def launcher_command(
@@ -118,7 +141,10 @@ def launcher_command(
     common = [*(rendezvous or ["--standalone"]), f"--nproc-per-node={run.launch.nproc_per_node}"]
     tail = ["-m", worker_module(run), "--config", str(config)]
     if run.launch.backend == "torchrun":
-        return [str(bin_dir / "torchrun"), *common, "--max-restarts=0", *tail]
+        # launch.torchrun: torchrun in-process, whose exit is the failing rank's code and whose
+        # stop by a signal is one line (bare torchrun re-raises it as a traceback).
+        launcher = [sys.executable, "-m", "launch.torchrun"]
+        return [*launcher, *common, "--max-restarts=0", *tail]
     ft = run.resiliency.ft
     return [
         str(bin_dir / "ft_launcher"),
@@ -129,6 +155,9 @@ def launcher_command(
         # SIGTERM -> SIGKILL grace: room for the ranks' emergency save.
         f"--term-timeout={run.resiliency.emergency_save_timeout_s + 30:.0f}",
         f"--ft-cfg-path={write_launcher_config(run, plan.run_dir)}",
+        # nvrx's CLI default (true) overrides the config file's enable_nic_monitor: said again
+        # here, or a CPU host logs an NVML traceback per rank monitor.
+        f"--ft-enable-nic-monitor={str(run.launch.gpus_per_node > 0).lower()}",
         *tail,
     ]
 
@@ -205,6 +234,7 @@ class LocalSupervisor:
         self.layout = RunLayout.from_run_dir(plan.run_dir)
         self.events = LauncherEvents()
         self.signal: int | None = None
+        self.interrupted_at: float | None = None  # the first Ctrl-C (SIGINT), monotonic
         self.child: subprocess.Popen[str] | None = None
         self.nodes: ElasticNodes | None = None  # parallel.elastic: the launchers acting as nodes
         self.keep_lock = threading.Lock()
@@ -212,6 +242,10 @@ class LocalSupervisor:
         self.tokens_per_step = run.tokens_per_step
 
     def run(self) -> int:
+        if not _names_run_id(self.plan.overrides):
+            run = self.plan.run
+            log.info("launch local: new run %r in %s/ (continue it with run_id=%s)",
+                     run.run_id, run.output_dir, run.run_id)  # fmt: skip
         uploader = Uploader(self.plan)
         uploader.start()
         standby = Standby(self.plan.run_dir) if self.plan.run.launch.standby else None
@@ -223,6 +257,8 @@ class LocalSupervisor:
             caught_up = uploader.finish()
         if code == exit_codes.OK and not caught_up:
             return exit_codes.REMOTE_BEHIND
+        if code in RESUMABLE:  # the last line: what continues this run from its newest step
+            log.info("launch local: exit %d; resume with: %s", code, resume_command(self.plan))
         return code
 
     def _supervise(self) -> int:
@@ -239,12 +275,15 @@ class LocalSupervisor:
                     log.info("launch local: finished (no attempt record: checkpoints are off)")
                     return exit_codes.OK
                 decision = self._decide(before)
+                if self.interrupted_at is not None and decision.exit_code != exit_codes.OK:
+                    return exit_codes.INTERRUPTED  # the user's stop: no retry, no requeue
                 if decision.action == STOP:
                     return decision.exit_code
                 if self.signal is not None or self._preempted(before):
                     return exit_codes.REQUEUE  # the caller (scheduler, user) requeues
                 log.warning("relaunching: %s", decision.reason)
-            return exit_codes.REQUEUE  # stopped by a signal before (re)launching
+            # stopped by a signal before (re)launching
+            return exit_codes.INTERRUPTED if self.interrupted_at else exit_codes.REQUEUE
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -282,7 +321,11 @@ class LocalSupervisor:
             before,
             seen_exits=seen,
         )
-        log.info("launch local: %s", decision.line())
+        if self.interrupted_at is not None:
+            outcome = read_outcome(self.plan.run_dir, before)
+            log.info("launch local: stopped by Ctrl-C (%s)", outcome.detail)
+        else:
+            log.info("launch local: %s", decision.line())
         return decision
 
     def _preempted(self, before: int) -> bool:
@@ -292,6 +335,9 @@ class LocalSupervisor:
     def _launch(self, restarts: int) -> int:
         standby = standby_env(self.plan.run_dir) if self.plan.run.launch.standby else {}
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **standby, **rank_env(self.plan.run)}
+        env["PYTHONWARNINGS"] = _quiet_pynvml(env.get("PYTHONWARNINGS"))
+        # torchrun sets 1 itself when unset, with a banner of warnings saying so.
+        env.setdefault("OMP_NUM_THREADS", "1")
         if self.plan.run.parallel.elastic:
             return self._launch_nodes(restarts, env)
         cmd = launcher_command(self.plan, self.config, restarts)
@@ -299,9 +345,14 @@ class LocalSupervisor:
         started = time.time()
         keep = _open_kept_log(self.plan.run_dir / LOG_NAME)
         try:
+            # Its own process group: a terminal's Ctrl-C (or a signal to this job's group)
+            # reaches the launcher once, forwarded from here, not twice (a second signal
+            # inside torch elastic's shutdown abandons it with a traceback). It dies with
+            # this process all the same (PR_SET_PDEATHSIG), as a group member would.
             self.child = subprocess.Popen(
-                cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=1
-            )
+                [*_DIE_WITH_PARENT, *cmd], env=env, text=True, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, bufsize=1, process_group=0,
+            )  # fmt: skip
             assert self.child.stdout is not None
             self._pump(self.child.stdout, keep)
             code = self.child.wait()
@@ -309,7 +360,7 @@ class LocalSupervisor:
             _close_quietly(keep)
         self.events.launches.append([started, time.time()])
         self.child = None
-        log.info("launch local: %s exited %d", Path(cmd[0]).name, code)
+        log.info("launch local: %s exited %d", self.plan.run.launch.backend, code)
         return code
 
     def _launch_nodes(self, restarts: int, env: dict[str, str]) -> int:
@@ -360,6 +411,15 @@ class LocalSupervisor:
         sys.stderr.flush()
 
     def _forward(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT:
+            now = time.monotonic()
+            if self.interrupted_at is not None:
+                if now - self.interrupted_at >= interrupts.SAME_PRESS_S:
+                    self._stop_at_once()
+                return  # within SAME_PRESS_S: the same press, delivered again
+            self.interrupted_at = now
+            log.warning("launch local: Ctrl-C: the ranks stop after the step in flight with an "
+                        "emergency save; Ctrl-C again to stop at once without it")  # fmt: skip
         self.signal = signum
         if self.nodes is not None:
             log.warning("launch local: forwarding %s to the nodes", signal.Signals(signum).name)
@@ -367,6 +427,38 @@ class LocalSupervisor:
         if self.child is not None and self.child.poll() is None:
             log.warning("launch local: forwarding %s to the launcher", signal.Signals(signum).name)
             self.child.send_signal(signum)
+
+    def _stop_at_once(self) -> None:
+        """A second Ctrl-C: each rank is told again and exits 130 at once, without a save
+        (pretrain/context/interrupts.py); the launcher then ends as its workers did."""
+        log.warning("launch local: second Ctrl-C: stopping the ranks now, without an "
+                    "emergency save (the last published step is intact)")  # fmt: skip
+        for rank, proc in sorted(rank_workers(self.plan.run_dir).items()):
+            try:
+                proc.send_signal(signal.SIGINT)
+            except psutil.Error as exc:
+                log.info("launch local: rank %d: %s", rank, exc)
+
+
+def _quiet_pynvml(user: str | None) -> str:
+    """torch.cuda warns at import that the pynvml package (an nvrx dependency) is deprecated:
+    the launcher processes import it before any logging setup could filter it. Kept out of a
+    normal run's output; the user's own PYTHONWARNINGS come first and still apply."""
+    quiet = "ignore:The pynvml package is deprecated:FutureWarning"
+    return f"{user},{quiet}" if user else quiet
+
+
+def _names_run_id(overrides: list[str]) -> bool:
+    return any(o.lstrip("+").startswith("run_id=") for o in overrides)
+
+
+def resume_command(plan: LaunchPlan) -> str:
+    """The command line that continues this run: the same overrides, its run_id named."""
+    python = os.path.relpath(sys.executable)
+    if python.startswith(".."):
+        python = sys.executable
+    overrides = [o for o in plan.overrides if not o.lstrip("+").startswith("run_id=")]
+    return shlex.join([python, "-m", "launch", "local", *overrides, f"run_id={plan.run.run_id}"])
 
 
 def _open_kept_log(path: Path) -> IO[str] | None:

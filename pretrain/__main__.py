@@ -11,12 +11,12 @@ import time
 
 from omegaconf import OmegaConf
 
-from pretrain.context import exit_codes
+from pretrain.context import exit_codes, interrupts
 from pretrain.context.early_start import start_early
 from pretrain.fit.timing import resolve_save_interval
 from pretrain.platform.logs import setup_logging
 from recipes import ConfigError, RunConfig, load_config, to_yaml
-from recipes.cli_args import CliRequest, has_sweep, parse_args, sweep_points
+from recipes.cli_args import CliRequest, parse_args, refuse_sweep, sweep_points
 from recipes.cli_args import translate as translate_overrides
 from recipes.describe import catalogue, composed_keys, describe_keys, format_keys
 from recipes.inputs import DataInputError, check_environment, check_inputs
@@ -42,12 +42,24 @@ options:
                        (default: launch.gpu),
                        --vocab N (without the tokenizer's files), --json; exit 1: does not fit
   --config FILE        a resolved config written by a launcher (pins the run)
+  --config-dir DIR     also take recipes and group options from DIR/<group>/<name>.yaml
   hydra.run.dir=DIR    the output dir (as output_dir=DIR); other hydra.* keys are refused
-exit codes: 0 ok, 2 config error, 9 missing data or tokenizer files (docs/reference/exit-codes.md)
+exit codes: 0 ok, 2 config error, 9 missing data or tokenizer files, 130 Ctrl-C (after the
+  emergency save); all in docs/reference/exit-codes.md
 """
 
 
 def main(argv: list[str]) -> int:
+    """The exit code of one command line; a Ctrl-C before training starts is one line, 130."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        if _first_rank():
+            log.warning("interrupted (Ctrl-C) before training started: nothing was saved")
+        return exit_codes.INTERRUPTED
+
+
+def _main(argv: list[str]) -> int:
     setup_logging("INFO")
     try:
         req = parse_args(argv)
@@ -61,8 +73,12 @@ def main(argv: list[str]) -> int:
             return _print_config(req)
         if req.plan:
             return _plan(req)
-        if req.multirun or has_sweep(req.overrides):
+        if req.multirun:
             return _sweep(req)
+        refuse_sweep(req.overrides)  # a comma without -m: one line, never one run per value
+        # From here on a Ctrl-C is a stop request: the ranks agree on it at the end of a step,
+        # make the emergency save and exit 130 (no KeyboardInterrupt in the middle of a step).
+        interrupts.install()
         run, device, dp = _prepare(_load(req))
     except ConfigError as exc:
         # Every rank composed the same config and found the same error: said once, by rank 0.
@@ -239,4 +255,9 @@ def _prepare(run: RunConfig) -> tuple[RunConfig, str, int]:
 
 
 if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
+
+
+def cli() -> None:
+    """``mcore-pretrain`` (pyproject.toml's scripts): ``python -m pretrain``, same exit codes."""
     sys.exit(main(sys.argv[1:]))

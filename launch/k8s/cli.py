@@ -7,18 +7,19 @@
   python -m launch k8s logs NAME [--namespace NS] [--replica master|worker] [--index I] [--tail N]
   python -m launch k8s delete NAME [--namespace NS]
 
-The first word after ``k8s`` picks the action when it is ``status``, ``logs`` or ``delete``;
-otherwise every word is a config override and the run is rendered as a ConfigMap (the pinned
-config, mounted at /etc/mcore-recipes) plus a ``kubeflow.org/v1`` PyTorchJob, validated against
-the operator's CRD (see launch.k8s.schema) and written to ``<output_dir>/<run_id>/k8s/NAME.yaml``
-(or ``--out``). ``--dry-run`` prints it; without, the run dir is checked for a live owner, the
-layout's memory per GPU is checked against ``launch.gpu`` (``python -m pretrain --plan``), and
-both objects are created with the kubernetes client (in-cluster credentials in a pod, else
-$KUBECONFIG or ~/.kube/config), and the job is made the ConfigMap's owner, so deleting the job
-(``k8s delete`` or kubectl) deletes its ConfigMap. Inside the pods ``output_dir`` is
-``launch.k8s.shared_mount``.
-``--namespace`` (default: ``default``) applies to status/logs/delete; a submission uses
-``launch.k8s.namespace``.
+The first word after `k8s` picks the action when it is status, logs or delete; otherwise every
+word is a config override and the run is rendered as a ConfigMap (the pinned config, mounted
+at /etc/mcore-recipes) plus a kubeflow.org/v1 PyTorchJob, validated against the operator's CRD
+(launch/k8s/schema.py). The progress check and the layout's memory per GPU against launch.gpu
+(`python -m pretrain --plan`) refuse what cannot run, with --dry-run too. --dry-run prints the
+manifest (and writes it to --out FILE when given), never writing into the run dir; without,
+the run dir is checked for a live owner, both objects are created with the kubernetes client
+(in-cluster credentials in a pod, else $KUBECONFIG or ~/.kube/config), and the job is made the
+ConfigMap's owner, so deleting the job (`k8s delete` or kubectl) deletes its ConfigMap; only
+once the cluster took the job are the manifest (<output_dir>/<run_id>/k8s/NAME.yaml, or --out)
+and the pinned config written into the run dir. Inside the pods output_dir is
+launch.k8s.shared_mount. --namespace (default: default) applies to status/logs/delete; a
+submission uses launch.k8s.namespace.
 """
 
 from __future__ import annotations
@@ -33,13 +34,16 @@ from typing import Any
 
 from launch.common import (
     LaunchPlan,
+    RunDirOwned,
     check_fit,
     check_progress,
     check_remote_tier,
     check_run_dir_free,
+    outside_run_dir,
     plan_launch,
     record_submission,
     refuse_elastic,
+    refused_code,
     write_resolved_config,
 )
 from launch.k8s import api as k8s_api
@@ -62,11 +66,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="render, validate and print the manifest; submit nothing",
     )
-    parser.add_argument("--out", type=Path, help="write the manifest here instead of the run dir")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="write the manifest here instead of the run dir (--dry-run: besides printing it)",
+    )
     parser.add_argument(
         "--skip-fit-check",
         action="store_true",
-        help="submit even if `python -m pretrain --plan` says the layout does not fit",
+        help="submit (or render) even if `python -m pretrain --plan` says the layout does not fit",
     )
     parser.add_argument(
         "--skip-progress-check",
@@ -100,6 +108,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     except k8s_api.K8sError as exc:
         log.error("%s", exc)
         return exit_codes.INFRASTRUCTURE
+    except RunDirOwned as exc:
+        return refused_code(exc)
 
 
 def render_run(overrides: list[str]) -> tuple[LaunchPlan, Rendered]:
@@ -118,23 +128,38 @@ def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
             "--namespace is for status/logs/delete; to submit elsewhere set launch.k8s.namespace"
         )
     plan, rendered = render_run(overrides)
+    _check(args, plan)
+    text = to_manifest_yaml(rendered.objects)
+    if args.dry_run:
+        if args.out is not None:
+            _write(args.out, text)
+        print(text, end="")
+        return exit_codes.OK
+    return _submit(args, plan, rendered, text)
+
+
+def _check(args: argparse.Namespace, plan: LaunchPlan) -> None:
+    """Every check that can refuse the job, the dry run's too, before anything is written."""
+    if args.dry_run and args.out is not None:
+        outside_run_dir(plan, args.out)  # before the slow checks
     if not args.skip_progress_check:  # a pod has no time limit: the grace is what is judged
         grace = plan.run.launch.k8s.termination_grace_s
         check_progress(plan, None, grace, "launch.k8s.termination_grace_s")
-    text = to_manifest_yaml(rendered.objects)
-    path = args.out or plan.run_dir / "k8s" / f"{rendered.name}.yaml"
-    if args.dry_run:
-        _write(path, text)
-        print(text, end="")
-        return exit_codes.OK
-    check_run_dir_free(plan)
-    if not args.skip_remote_check:  # seconds at most: before the fit check's model plan
-        check_remote_tier(plan)
-    if not args.skip_fit_check:
+    if not args.dry_run:
+        check_run_dir_free(plan)
+        if not args.skip_remote_check:  # seconds at most: before the fit check's model plan
+            check_remote_tier(plan)
+    if not args.skip_fit_check:  # the dry run too: it says what a submission would
         check_fit(plan)
+
+
+def _submit(args: argparse.Namespace, plan: LaunchPlan, rendered: Rendered, text: str) -> int:
+    created = k8s_api.submit(k8s_api.api_client(), rendered)
+    # Only now, the cluster having taken the job: a refused submission leaves the run dir as
+    # it was. The pods read their config from the ConfigMap; these are the run's record.
+    path = args.out or plan.run_dir / "k8s" / f"{rendered.name}.yaml"
     _write(path, text)
     write_resolved_config(dataclasses.replace(plan, run=rendered.pod_run))
-    created = k8s_api.submit(k8s_api.api_client(), rendered)
     record_submission(
         plan,
         "k8s",

@@ -1,10 +1,14 @@
 """Submit a run to Slurm with sbatch: one launcher per node, emergency save on USR1, self-requeue.
 
-``python -m launch slurm [--dry-run] key=value ...`` validates the overrides for the launch
-layout (launch.nodes x launch.nproc_per_node), refuses a run directory a live job owns, pins
-the resolved config in ``<run_dir>/launch-config.yaml``, renders
-``<run_dir>/slurm/<run_id>.sbatch`` and submits it (``sbatch --parsable``), printing the job id.
-``python -m launch slurm status|logs|cancel NAME`` follows a job (launch/slurm/manage.py).
+`python -m launch slurm [--dry-run [--out DIR]] key=value ...` validates the overrides for the
+launch layout (launch.nodes x launch.nproc_per_node), refuses a run directory a live job owns,
+a job that would not make progress and a layout that does not fit its GPUs, then pins the
+resolved config in <run_dir>/launch-config.yaml, renders <run_dir>/slurm/<run_id>.sbatch and
+submits it (`sbatch --parsable`), printing the job id; when sbatch refuses the job, what was
+written is undone. --dry-run runs the same checks and renders the same files into
+DIR/<run_id> (default: a new temporary folder), never into the run dir, and prints the
+script's path.
+`python -m launch slurm status|logs|cancel NAME` follows a job (launch/slurm/manage.py).
 """
 
 from __future__ import annotations
@@ -19,12 +23,16 @@ from pathlib import Path
 
 from launch.common import (
     LaunchPlan,
+    PendingWrites,
+    RunDirOwned,
     check_fit,
     check_progress,
     check_remote_tier,
     check_run_dir_free,
+    dry_run_dir,
     plan_launch,
     record_submission,
+    refused_code,
     write_resolved_config,
 )
 from launch.elastic import check_launcher_release
@@ -33,7 +41,7 @@ from launch.slurm.script import ScriptInputs, render_sbatch, runs_image_code
 from pretrain.context.run_dir import RunDir
 from recipes import ConfigError, RunConfig
 from recipes.inputs import check_inputs
-from resiliency.monitor.fault_tolerance import write_launcher_config
+from resiliency.monitor.fault_tolerance import LAUNCHER_CONFIG_FILE, write_launcher_config
 from resiliency.storage.manifest import code_commit, image_digest
 
 log = logging.getLogger(__name__)
@@ -43,12 +51,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dry-run",
         action="store_true",
-        help="render the batch script into the run dir, do not submit it",
+        help="check and render as a submission would, into --out DIR (default: a new "
+        "temporary directory), never into the run dir; submit nothing",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="--dry-run: render into DIR/<run_id>/ (launch-config.yaml, slurm/<run_id>.sbatch) "
+        "instead of a new temporary folder",
     )
     parser.add_argument(
         "--skip-fit-check",
         action="store_true",
-        help="submit a GPU job even if `python -m pretrain --plan` says it does not fit",
+        help="submit (or render) a GPU job even if `python -m pretrain --plan` says it does "
+        "not fit",
     )
     parser.add_argument(
         "--skip-progress-check",
@@ -84,12 +100,29 @@ def _check_elastic(plan: LaunchPlan) -> None:
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if overrides and overrides[0] in ACTIONS:
         return manage(overrides[0], overrides[1:], args.tail)
+    if args.out is not None and not args.dry_run:
+        raise ConfigError("--out DIR is where --dry-run renders; a submission renders into the "
+                          "run dir")  # fmt: skip
+    try:
+        plan, text = _checked(args, overrides)
+    except RunDirOwned as exc:
+        return refused_code(exc)
+    if args.dry_run:
+        return _dry_run(plan, text, args.out)
+    return _submit(plan, text, _find_sbatch())
+
+
+def _checked(args: argparse.Namespace, overrides: list[str]) -> tuple[LaunchPlan, str]:
+    """Every check that can refuse the job, the dry run's too, before anything is written:
+    the plan and the rendered script."""
     # A dry run renders for a cluster whose file systems may not be mounted here: missing
     # inputs are reported, not fatal (a submission checks them).
     plan = _absolute_output_dir(plan_launch(overrides, not args.dry_run, time_limit=True))
     _check_elastic(plan)
     if args.dry_run:
         _warn_on_missing_inputs(plan)
+        if args.out is not None:  # refused inside the run dir before the slow checks
+            dry_run_dir(plan, args.out)
     check_run_dir_free(plan)
     slurm = plan.run.launch.slurm
     if not args.skip_progress_check:
@@ -97,28 +130,56 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             plan, slurm.time_limit_s, slurm.signal_grace_s, "launch.slurm.signal_grace_s"
         )
     _warn_on_short_grace(plan)
-    text = render(plan)  # before writing anything: a value it cannot render is bad input too
+    text = render(plan)  # a value it cannot render is bad input too
     # After every check of the input: a bad value is reported as such, on any machine.
     if not args.dry_run and not args.skip_remote_check:  # before the fit check's model plan
         check_remote_tier(plan)
-    if not args.dry_run and not args.skip_fit_check:
+    if not args.skip_fit_check:  # the dry run too: it says what a submission would
         check_fit(plan)
-    sbatch = None if args.dry_run else _find_sbatch()
-    write_resolved_config(plan)
-    if plan.run.launch.backend == "ft_launcher":
-        write_launcher_config(plan.run, plan.run_dir)
-    script = write_script(plan, text)
-    if sbatch is None:
-        log.info("dry run: rendered %s (not submitted)", script)
-        print(script)
-        return 0
-    job_id = submit(sbatch, script)
+    return plan, text
+
+
+def _dry_run(plan: LaunchPlan, text: str, out: Path | None) -> int:
+    """The files a submission would write, into a directory of the dry run's own; the script
+    is the one a submission submits (its paths name the run dir)."""
+    directory = dry_run_dir(plan, out)
+    script = _write_run_files(plan, text, PendingWrites(), directory)
+    log.info(
+        "dry run: rendered %s and %s (not submitted; nothing written to %s)",
+        script,
+        RunDir(directory).launch_config_path,
+        plan.run_dir,
+    )
+    print(script)
+    return 0
+
+
+def _submit(plan: LaunchPlan, text: str, sbatch: str) -> int:
+    """Pin the config and the script, then submit. The config must be in place before sbatch
+    returns (the job may start at once), so a job sbatch refuses has them undone."""
+    writes = PendingWrites()
+    try:
+        script = _write_run_files(plan, text, writes, plan.run_dir)
+        job_id = submit(sbatch, script)
+    except (ConfigError, OSError):  # sbatch refused it, or the run dir took no file: no job
+        writes.undo()
+        raise
     record_submission(plan, "slurm", {"job_id": job_id, "script": str(script)})
     log.info(
         "submitted job %s for run %s (output: %s/slurm/)", job_id, plan.run.run_id, plan.run_dir
     )
     print(job_id)
     return 0
+
+
+def _write_run_files(plan: LaunchPlan, text: str, writes: PendingWrites, directory: Path) -> Path:
+    """The pinned config, ft_launcher's config and the batch script, under ``directory``;
+    the script's path."""
+    write_resolved_config(plan, writes, directory)
+    if plan.run.launch.backend == "ft_launcher":
+        write_launcher_config(plan.run, writes.prepare(directory / LAUNCHER_CONFIG_FILE).parent)
+    script = directory / "slurm" / f"{plan.run.run_id}.sbatch"
+    return writes.write_text(script, text, mode=0o755)
 
 
 def _absolute_output_dir(plan: LaunchPlan) -> LaunchPlan:
@@ -187,14 +248,6 @@ def render(plan: LaunchPlan) -> str:
         image_digest=image_digest(),
     )
     return render_sbatch(plan.run, inputs)
-
-
-def write_script(plan: LaunchPlan, text: str) -> Path:
-    path = plan.run_dir / "slurm" / f"{plan.run.run_id}.sbatch"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    path.chmod(0o755)
-    return path
 
 
 def submit(sbatch: str, script: Path) -> str:

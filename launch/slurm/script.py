@@ -40,6 +40,32 @@ STEP_SLACK_S = 60
 ONE_TASK_PER_NODE = ('--nodes="$SLURM_NNODES"', '--ntasks="$SLURM_NNODES"', "--ntasks-per-node=1")
 
 
+# A multi-node GPU job's NCCL environment, each only where the submitting environment
+# (--export=ALL) and launch.slurm.env leave it unset. The first three are what Megatron-Bridge's
+# Slurm executor sets for its jobs (scripts/performance/utils/executors.py, PERF_ENV_VARS).
+NCCL_DEFAULTS = {
+    # NCCL's buffers are freed when their collective ends, not held by record_stream
+    "TORCH_NCCL_AVOID_RECORD_STREAMS": "1",
+    # NCCL's kernels on high-priority CUDA streams, ahead of the compute they overlap
+    "TORCH_NCCL_HIGH_PRIORITY": "1",
+    # no NVLink SHARP: its buffers' GPU memory goes to the model
+    "NCCL_NVLS_ENABLE": "0",
+    # a failed or timed-out collective ends the rank (torch's default since 2.2; an image with
+    # an older torch would hang until the time limit): the job's retry policy takes over
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+    # InfiniBand's ack timeout 4.096 us x 2^22 = 17 s (NCCL's default 20: 4.3 s): congestion
+    # on a large fabric is retried instead of failing the collective
+    "NCCL_IB_TIMEOUT": "22",
+    # NCCL's own warnings and errors in the job's log, for the post-mortem
+    "NCCL_DEBUG": "WARN",
+}
+
+# The NCCL environment the ranks get, on one line of the job's log.
+SHOW_NCCL_ENV = (
+    "echo \"NCCL environment: $(env | grep -E '^(TORCH_)?NCCL_' | sort | tr '\\n' ' ')\""
+)
+
+
 class _ScriptTemplate(Template):
     delimiter = "@@"  # bash itself uses $, @ and % everywhere
 
@@ -87,6 +113,7 @@ def render_sbatch(run: RunConfig, inputs: ScriptInputs) -> str:
             f"export {k}={_q(v)}" for k, v in {**rank_env(run), **slurm.env}.items()
         )
         or "# (no layout-specific environment)",
+        "nccl_env": _nccl_env(run),
         "shutdown_timeout": str(math.ceil(run.resiliency.emergency_save_timeout_s) + STEP_SLACK_S),
         "passthrough": _passthrough_lines(slurm.env_passthrough),
         "train_step": _train_step(run, inputs),
@@ -100,6 +127,20 @@ def render_sbatch(run: RunConfig, inputs: ScriptInputs) -> str:
         "remote_behind": str(exit_codes.REMOTE_BEHIND),
     }
     return _ScriptTemplate(SCRIPT).substitute(values)
+
+
+def _nccl_env(run: RunConfig) -> str:
+    """NCCL_DEFAULTS for a GPU job across nodes (one node has no fabric to tune), each kept
+    when already set; then the NCCL environment every rank gets, in the job's log."""
+    launch = run.launch
+    if launch.gpus_per_node == 0 or launch.nodes + launch.slurm.spare_nodes < 2:
+        return "# (not a multi-node GPU job: no NCCL defaults)"
+    lines = ["# NCCL defaults for a multi-node GPU job; a value already set is kept"]
+    for name, value in NCCL_DEFAULTS.items():
+        if name not in launch.slurm.env:  # set above, verbatim
+            lines.append(f"export {name}=${{{name}:-{value}}}")
+    lines.append(SHOW_NCCL_ENV)
+    return "\n".join(lines)
 
 
 def _uploader_start(run: RunConfig, inputs: ScriptInputs) -> str:
@@ -389,6 +430,33 @@ def container_mounts(run: RunConfig, inputs: ScriptInputs) -> list[str]:
     return given
 
 
+def pyxis_image(image: str) -> str:
+    """An image reference as pyxis/enroot take it: ``[USER@][REGISTRY#]IMAGE[:TAG|@DIGEST]``.
+
+    An OCI reference names its registry before the first ``/`` (a name with a ``.`` or a
+    ``:``, or ``localhost``, as Docker reads it); enroot reads a reference without ``#`` as a
+    Docker Hub image, so ``nvcr.io/nvidia/pytorch:25.01-py3`` would be looked up as the Hub's
+    ``nvcr.io/nvidia/pytorch``: it becomes ``nvcr.io#nvidia/pytorch:25.01-py3`` (a digest is
+    kept). A pyxis reference (with ``#``), a Docker Hub name and a local squashfs path are
+    left as they are."""
+    ref = image.removeprefix("docker://")
+    if _not_oci(ref):
+        return image
+    user, at, rest = ref.partition("@")
+    if not at or "/" in user:  # the "@" is a digest's, not a user's
+        user, rest = "", ref
+    registry, slash, path = rest.partition("/")
+    if not slash or not ("." in registry or ":" in registry or registry == "localhost"):
+        return image  # a Docker Hub name (library/ubuntu, nvidia/cuda:12.4.1-base)
+    return f"{user}{'@' if user else ''}{registry}#{path}"
+
+
+def _not_oci(ref: str) -> bool:
+    """Already pyxis syntax (``#``), another enroot scheme (``dockerd://``) or a file."""
+    file = ref.startswith(("/", ".", "~")) or ref.endswith((".sqsh", ".squashfs"))
+    return "#" in ref or "://" in ref or file
+
+
 def container_args(run: RunConfig, inputs: ScriptInputs) -> list[str]:
     """pyxis flags for a step; empty without launch.slurm.container_image. Every step of the
     job (health check, training, retry policy) runs in one named container, imported once."""
@@ -399,7 +467,7 @@ def container_args(run: RunConfig, inputs: ScriptInputs) -> list[str]:
     default = inputs.run_dir if runs_image_code(run) else inputs.workdir
     workdir = slurm.container_workdir or str(default)
     return [
-        f"--container-image={_q(slurm.container_image)}",
+        f"--container-image={_q(pyxis_image(slurm.container_image))}",
         f"--container-name={_q('mcore-recipes-' + str(run.run_id))}",
         f"--container-mounts={_q(','.join(container_mounts(run, inputs)))}",
         f"--container-workdir={_q(workdir)}",
@@ -487,6 +555,7 @@ export PYTHONUNBUFFERED=1
 @@{standby_env}
 @@{spares_env}
 @@{rank_env}
+@@{nccl_env}
 # The launcher ignores TERM/USR1 (see "train"), so it must not install handlers for them
 # (torchrun reads PET_SIGNALS_TO_HANDLE; older releases TORCHELASTIC_SIGNALS_TO_HANDLE). When
 # a rank exits it stops the node's other ranks, giving them the emergency-save timeout (plus a

@@ -8,8 +8,10 @@ capacity``, ``checkpoint.save_interval=auto`` and the launchers' progress check 
 - Interval: Young's approximation sqrt(2 x save time x MTBF) (section 16 of the fault-tolerance
   notes), the job's MTBF being ``checkpoint.plan_gpu_mtbf_h`` over its GPU count.
 - Progress: a job must live at least two save intervals (else a requeue can start from the
-  same step as the one before), and its signal grace must cover the step in flight plus an
-  emergency save.
+  same step as the one before), its saves must not take longer than the steps between them
+  (else they queue and training waits on them), an interval of one step is no interval (a time
+  limit that squeezes ``auto`` down to it is too short), and its signal grace must cover the
+  step in flight plus an emergency save.
 
 Everything here is arithmetic on the config: no torch, no model, milliseconds.
 """
@@ -30,6 +32,10 @@ DEFAULT_MFU = 0.40  # what large Megatron-LM pretraining runs report on H100 (35
 # A job's start before its first step (imports, rendezvous, model build, restore read): an
 # allowance for the progress check, not a measurement (bench P3 measures the tiny job's).
 START_ALLOWANCE_S = 300.0
+# Saves shorter than this are not judged against the steps between them: the estimates leave
+# out the fixed costs of a step and of a save, which dominate a toy model's (gpt_tiny on GPUs
+# is estimated at 20 us per step and 3 ms per save).
+JUDGED_SAVE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -222,9 +228,11 @@ def progress_problems(
     interval = run.checkpoint.save_interval
     if plan is None or not isinstance(interval, int) or not run.checkpoint.enabled:
         return []
-    problems = []
+    squeeze = _interval_problem(run, plan, interval, time_limit_s)
+    problems = [] if squeeze is None else [squeeze]
     needed = START_ALLOWANCE_S + 2 * (interval * plan.step_s + _blocking_save_s(run, plan))
-    if time_limit_s is not None and time_limit_s < needed:
+    # A squeezed interval's fix already asks for the time limit two longer intervals need.
+    if time_limit_s is not None and time_limit_s < needed and squeeze is None:
         room = _fitting_interval(run, plan, time_limit_s)
         fix = (
             f"set checkpoint.save_interval<={room} (or auto), or a time limit of at least "
@@ -248,6 +256,42 @@ def progress_problems(
             f"{grace_key}={math.ceil(needed_grace)} or more"
         )
     return problems
+
+
+def _interval_problem(
+    run: RunConfig, plan: TimePlan, interval: int, time_limit_s: float | None
+) -> str | None:
+    """Saves too close together, with the smallest fix; None when they are not. A save must
+    not take longer than the steps between two (an async save would still be writing when the
+    next one starts, a sync save would stop training more than it trains), and a time limit
+    that leaves room only for a save every step (what ``auto`` resolves to when nothing longer
+    fits) is too short, however cheap the save."""
+    # the steps one save takes
+    save_steps = math.ceil(plan.save_s / plan.step_s) if plan.save_s >= JUDGED_SAVE_S else 1
+    fitting = _fitting_interval(run, plan, time_limit_s) if time_limit_s is not None else None
+    squeezed = interval == 1 and plan.young_steps > 1 and fitting is not None and fitting <= 1
+    if interval >= save_steps and not squeezed:
+        return None
+    reasons = []
+    if interval < save_steps:
+        reasons.append(
+            f"one save takes {plan.save_s:.0f} s (at checkpoint.plan_bandwidth="
+            f"{run.checkpoint.plan_bandwidth:g} GB/s), longer than the {interval} step(s) "
+            f"between two ({interval * plan.step_s:.3g} s), so saves would queue and training "
+            "wait on them"
+        )
+    if squeezed:
+        reasons.append(
+            f"launch.slurm.time_limit ({human_duration(time_limit_s or 0)}) leaves room for a "
+            f"save every step only (Young's interval: {plan.young_steps} steps)"
+        )
+    wanted = max(save_steps, 2 if squeezed else 1)
+    if fitting is not None and fitting < wanted:
+        needed = START_ALLOWANCE_S + 2 * (wanted * plan.step_s + _blocking_save_s(run, plan))
+        fix = f"give a time limit of at least {human_duration(needed)}"
+    else:
+        fix = f"set checkpoint.save_interval>={wanted}"
+    return f"checkpoint.save_interval={interval}: " + ", and ".join(reasons) + ": " + fix
 
 
 def human_duration(seconds: float) -> str:

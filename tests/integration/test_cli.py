@@ -117,10 +117,13 @@ def test_multirun_under_torchrun_is_refused() -> None:
 
 
 def test_slurm_sweep_renders_one_job_per_point(stdlib_corpus: str, tmp_path: Path) -> None:
+    """Each point's dry run renders into --out DIR/<its run id>, none into a run dir."""
     proc = _cli(
         "launch",
         "slurm",
         "--dry-run",
+        "--out",
+        str(tmp_path / "dry"),
         "-m",
         "recipe=gpt_tiny",
         f"data.paths=[{stdlib_corpus}]",
@@ -130,13 +133,14 @@ def test_slurm_sweep_renders_one_job_per_point(stdlib_corpus: str, tmp_path: Pat
         "train.seed=1,2,3",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    scripts = sorted(p.name for p in tmp_path.glob("grid-*/slurm/*.sbatch"))
+    scripts = sorted(p.name for p in tmp_path.glob("dry/grid-*/slurm/*.sbatch"))
     assert scripts == ["grid-0.sbatch", "grid-1.sbatch", "grid-2.sbatch"]
     seeds = [
-        yaml.safe_load((tmp_path / f"grid-{i}" / "launch-config.yaml").read_text())["train"]["seed"]
+        yaml.safe_load((tmp_path / "dry" / f"grid-{i}" / "launch-config.yaml").read_text())
         for i in range(3)
     ]
-    assert seeds == [1, 2, 3]
+    assert [config["train"]["seed"] for config in seeds] == [1, 2, 3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dry"]  # no run dir made
 
 
 # ------------------------------------------------------------------ discoverable
@@ -182,7 +186,7 @@ def test_launch_help_lists_backends_actions_and_overrides() -> None:
 # ------------------------------------------------------------------ fail fast on inputs
 
 
-def test_missing_data_prefix_names_the_nearest_dataset(stdlib_corpus: str) -> None:
+def test_missing_data_prefix_names_the_nearest_dataset(stdlib_corpus: str, tmp_path: Path) -> None:
     typo = str(Path(stdlib_corpus).parent / "stdlib")
     for args in (("pretrain",), ("launch", "slurm"), ("launch", "local")):
         proc = _cli(*args, "recipe=gpt_tiny", f"data.paths=[{typo}]")
@@ -190,7 +194,8 @@ def test_missing_data_prefix_names_the_nearest_dataset(stdlib_corpus: str) -> No
         assert f"did you mean '{stdlib_corpus}'?" in line, (args, line)
     # A dry run renders for a cluster whose file systems may not be mounted here: it says so.
     rendered = _cli("launch", "slurm", "--dry-run", "recipe=gpt_tiny", f"data.paths=[{typo}]",
-                    "output_dir=/tmp/mcore-dry-run-check")  # fmt: skip
+                    "output_dir=/tmp/mcore-dry-run-check",
+                    env={"TMPDIR": str(tmp_path)})  # fmt: skip
     assert rendered.returncode == 0, rendered.stderr[-2000:]
     assert f"dry run, rendered anyway: data.paths: '{typo}'" in rendered.stderr
     assert f"did you mean '{stdlib_corpus}'?" in rendered.stderr

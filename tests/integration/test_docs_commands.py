@@ -3,9 +3,10 @@
 Every line of a ```bash block that starts with `.venv/bin/python -m ` or `make` is a command.
 The cheap ones (CHEAP: help, config views, the capacity planner, the launchers' dry runs; each a
 second or two) are run from the repo root with this interpreter and must exit 0; a dry run
-gets `output_dir=` under tmp_path, so nothing is written into the checkout. Every other one must
-name a module that exists (and, for `python -m resiliency` and `python -m launch`, one of their
-subcommands) or a target of the Makefile.
+gets `output_dir=` under tmp_path and renders into a folder under it (TMPDIR), so nothing is
+written into the checkout. Every other one must name a module that exists (and, for
+`python -m resiliency` and `python -m launch`, one of their subcommands) or a target of the
+Makefile.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ def runnable(command: Command, tmp_path: Path) -> list[str]:
 
 @pytest.mark.parametrize("command", CHEAP_COMMANDS, ids=lambda c: c.where)
 def test_a_cheap_command_runs_as_printed(command: Command, tmp_path: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    # TMPDIR: where a dry run without --out renders
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp_path)}
     proc = subprocess.run(runnable(command, tmp_path), cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert proc.returncode == 0, f"{command.where}: {command.text}\n{proc.stderr[-3000:]}"

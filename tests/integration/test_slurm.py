@@ -65,6 +65,8 @@ def _record(
         ("starting", None, 1, REQUEUE, 0),
         ("running", None, 3, STOP, exit_codes.RETRY_BUDGET_EXHAUSTED),
         ("failed", 42, 0, STOP, 42),  # unknown code: never retried blindly
+        ("interrupted", 130, 0, STOP, 130),  # the user's Ctrl-C: stopped, never requeued
+        ("interrupted", 130, 3, STOP, 130),  # ... whatever the budget says
     ],
 )
 def test_decision_table(
@@ -212,12 +214,19 @@ def _base(corpus: str, root: Path, run_id: str) -> list[str]:
     return ["recipe=gpt_tiny", f"data.paths=[{corpus}]", f"output_dir={root}", f"run_id={run_id}"]
 
 
-def _dry_run(overrides: list[str]) -> int:
-    return launch_main(["slurm", "--dry-run", *overrides])
+# Where these dry runs render (--out): beside the run dirs, never in one.
+DRY = "dry-run"
+
+
+def _dry_run(overrides: list[str], *flags: str) -> int:
+    """Rendered into <output_dir>/dry-run/<run_id>/ (the last output_dir= wins)."""
+    root = [o.split("=", 1)[1] for o in overrides if o.startswith("output_dir=")][-1]
+    out = Path(root) / DRY
+    return launch_main(["slurm", "--dry-run", "--out", str(out), *flags, *overrides])
 
 
 def _script(root: Path, run_id: str) -> str:
-    return (root / run_id / "slurm" / f"{run_id}.sbatch").read_text()
+    return (root / DRY / run_id / "slurm" / f"{run_id}.sbatch").read_text()
 
 
 def _sbatch_directives(script: str) -> list[str]:
@@ -238,8 +247,8 @@ def test_dry_run_renders_a_valid_script(stdlib_corpus: str, tmp_path: Path) -> N
     ]
     assert _dry_run(overrides) == 0
     run_dir = tmp_path / "render"
-    assert (run_dir / "launch-config.yaml").is_file()
-    assert not (run_dir / "submission-slurm.json").exists()
+    assert not run_dir.exists()  # a dry run writes nothing into the run dir
+    assert (tmp_path / DRY / "render" / "launch-config.yaml").is_file()
     script = _script(tmp_path, "render")
     assert _sbatch_directives(script) == [
         "--job-name=render",
@@ -288,7 +297,9 @@ def test_dry_run_renders_a_valid_script(stdlib_corpus: str, tmp_path: Path) -> N
         assert needle in script, needle
     assert "--gpus-per-node" not in script and "--container-image" not in script
     syntax = subprocess.run(
-        ["bash", "-n", str(run_dir / "slurm" / "render.sbatch")], capture_output=True, text=True
+        ["bash", "-n", str(tmp_path / DRY / "render" / "slurm" / "render.sbatch")],
+        capture_output=True,
+        text=True,
     )
     assert syntax.returncode == 0, syntax.stderr
 
@@ -305,7 +316,6 @@ def test_render_spare_nodes(stdlib_corpus: str, tmp_path: Path) -> None:
         "resiliency.max_restarts=3",
     ]
     assert _dry_run(overrides) == 0
-    run_dir = tmp_path / "spares"
     script = _script(tmp_path, "spares")
     assert "--nodes=3" in _sbatch_directives(script)
     flat = " ".join(script.replace("\\\n", " ").split())
@@ -317,7 +327,9 @@ def test_render_spare_nodes(stdlib_corpus: str, tmp_path: Path) -> None:
     assert 'export MCORE_RECIPES_STORE_NODE="$MASTER_NODE"' in script
     assert "--launch-nodes 3 " in script  # a requeue keeps the spares
     syntax = subprocess.run(
-        ["bash", "-n", str(run_dir / "slurm" / "spares.sbatch")], capture_output=True, text=True
+        ["bash", "-n", str(tmp_path / DRY / "spares" / "slurm" / "spares.sbatch")],
+        capture_output=True,
+        text=True,
     )
     assert syntax.returncode == 0, syntax.stderr
 
@@ -344,7 +356,7 @@ def test_remote_tier_runs_an_uploader_beside_the_job(
     # after srun: stopped, then one last pass for the steps it missed
     stop = script.index('kill -TERM "$UPLOADER_PID"')
     assert script.index("srun ended with") < stop < script.index('    if ! "${UPLOAD[@]}"; then')
-    syntax = subprocess.run(["bash", "-n", str(tmp_path / "up" / "slurm" / "up.sbatch")],
+    syntax = subprocess.run(["bash", "-n", str(tmp_path / DRY / "up" / "slurm" / "up.sbatch")],
                             capture_output=True, text=True)  # fmt: skip
     assert syntax.returncode == 0, syntax.stderr
 
@@ -399,7 +411,7 @@ def test_render_gpus_container_and_ft_launcher(stdlib_corpus: str, tmp_path: Pat
         "launch.slurm.container_image=nvcr.io/nvidia/pytorch:25.01-py3",
         "launch.slurm.container_mounts=[/data:/data,/ckpt:/ckpt]",
     ]
-    assert _dry_run(overrides) == 0
+    assert _dry_run(overrides, "--skip-fit-check") == 0  # rendering, not memory, under test
     script = _script(tmp_path, "gpu")
     directives = _sbatch_directives(script)
     # GPU nodes are taken whole (all CPUs and memory), and srun passes the CPUs on
@@ -412,14 +424,16 @@ def test_render_gpus_container_and_ft_launcher(stdlib_corpus: str, tmp_path: Pat
     # the working directory (where it would shadow the package), and its commit is not claimed.
     mounts = ",".join(["/data:/data", "/ckpt:/ckpt", f"{tmp_path}:{tmp_path}", *data_mount])
     assert (
-        "--container-image=nvcr.io/nvidia/pytorch:25.01-py3 --container-name=mcore-recipes-gpu "
+        # pyxis syntax: without "#" enroot would look nvcr.io/... up on Docker Hub
+        "--container-image='nvcr.io#nvidia/pytorch:25.01-py3' --container-name=mcore-recipes-gpu "
         f"--container-mounts={mounts} --container-workdir={tmp_path / 'gpu'} "
         "--no-container-mount-home"
     ) in script, script
     assert "\nunset MCORE_RECIPES_CODE_COMMIT" in script
     # mount_code=true: the checkout is mounted and runs (development on a cluster).
     dev_overrides = [o for o in overrides if not o.startswith("run_id=")]
-    assert _dry_run([*dev_overrides, "run_id=dev", "launch.slurm.mount_code=true"]) == 0
+    dev_overrides += ["run_id=dev", "launch.slurm.mount_code=true"]
+    assert _dry_run(dev_overrides, "--skip-fit-check") == 0
     dev = _script(tmp_path, "dev")
     cwd = os.getcwd()
     dev_mounts = ",".join(["/data:/data", "/ckpt:/ckpt", f"{tmp_path}:{tmp_path}",
@@ -440,7 +454,7 @@ def test_render_gpus_container_and_ft_launcher(stdlib_corpus: str, tmp_path: Pat
         script,
         re.M,
     ), script
-    assert (tmp_path / "gpu" / "ft_launcher.yaml").is_file(), "the launcher config is written"
+    assert (tmp_path / DRY / "gpu" / "ft_launcher.yaml").is_file(), "the launcher config"
     assert "torchrun --nnodes" not in script
     # gpt_tiny is TP=2: megatron-core wants one hardware queue per GPU for its TP overlap
     assert "\nexport CUDA_DEVICE_MAX_CONNECTIONS=1\n" in script
@@ -461,7 +475,7 @@ def test_render_pins_an_absolute_output_dir(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     assert _dry_run([*_base(stdlib_corpus, Path("rel"), "abs"), *LAYOUT_2x1]) == 0
-    pinned = (tmp_path / "rel" / "abs" / "launch-config.yaml").read_text()
+    pinned = (tmp_path / "rel" / DRY / "abs" / "launch-config.yaml").read_text()
     assert f"output_dir: {tmp_path}/rel" in pinned
 
 
@@ -504,7 +518,7 @@ def test_run_owned_by_a_live_job_is_refused(
         code = launch_main(
             ["slurm", "--dry-run", *_base(stdlib_corpus, tmp_path, "owned"), *LAYOUT_2x1]
         )
-    assert code == exit_codes.CONFIG_ERROR
+    assert code == exit_codes.LEASE_HELD  # as the trainer's own acquire says it
     assert "owned by a live job" in capsys.readouterr().err
     assert not (tmp_path / "owned" / "launch-config.yaml").exists()
 

@@ -37,6 +37,7 @@ from tests.k8s_helpers import (
     GPT,
     GPU_NODE,
     IMAGE,
+    NO_FIT,
     RECIPES,
     STDLIB_ON_CLAIM,
     cli,
@@ -467,9 +468,10 @@ def test_live_lease_refuses_submit(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     lease = RunLease(RunLayout(tmp_path, "gpt_125m"), attempt=1, timeout_s=60)
     lease.acquire()
     try:
-        with pytest.raises(ConfigError, match="owned by a live job"):
-            cli(GPT + [f"output_dir={tmp_path}"] + BASE)
-        # A dry run only renders, so it still works while the job runs.
-        assert cli(GPT + [f"output_dir={tmp_path}", "--dry-run"] + BASE) == 0
+        # exit 6 (LEASE_HELD), as the trainer's own acquire says it
+        assert cli(GPT + [f"output_dir={tmp_path}"] + BASE) == exit_codes.LEASE_HELD
+        # A dry run only renders (nothing into the run dir), so it still works while the job
+        # runs.
+        assert cli(GPT + [f"output_dir={tmp_path}", "--dry-run", *NO_FIT] + BASE) == 0
     finally:
         lease.release()

@@ -20,6 +20,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pretrain.fit.timing import progress_problems, resolve_save_interval
+from recipes import load_config
+
 REPO = Path(__file__).resolve().parents[3]
 PARAMS_70B = 70_557_900_800
 SAVE_70B_S = PARAMS_70B * 14 / 10e9  # 98.78 s at checkpoint.plan_bandwidth=10 GB/s
@@ -41,14 +44,17 @@ def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     )
 
 
-def slurm_dry_run(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    return cli("launch", "slurm", "--dry-run", f"output_dir={tmp_path}", "run_id=r", *overrides)
+def slurm_dry_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """A dry run of run ``r`` under ``tmp_path``, rendered into ``tmp_path/dry/r``."""
+    dry = ["--dry-run", "--out", str(tmp_path / "dry")]
+    return cli("launch", "slurm", *dry, f"output_dir={tmp_path}", "run_id=r", *args)
 
 
 def pinned_interval(tmp_path: Path) -> int:
-    return yaml.safe_load((tmp_path / "r" / "launch-config.yaml").read_text())["checkpoint"][
-        "save_interval"
-    ]
+    """The interval the dry run pinned (where a submission pins it in the run dir)."""
+    assert not (tmp_path / "r").exists()  # a dry run writes nothing into the run dir
+    config = yaml.safe_load((tmp_path / "dry" / "r" / "launch-config.yaml").read_text())
+    return config["checkpoint"]["save_interval"]
 
 
 @pytest.mark.parametrize("recipe", ["llama3_8b", "llama3_70b", "mixtral_8x7b"])
@@ -70,12 +76,13 @@ def test_auto_is_youngs_interval_capped_by_the_time_limit(tmp_path: Path) -> Non
     steps, but two intervals and a 300 s start must fit in 4 h: (14400 - 300) / 120 = 117."""
     young_steps = round(math.sqrt(2 * SAVE_70B_S * MTBF_70B_S) / 60)
     assert young_steps == 393
-    out = slurm_dry_run(tmp_path, "recipe=llama3_70b", "train.step_time_s=60")
+    no_fit = "--skip-fit-check"  # the interval is under test (the recipe fits: see above)
+    out = slurm_dry_run(tmp_path, "recipe=llama3_70b", "train.step_time_s=60", no_fit)
     assert out.returncode == 0, out.stderr[-2000:]
     assert pinned_interval(tmp_path) == 117
     longer = slurm_dry_run(
         tmp_path / "long", "recipe=llama3_70b", "train.step_time_s=60",
-        "launch.slurm.time_limit=2-00:00:00",
+        "launch.slurm.time_limit=2-00:00:00", no_fit,
     )  # fmt: skip
     assert longer.returncode == 0, longer.stderr[-2000:]
     assert pinned_interval(tmp_path / "long") == young_steps
@@ -93,17 +100,91 @@ def test_a_job_that_would_not_progress_is_refused_with_the_fix(tmp_path: Path) -
     # the grace must cover the step (60 s) and an emergency save (98.78 s): 159 s
     assert "launch.slurm.signal_grace_s=159 or more" in error[0]
     assert "--skip-progress-check" in error[0]
-    assert not (tmp_path / "r" / "slurm").exists()  # nothing rendered
-    anyway = cli(
-        "launch", "slurm", "--dry-run", "--skip-progress-check", f"output_dir={tmp_path}",
-        "run_id=r", "recipe=llama3_70b", "checkpoint.save_interval=500",
+    assert not (tmp_path / "r").exists() and not (tmp_path / "dry").exists()  # nothing
+    anyway = slurm_dry_run(
+        tmp_path, "--skip-progress-check", "recipe=llama3_70b", "checkpoint.save_interval=500",
+        "--skip-fit-check",
     )  # fmt: skip
     assert anyway.returncode == 0, anyway.stderr[-2000:]
     assert pinned_interval(tmp_path) == 500  # a number is never replaced
 
 
+def _resolved(*overrides: str) -> tuple[int, list[str]]:
+    """The interval a Slurm launch pins for llama3_70b with ``overrides``, and why the job
+    would not make progress (empty: it would), as `launch slurm` judges them (in-process)."""
+    run = load_config(["recipe=llama3_70b", *overrides])
+    slurm = run.launch.slurm
+    resolved = resolve_save_interval(run, slurm.time_limit_s)
+    problems = progress_problems(resolved, slurm.time_limit_s, slurm.signal_grace_s)
+    return resolved.checkpoint.save_interval, problems
+
+
+def test_a_time_limit_that_squeezes_auto_to_every_step_is_refused() -> None:
+    """10 min at 80 s per step: a 300 s start leaves room for two intervals of (600 - 300) /
+    160 = 1 step, and the 98.78 s async save outlasts that step. The smallest interval whose
+    save fits in it is 2 steps, which needs 300 + 2 x 160 = 620 s = 10.3 min."""
+    interval, [problem] = _resolved("train.step_time_s=80", "launch.slurm.time_limit=00:10:00")
+    assert interval == 1
+    assert "one save takes 99 s" in problem and "the 1 step(s) between two (80 s)" in problem
+    assert "leaves room for a save every step only" in problem
+    assert problem.endswith("give a time limit of at least 10.3 min"), problem
+    # A cheap save does not rescue a squeezed interval: 200 s steps, 1 step between saves.
+    interval, [problem] = _resolved("train.step_time_s=200", "launch.slurm.time_limit=00:10:00")
+    assert interval == 1 and "takes longer" not in problem
+    assert problem.endswith("at least 18.3 min"), problem  # 300 + 2 x (2 x 200) s
+    # With room for two 2-step intervals, nothing to say.
+    assert _resolved("train.step_time_s=80", "launch.slurm.time_limit=00:10:20") == (2, [])
+
+
+def test_saves_longer_than_the_steps_between_them_are_refused() -> None:
+    """An interval chosen by hand is judged alike: 1 x 60 s between two saves of 98.78 s."""
+    interval, [problem] = _resolved("train.step_time_s=60", "checkpoint.save_interval=1")
+    assert interval == 1 and problem.endswith("set checkpoint.save_interval>=2"), problem
+    assert _resolved("train.step_time_s=60", "checkpoint.save_interval=2") == (2, [])
+
+
+def test_a_toy_models_estimated_save_is_not_judged() -> None:
+    """gpt_tiny on GPUs: an estimated 20 us step and 3 ms save, both far below the fixed costs
+    the estimates leave out; a save every 10 steps is fine."""
+    run = load_config(["recipe=gpt_tiny", "launch.gpus_per_node=2", "launch.nproc_per_node=2"])
+    assert progress_problems(run, run.launch.slurm.time_limit_s, 300) == []
+
+
+def test_a_squeezed_interval_is_refused_by_the_dry_run(tmp_path: Path) -> None:
+    out = slurm_dry_run(tmp_path, "recipe=llama3_70b", "launch.slurm.time_limit=00:10:00")
+    assert out.returncode == 2, out.stderr[-2000:]
+    [error] = [ln for ln in out.stderr.splitlines() if "ERROR" in ln]
+    assert "would not make progress: checkpoint.save_interval=1:" in error
+    assert "--skip-progress-check" in error
+    assert not (tmp_path / "r").exists() and not (tmp_path / "dry").exists()
+
+
+# 490.7 GiB per GPU against 71.7 usable: 70B on one GPU per replica
+TOO_BIG = ["recipe=llama3_70b", "parallel.tp=1", "parallel.pp=1",
+           "parallel.sequence_parallel=false", "parallel.vpp=null"]  # fmt: skip
+
+
+@pytest.mark.parametrize("launcher", ["slurm", "k8s"])
+def test_a_layout_that_does_not_fit_is_refused_by_the_dry_run_too(
+    launcher: str, tmp_path: Path
+) -> None:
+    pod = K8S[:-1] if launcher == "k8s" else []  # its output_dir: the one given here
+    render_to = tmp_path / ("job.yaml" if launcher == "k8s" else "dry")  # --out
+    where = ["--out", str(render_to), f"output_dir={tmp_path}", *pod]
+    out = cli("launch", launcher, "--dry-run", *where, "run_id=r", *TOO_BIG)
+    assert out.returncode == 2, out.stderr[-2000:]
+    [error] = [ln for ln in out.stderr.splitlines() if "ERROR" in ln]
+    assert "the layout does not fit h100-80gb: pipeline stage 0 needs" in error, error
+    assert "--skip-fit-check" in error
+    assert not any(tmp_path.iterdir())  # nothing rendered, the run dir not made
+    anyway = cli("launch", launcher, "--dry-run", "--skip-fit-check", *where, "run_id=r", *TOO_BIG)
+    assert anyway.returncode == 0, anyway.stderr[-2000:]
+
+
 def test_a_pytorchjob_is_judged_by_its_termination_grace(tmp_path: Path) -> None:
-    ok = cli("launch", "k8s", "--dry-run", "recipe=llama3_70b", "run_id=r", *K8S)
+    ok = cli(
+        "launch", "k8s", "--dry-run", "--skip-fit-check", "recipe=llama3_70b", "run_id=r", *K8S
+    )
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert "kind: PyTorchJob" in ok.stdout
     short = cli(

@@ -27,8 +27,8 @@ ELASTIC = [
 
 def _dry_run(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "launch", "slurm", "--dry-run", *ELASTIC, *extra,
-         f"output_dir={tmp_path}", "run_id=el"],
+        [sys.executable, "-m", "launch", "slurm", "--dry-run", "--out", str(tmp_path / "dry"),
+         *ELASTIC, *extra, f"output_dir={tmp_path}", "run_id=el"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
 
@@ -36,7 +36,8 @@ def _dry_run(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
 def test_the_batch_script_runs_one_supervised_step_per_node(tmp_path: Path) -> None:
     proc = _dry_run(tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    script = (tmp_path / "el" / "slurm" / "el.sbatch").read_text()
+    script = (tmp_path / "dry" / "el" / "slurm" / "el.sbatch").read_text()
+    assert not (tmp_path / "el").exists()  # a dry run writes nothing into the run dir
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
     assert "#SBATCH --nodes=3\n" in script and "#SBATCH --no-kill\n" in script
     assert "-m launch.slurm.elastic --config" in script
