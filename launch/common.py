@@ -25,6 +25,8 @@ from pretrain.fit.timing import progress_problems, resolve_save_interval
 from recipes import ConfigError, RunConfig, load_config, to_yaml
 from recipes.inputs import check_inputs
 from recipes.validate import new_launch_id, resolve_run_id, validate_runtime
+from resiliency.checkpoint.restore.preflight import judge_resume
+from resiliency.checkpoint.restore.topology import TopologyRefusedError
 from resiliency.storage.layout import RunLayout, atomic_write_json
 from resiliency.storage.lease import owner_liveness, read_lease
 
@@ -125,17 +127,59 @@ def rank_env(run: RunConfig) -> dict[str, str]:
     return {}
 
 
-class RunDirOwned(ConfigError):
+class Refusal(ConfigError):
+    """A launch refused with an exit code of its own, the one the trainer would have exited
+    with (each launcher's ``run`` maps it: ``refused_code``)."""
+
+    exit_code = exit_codes.CONFIG_ERROR
+
+
+class RunDirOwned(Refusal):
     """The run dir's lease is held by a live job: exit LEASE_HELD (6), as the trainer's own
-    acquire would, not CONFIG_ERROR (each launcher's ``run`` maps it: ``refused_code``)."""
+    acquire would, not CONFIG_ERROR."""
 
     exit_code = exit_codes.LEASE_HELD
 
 
-def refused_code(exc: RunDirOwned) -> int:
+class ResumeRefused(Refusal):
+    """The newest published step cannot be resumed with this launch's config (2) or layout
+    (TOPOLOGY_REFUSED, 3): said before any rank starts."""
+
+
+def refused_code(exc: Refusal) -> int:
     """Say a refusal that has an exit code of its own in one line; its code."""
     log.error("%s", exc)
     return exc.exit_code
+
+
+def check_resume(plan: LaunchPlan) -> None:
+    """The resume rules the ranks' restore applies (tokenizer, topology, the resume policy),
+    judged on the newest published step's manifest before any rank starts: one line and the
+    trainer's own exit code. A multi-line verdict (the topology table, every changed key) goes
+    to a file outside the run dir, which the line names."""
+    try:
+        judge_resume(plan.run, plan.run_dir, plan.run.launch.world_size, plan.dp)
+    except TopologyRefusedError as exc:
+        raise _one_line(plan, str(exc), exit_codes.TOPOLOGY_REFUSED) from None
+    except ConfigError as exc:
+        raise _one_line(plan, str(exc), exit_codes.CONFIG_ERROR) from None
+
+
+def _one_line(plan: LaunchPlan, verdict: str, code: int) -> ResumeRefused:
+    first, _, rest = verdict.partition("\n")
+    line = first.rstrip(":")
+    keys = [k.strip() for k in rest.splitlines() if k.startswith("  ") and "->" in k]
+    if keys:  # the resume policy's changed keys, "key: saved -> now"; a table is not inline
+        line += ": " + "; ".join(keys[:3]) + ("; ..." if len(keys) > 3 else "")
+    if rest.strip():
+        fd, path = tempfile.mkstemp(prefix=f"mcore-recipes-refused-{plan.run.run_id}-",
+                                    suffix=".txt")  # fmt: skip
+        with os.fdopen(fd, "w") as out:
+            out.write(verdict + "\n")
+        line += f" (in full, with what to do: {path})"
+    refusal = ResumeRefused(line)
+    refusal.exit_code = code
+    return refusal
 
 
 def check_run_dir_free(plan: LaunchPlan) -> None:

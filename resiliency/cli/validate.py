@@ -96,7 +96,7 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     # torch comes with these: imported here so ls, verify, gc and plan start in a fraction
     # of the time.
-    from resiliency.checkpoint.restore.plan import target_for
+    from resiliency.checkpoint.restore.preflight import target_for
     from resiliency.checkpoint.restore.topology import validate
 
     report = validate(manifest, target_for(run, world, dp, vocab))

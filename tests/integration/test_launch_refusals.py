@@ -12,6 +12,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -38,8 +39,7 @@ Tree = dict[str, tuple[int, str]]
 def root(stdlib_corpus: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An output dir with one real run in it: 2 steps, a checkpoint, its attempt record."""
     out = tmp_path_factory.mktemp("runs")
-    proc = launch("local", *run_args(out, stdlib_corpus), "train.train_steps=2",
-                  "checkpoint.save_interval=2")  # fmt: skip
+    proc = launch("local", *run_args(out, stdlib_corpus), *OWN)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (out / RUN_ID / "steps").is_dir() and (out / RUN_ID / "launch-config.yaml").is_file()
     return out
@@ -47,6 +47,10 @@ def root(stdlib_corpus: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def run_args(root: Path, corpus: str) -> list[str]:
     return ["recipe=gpt_tiny", f"data.paths=[{corpus}]", f"output_dir={root}", f"run_id={RUN_ID}"]
+
+
+# The rest of the run's own config: with it, a relaunch would resume the run (and end at once).
+OWN = ["train.train_steps=2", "checkpoint.save_interval=2"]
 
 
 def launch(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -97,6 +101,18 @@ def fake_sbatch(folder: Path) -> dict[str, str]:
 
 
 CONFIG = exit_codes.CONFIG_ERROR  # 2: fix the command line
+TOPOLOGY = exit_codes.TOPOLOGY_REFUSED  # 3: the checkpoint cannot be restored into it
+# Refused by the resume rules on the newest step's manifest, before any rank starts.
+RESUME_REFUSALS = {
+    "local-shape-change": (["local", "model.hidden_size=128"], CONFIG,
+                           "model.hidden_size: 64 -> 128"),
+    "local-schedule-change": (["local", "optimizer.lr=1e-3"], CONFIG, "optimizer.lr"),
+    "local-another-seed": (["local", "train.seed=7"], CONFIG, "train.seed:"),
+    "local-topology": (["local", "model.padded_vocab_size=1024"], TOPOLOGY,
+                       "cannot be restored into this layout"),
+    "slurm-shape-change": (["slurm", "model.hidden_size=128"], CONFIG,
+                           "model.hidden_size: 64 -> 128"),
+}  # fmt: skip
 # (argv after the run's own overrides, the exit code, what its one line says)
 REFUSALS = {
     "local-config-error": (["local", "train.no_such_key=1"], CONFIG, "no_such_key"),
@@ -117,10 +133,10 @@ REFUSALS = {
         CONFIG,
         "a dry run never writes into the run dir",
     ),
-    "slurm-without-sbatch": (["slurm"], CONFIG, "sbatch not found on PATH"),
+    "slurm-without-sbatch": (["slurm", *OWN], CONFIG, "sbatch not found on PATH"),
     # written, then undone: the pinned config, ft_launcher's config, the script and its folder
     "slurm-refused-by-sbatch": (
-        ["slurm", "launch.backend=ft_launcher", "optimizer.lr=1e-3"],
+        ["slurm", *OWN, "launch.backend=ft_launcher", "logging.log_interval=5"],
         CONFIG,
         "sbatch refused",
     ),
@@ -131,6 +147,28 @@ REFUSALS = {
         "would not make progress",
     ),
 }
+
+
+@pytest.mark.parametrize("case", sorted(RESUME_REFUSALS))
+def test_a_resume_the_ranks_would_refuse_is_refused_before_any_rank_starts(
+    case: str, root: Path, stdlib_corpus: str, tmp_path: Path
+) -> None:
+    """One line with the trainer's own code, in seconds; the rest in a file it names, outside
+    the run dir."""
+    backend, *rest = RESUME_REFUSALS[case][0]
+    code, says = RESUME_REFUSALS[case][1:]
+    before = tree(root)
+    started = time.monotonic()
+    env = {"TMPDIR": str(tmp_path)}
+    proc = launch(backend, *run_args(root, stdlib_corpus), *OWN, *rest, env=env)
+    took = time.monotonic() - started
+    assert_refused(proc, code, says)
+    assert tree(root) == before
+    assert took < 6, f"{took:.1f} s: a rank was started?"  # ~1 s here; CI runs tests 2 at a time
+    full = next(tmp_path.glob(f"mcore-recipes-refused-{RUN_ID}-*.txt"))
+    verdict = full.read_text()  # the whole verdict (every key, the table) behind the line
+    assert str(full) in proc.stderr and verdict.splitlines()[0].rstrip(":") in proc.stderr
+    assert len(verdict.splitlines()) > 1
 
 
 @pytest.mark.parametrize("case", sorted(REFUSALS))
@@ -172,8 +210,10 @@ def test_a_dry_run_renders_the_change_elsewhere(
     standard output)."""
     before = tree(root)
     extra = K8S if backend == "k8s" else []
-    proc = launch(backend, "--dry-run", *run_args(root, stdlib_corpus), *extra,
-                  "optimizer.lr=1e-3", env={"TMPDIR": str(tmp_path)})  # fmt: skip
+    # the new lr applies on resume (the ranks would refuse an unasked schedule change)
+    proc = launch(backend, "--dry-run", *run_args(root, stdlib_corpus), *OWN, *extra,
+                  "optimizer.lr=1e-3", "checkpoint.schedule_on_resume=config",
+                  env={"TMPDIR": str(tmp_path)})  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert tree(root) == before
     if backend == "slurm":

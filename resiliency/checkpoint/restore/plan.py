@@ -23,6 +23,7 @@ from pretrain.train.fault_injection import FaultInjector
 from recipes import ConfigError
 from recipes.config.checkpoint import CheckpointConfig, RemoteCheckpointConfig
 from recipes.config.run import RunConfig
+from resiliency.checkpoint.restore.preflight import check_must_match, check_tokenizer, target_for
 from resiliency.checkpoint.restore.share_check import ShareCheck
 from resiliency.checkpoint.restore.topology import (
     Target,
@@ -40,7 +41,6 @@ from resiliency.storage.pickle_scan import step_pickle_problem
 from resiliency.storage.remote import committed_remote_steps, fetch_newest
 from resiliency.storage.select import select_restore_step
 from resiliency.storage.signing import SigningKey, key_from_env
-from resiliency.storage.tokenizer_copy import TOKENIZER_DIR, tokenizer_difference
 from resiliency.storage.verify import balanced_share, checksum_problem, io_problem
 
 log = logging.getLogger(__name__)
@@ -270,22 +270,6 @@ def start_rehash(
     return future, check
 
 
-def target_for(
-    run: RunConfig, world_size: int, dp: int, vocab_size: int, tier: str = "persistent"
-) -> Target:
-    return Target(
-        parallelism=run.parallel.layout(dp),
-        world_size=world_size,
-        model=dataclasses.asdict(run.model),
-        vocab_size=vocab_size,
-        padded_vocab_size=run.model.padded_vocab_size,
-        global_batch_size=run.train.global_batch_size,
-        load_optimizer=run.checkpoint.load_optimizer,
-        batch_change_lr_scaling=run.checkpoint.batch_change_lr_scaling,
-        tier=tier,
-    )
-
-
 def check_topology(manifest: Manifest, target: Target) -> TopologyReport:
     """Validate; a refusal raises with the diff table and the user's options."""
     report = validate(manifest, target)
@@ -297,25 +281,6 @@ def check_topology(manifest: Manifest, target: Target) -> TopologyReport:
     if not report.same_layout and dist.get_rank() == 0:
         log.warning("restore: topology changes from the checkpoint's:\n%s", report.table())
     return report
-
-
-def check_tokenizer(manifest: Manifest, path: str | None, step_dir: Path) -> None:
-    """The running tokenizer's files are the checkpoint's, or ConfigError with the difference
-    (a step saved before tokenizers travelled with checkpoints records none: not checked)."""
-    saved = manifest.tokenizer.get("files")
-    if saved is None:
-        return
-    difference = tokenizer_difference(saved, path)
-    if difference is None:
-        return
-    copy = step_dir / TOKENIZER_DIR
-    if len(saved) == 1 and path and Path(path).is_file():
-        copy = copy / next(iter(saved))
-    raise ConfigError(
-        f"restore refused: {step_dir.name} was trained with another tokenizer than "
-        f"data.tokenizer_path={path}: {difference}. Continue it with its own copy "
-        f"(data.tokenizer_path={copy}), or start a new run (another run_id)"
-    )
 
 
 def check_corpus(
@@ -404,8 +369,9 @@ def plan_restore(
     target = target_for(run, world_size, dp, vocab_size)
     if manifest.weights_only:  # nothing of the optimizer to reshard: any layout loads it
         target = dataclasses.replace(target, load_optimizer=False)
-    report = check_topology(manifest, target)
     check_tokenizer(manifest, run.data.tokenizer_path, step_dir)
+    check_must_match(run, manifest)  # before the topology: a shape change is exit 2, not 3
+    report = check_topology(manifest, target)
     changes = check_corpus(run, manifest, step_dir, layout.run_dir)
     padded = manifest.tokenizer.get("padded_vocab_size")
     model = dataclasses.replace(run.model, padded_vocab_size=padded)
