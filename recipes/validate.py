@@ -18,6 +18,15 @@ def resolve_device(requested: str, cuda_available: bool) -> str:
     return requested
 
 
+def transformer_engine_needs(run: RunConfig) -> list[str]:
+    """The settings of ``run`` that only Transformer Engine implements (its layer spec, which
+    the trainer picks on a GPU where TE imports): context parallelism (megatron-core's local
+    DotProductAttention asserts CP=1), FP8 and TP communication overlap. Empty: megatron-core's
+    local spec runs the model without TE."""
+    found = [f"parallel.cp={run.parallel.cp}"] if run.parallel.cp > 1 else []
+    return found + run.perf.needs_cuda
+
+
 def validate_runtime(run: RunConfig, world_size: int, device: str) -> int:
     """Validate ``run`` for ``world_size`` ranks on ``device``; returns the data-parallel size."""
     par, train = run.parallel, run.train

@@ -2,7 +2,7 @@
 
   python -m launch k8s recipe=NAME launch.k8s.image=IMAGE launch.k8s.shared_pvc=CLAIM
                        [key=value ...] [--dry-run] [--out FILE] [--skip-fit-check]
-                       [--skip-remote-check]
+                       [--skip-remote-check] [--allow-tag]
   python -m launch k8s status NAME [--namespace NS]
   python -m launch k8s logs NAME [--namespace NS] [--replica master|worker] [--index I] [--tail N]
   python -m launch k8s delete NAME [--namespace NS]
@@ -13,7 +13,9 @@ at /etc/mcore-recipes) plus a kubeflow.org/v1 PyTorchJob, validated against the 
 (launch/k8s/schema.py). The progress check and the layout's memory per GPU against launch.gpu
 (`python -m pretrain --plan`) refuse what cannot run, with --dry-run too. --dry-run prints the
 manifest (and writes it to --out FILE when given), never writing into the run dir; without,
-the run dir is checked for a live owner, both objects are created with the kubernetes client
+the image must be pinned by digest (NAME@sha256:DIGEST; --allow-tag takes a tag: a tag can
+move between pod restarts, and the ranks would then run different code), the run dir is
+checked for a live owner, both objects are created with the kubernetes client
 (in-cluster credentials in a pod, else $KUBECONFIG or ~/.kube/config), and the job is made the
 ConfigMap's owner, so deleting the job (`k8s delete` or kubectl) deletes its ConfigMap; only
 once the cluster took the job are the manifest (<output_dir>/<run_id>/k8s/NAME.yaml, or --out)
@@ -28,13 +30,14 @@ import argparse
 import dataclasses
 import logging
 import os
+import re
 import secrets
 from pathlib import Path
 from typing import Any
 
 from launch.common import (
     LaunchPlan,
-    RunDirOwned,
+    Refusal,
     check_fit,
     check_progress,
     check_remote_tier,
@@ -56,6 +59,8 @@ from resiliency.storage.manifest import code_commit
 log = logging.getLogger(__name__)
 
 ACTIONS = ("status", "logs", "delete")
+# An image pinned by its content: NAME@sha256:<hex> (or another OCI digest algorithm).
+_DIGEST = re.compile(r"@[a-z0-9]+(?:[+._-][a-z0-9]+)*:[0-9a-fA-F]+$")
 # Fixes the otherwise random per-submission id (labels, retry-budget key), for stable output.
 SUBMISSION_ENV = "MCORE_RECIPES_SUBMISSION_ID"
 
@@ -87,6 +92,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="checkpoint.remote: do not probe the object store from this host (credentials "
         "only the pods hold; their trainer still probes it)",
     )
+    parser.add_argument(
+        "--allow-tag",
+        action="store_true",
+        help="submit an image given by tag only (no @sha256: digest); a tag can move between "
+        "pod restarts, so the ranks of one job could run different code",
+    )
     parser.add_argument("--namespace", help="namespace for status/logs/delete (default: default)")
     parser.add_argument(
         "--replica", choices=("master", "worker"), default="master", help="logs: which replica type"
@@ -108,7 +119,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     except k8s_api.K8sError as exc:
         log.error("%s", exc)
         return exit_codes.INFRASTRUCTURE
-    except RunDirOwned as exc:
+    except Refusal as exc:
         return refused_code(exc)
 
 
@@ -140,6 +151,9 @@ def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _check(args: argparse.Namespace, plan: LaunchPlan) -> None:
     """Every check that can refuse the job, the dry run's too, before anything is written."""
+    unpinned = tag_only(plan.run.launch.k8s.image or "", args.allow_tag)
+    if unpinned and not args.dry_run:
+        raise ConfigError(unpinned)
     if args.dry_run and args.out is not None:
         outside_run_dir(plan, args.out)  # before the slow checks
     if not args.skip_progress_check:  # a pod has no time limit: the grace is what is judged
@@ -151,6 +165,22 @@ def _check(args: argparse.Namespace, plan: LaunchPlan) -> None:
             check_remote_tier(plan)
     if not args.skip_fit_check:  # the dry run too: it says what a submission would
         check_fit(plan)
+    if unpinned:  # a dry run's: last, so a refused one gets its one line only
+        log.warning("dry run: a submission would be refused: %s", unpinned)
+
+
+def tag_only(image: str, allow_tag: bool) -> str | None:
+    """Why a submission refuses ``image`` (None: it does not). The image must name its
+    content: every pod the operator starts or restarts pulls it again, and a tag can move in
+    between (a push, a retag), so the ranks of one job, or its restarts, would run different
+    code on the same checkpoint."""
+    if allow_tag or _DIGEST.search(image):
+        return None
+    return (
+        f"launch.k8s.image={image!r} names a tag, not a digest: a tag can move between pod "
+        "restarts and the ranks would run different code; give NAME@sha256:DIGEST (`make "
+        "image` builds one; push it and take the digest) or pass --allow-tag"
+    )
 
 
 def _submit(args: argparse.Namespace, plan: LaunchPlan, rendered: Rendered, text: str) -> int:

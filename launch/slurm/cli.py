@@ -24,10 +24,11 @@ from pathlib import Path
 from launch.common import (
     LaunchPlan,
     PendingWrites,
-    RunDirOwned,
+    Refusal,
     check_fit,
     check_progress,
     check_remote_tier,
+    check_resume,
     check_run_dir_free,
     dry_run_dir,
     plan_launch,
@@ -37,7 +38,7 @@ from launch.common import (
 )
 from launch.elastic import check_launcher_release
 from launch.slurm.manage import ACTIONS, manage
-from launch.slurm.script import ScriptInputs, render_sbatch, runs_image_code
+from launch.slurm.script import ScriptInputs, environment_warning, render_sbatch, runs_image_code
 from pretrain.context.run_dir import RunDir
 from recipes import ConfigError, RunConfig
 from recipes.inputs import check_inputs
@@ -82,8 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check_elastic(plan: LaunchPlan) -> None:
-    """parallel.elastic's supervisor runs on the batch node with the submitting venv's python
-    and starts an ``srun`` step per node: inside a container step there is no srun."""
+    """parallel.elastic's supervisor runs on the batch node with the job's python (the
+    submitting venv's, or launch.slurm.python) and starts an ``srun`` step per node: inside a
+    container step there is no srun."""
     run = plan.run
     if not run.parallel.elastic:
         return
@@ -105,7 +107,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
                           "run dir")  # fmt: skip
     try:
         plan, text = _checked(args, overrides)
-    except RunDirOwned as exc:
+    except Refusal as exc:
         return refused_code(exc)
     if args.dry_run:
         return _dry_run(plan, text, args.out)
@@ -129,6 +131,7 @@ def _checked(args: argparse.Namespace, overrides: list[str]) -> tuple[LaunchPlan
         check_progress(
             plan, slurm.time_limit_s, slurm.signal_grace_s, "launch.slurm.signal_grace_s"
         )
+    check_resume(plan)  # what the ranks' restore would refuse: the run dir's newest step
     _warn_on_short_grace(plan)
     text = render(plan)  # a value it cannot render is bad input too
     # After every check of the input: a bad value is reported as such, on any machine.
@@ -136,6 +139,7 @@ def _checked(args: argparse.Namespace, overrides: list[str]) -> tuple[LaunchPlan
         check_remote_tier(plan)
     if not args.skip_fit_check:  # the dry run too: it says what a submission would
         check_fit(plan)
+    _warn_on_environment(plan)  # last: a refused job gets its one line only
     return plan, text
 
 
@@ -225,6 +229,13 @@ def _warn_on_missing_inputs(plan: LaunchPlan) -> None:
         log.warning("dry run, rendered anyway: %s", exc)
 
 
+def _warn_on_environment(plan: LaunchPlan) -> None:
+    """A GPU job that names no environment of the cluster's runs the submitting one there."""
+    warning = environment_warning(plan.run, Path(sys.executable).parent)
+    if warning:
+        log.warning("%s", warning)
+
+
 def _warn_on_short_grace(plan: LaunchPlan) -> None:
     grace = plan.run.launch.slurm.signal_grace_s
     save = plan.run.resiliency.emergency_save_timeout_s
@@ -243,7 +254,7 @@ def render(plan: LaunchPlan) -> str:
         config_path=RunDir(plan.run_dir).launch_config_path,
         run_dir=plan.run_dir,
         workdir=Path.cwd(),
-        bin_dir=Path(sys.executable).parent,
+        bin_dir=Path(sys.executable).parent,  # launch.slurm.python replaces it
         code_commit=code_commit(),
         image_digest=image_digest(),
     )

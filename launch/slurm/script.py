@@ -23,6 +23,7 @@ from launch.standby.protocol import address as standby_address
 from pretrain.context import exit_codes
 from pretrain.context.run_dir import RunDir
 from recipes import ConfigError, RunConfig
+from recipes.validate import transformer_engine_needs
 from resiliency.monitor.fault_tolerance import LAUNCHER_CONFIG_FILE
 
 LAUNCHERS = {"torchrun": "torchrun", "ft_launcher": "ft_launcher"}
@@ -77,9 +78,42 @@ class ScriptInputs:
     config_path: Path  # the resolved config every node and restart loads
     run_dir: Path
     workdir: Path  # the job's working directory (where output_dir was resolved)
-    bin_dir: Path  # python, torchrun and ft_launcher of the environment that submitted
+    # python, torchrun and ft_launcher of the environment that submitted (the job's, unless
+    # launch.slurm.python names another or a container image brings its own)
+    bin_dir: Path
     code_commit: str | None
     image_digest: str | None
+
+
+def env_python(run: RunConfig, inputs: ScriptInputs) -> str:
+    """The python outside a container, quoted: launch.slurm.python, else the submitting
+    environment's."""
+    return _q(run.launch.slurm.python or inputs.bin_dir / "python")
+
+
+def env_bin(run: RunConfig, inputs: ScriptInputs) -> Path:
+    """The bin dir of that python's environment: its torchrun and ft_launcher."""
+    python = run.launch.slurm.python
+    return Path(python).parent if python else inputs.bin_dir
+
+
+def environment_warning(run: RunConfig, bin_dir: Path) -> str | None:
+    """For a GPU job that names no environment of the cluster's (no container image, no
+    launch.slurm.python): what it would run with, and the two fixes; None otherwise."""
+    slurm = run.launch.slurm
+    if run.launch.gpus_per_node == 0 or slurm.container_image or slurm.python:
+        return None
+    needs = transformer_engine_needs(run)
+    te = f" and Transformer Engine (for {', '.join(needs)})" if needs else ""
+    return (
+        "a GPU job without launch.slurm.container_image or launch.slurm.python runs the "
+        f"submitting environment ({bin_dir}) on the cluster's nodes: it needs a CUDA build of "
+        f"torch there{te}, which cannot be checked from here (the job's preflight checks each "
+        "node and stops the job with exit 2 where it is missing); set "
+        "launch.slurm.container_image=NAME@sha256:DIGEST (the job runs the image's "
+        "environment) or launch.slurm.python=/path/on/the/cluster/bin/python (an environment "
+        "of the cluster's)"
+    )
 
 
 def runs_image_code(run: RunConfig) -> bool:
@@ -114,6 +148,7 @@ def render_sbatch(run: RunConfig, inputs: ScriptInputs) -> str:
         )
         or "# (no layout-specific environment)",
         "nccl_env": _nccl_env(run),
+        "preflight": _preflight(run, inputs),
         "shutdown_timeout": str(math.ceil(run.resiliency.emergency_save_timeout_s) + STEP_SLACK_S),
         "passthrough": _passthrough_lines(slurm.env_passthrough),
         "train_step": _train_step(run, inputs),
@@ -149,7 +184,7 @@ def _uploader_start(run: RunConfig, inputs: ScriptInputs) -> str:
         return "# (checkpoint.remote is off: no uploader)"
     container = container_args(run, inputs)
     one_task = ["--overlap", "--nodes=1", "--ntasks=1", "--cpus-per-task=1", *container]
-    runner = f"srun {' '.join(one_task)} python" if container else _q(inputs.bin_dir / "python")
+    runner = f"srun {' '.join(one_task)} python" if container else env_python(run, inputs)
     quoted = " ".join('"$RUN_DIR"' if a == "$RUN_DIR" else _q(a) for a in args)
     interval = f"{run.checkpoint.remote.follow_interval_s:g}"
     return (
@@ -162,7 +197,7 @@ def _standby_values(run: RunConfig, inputs: ScriptInputs) -> dict[str, str]:
     the step: it ends with the launcher); every process of the task finds it by name."""
     if not run.launch.standby:
         return {"standby_start": "", "standby_env": "# (launch.standby is off)"}
-    python = "python" if container_args(run, inputs) else _q(inputs.bin_dir / "python")
+    python = "python" if container_args(run, inputs) else env_python(run, inputs)
     # Exported, not spliced into the task's single-quoted `bash -c` (quotes cannot nest).
     return {
         "standby_start": '"$MCORE_RECIPES_STANDBY_PYTHON" -m launch.standby.server "$RUN_DIR" & ',
@@ -248,7 +283,7 @@ def _train_step(run: RunConfig, inputs: ScriptInputs) -> str:
     return (
         "# parallel.elastic: a step of its own per node, started again on its node after it\n"
         "    # ends (python -m launch.slurm.elastic); the first node's step is the job's\n"
-        f'    {_q(inputs.bin_dir / "python")} -m launch.slurm.elastic --config "$CONFIG" \\\n'
+        f'    {env_python(run, inputs)} -m launch.slurm.elastic --config "$CONFIG" \\\n'
         '        --nodes "$(scontrol show hostnames "$SLURM_JOB_NODELIST")" \\\n'
         '        --endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$SLURM_JOB_ID" \\\n'
         f'        --stop-mark "{_stopping_mark()}" -- \\\n'
@@ -280,10 +315,42 @@ def _stopping_mark() -> str:
     return str(RunDir(Path("$RUN_DIR")).job_stopping_mark("${SLURM_JOB_ID}-${RESTART}"))
 
 
+def _preflight(run: RunConfig, inputs: ScriptInputs) -> str:
+    """A GPU job's check of its environment on every node (launch/slurm/preflight.py), in the
+    container when there is one; a failure stops the job with CONFIG_ERROR, before the health
+    check, the training step and the retry policy (which would requeue it)."""
+    gpus = run.launch.gpus_per_node
+    if gpus == 0:  # CPU nodes: any torch build runs the job
+        return "# (a CPU job: no preflight)"
+    container = container_args(run, inputs)
+    srun = [*ONE_TASK_PER_NODE, f"--cpus-per-task={srun_cpus(run)}", "--kill-on-bad-exit=0"]
+    srun += ["--export=ALL", "--label", *container]
+    python = "python" if container else env_python(run, inputs)
+    needs = transformer_engine_needs(run)
+    need_te = f" --need-te={_q(','.join(needs))}" if needs else ""
+    code = exit_codes.CONFIG_ERROR
+    return (
+        "# Once per node, before anything else runs with the job's environment (the health\n"
+        "# check, the retry policy and the ranks all do): a CUDA build of torch that sees the\n"
+        "# node's GPUs, and Transformer Engine where the recipe needs it. A failure is the\n"
+        f"# environment's, not the node's: the job stops with exit {code}, never requeued.\n"
+        'if [ -z "$SIGNALED_BY" ]; then\n'
+        f"    srun {' '.join(srun)} \\\n"
+        f"        {python} -m launch.slurm.preflight --gpus {gpus}{need_te} \\\n"
+        "        && PREFLIGHT_RC=0 || PREFLIGHT_RC=$?\n"
+        '    if [ "$PREFLIGHT_RC" != 0 ]; then\n'
+        "        echo \"[$(date +%T)] preflight FAILED (exit $PREFLIGHT_RC): the job's environment"
+        f' cannot run it; exit {code}, not requeued"\n'
+        f"        exit {code}\n"
+        "    fi\n"
+        "fi"
+    )
+
+
 def _health_values(run: RunConfig, inputs: ScriptInputs) -> dict[str, str]:
     slurm = run.launch.slurm
     container = container_args(run, inputs)
-    host_python = _q(inputs.bin_dir / "python")
+    host_python = env_python(run, inputs)
     # Inside a container the image's python runs every step; a one-task step on the batch
     # node runs the retry policy there too.
     one_task = ["--nodes=1", "--ntasks=1", f"--cpus-per-task={srun_cpus(run)}", *container]
@@ -478,7 +545,7 @@ def container_args(run: RunConfig, inputs: ScriptInputs) -> list[str]:
 def _launcher(run: RunConfig, inputs: ScriptInputs) -> str:
     name = LAUNCHERS[run.launch.backend]
     # Inside a container the image provides the environment; outside, the submitting venv does.
-    launcher = name if run.launch.slurm.container_image else _q(inputs.bin_dir / name)
+    launcher = name if run.launch.slurm.container_image else _q(env_bin(run, inputs) / name)
     if run.launch.backend == "ft_launcher":
         # ft_launcher refuses to start without its section/timeout config (written at submit).
         launcher += f" --ft-cfg-path={_q(inputs.run_dir / LAUNCHER_CONFIG_FILE)}"
@@ -576,10 +643,14 @@ MASTER_PORT=$(( 20000 + (SLURM_JOB_ID % 2000) * 16 + RESTART % 16 ))
 @@{store_node}echo "[$(date +%T)] job $SLURM_JOB_ID restart $RESTART on $SLURM_JOB_NODELIST;" \
      "rendezvous $MASTER_ADDR:$MASTER_PORT; commit ${MCORE_RECIPES_CODE_COMMIT:-unknown}"
 
+# ---------------------------------------------------------------- preflight
+@@{preflight}
+
 # ---------------------------------------------------------------- node health
 # Every node checks itself (free space, /dev/shm, GPUs, CPUs, the site script) before any
 # rank starts, at every restart; the reports go to the attempt record, and a node that fails
-# is left out of the requeued job. Where the python runs: the host venv, or the container.
+# is left out of the requeued job. Where the python runs: launch.slurm.python's environment
+# (else the submitting one's), or the container.
 policy() { @@{policy_runner} -m launch.retry_policy "$@"; }
 health() {
     srun @@{health_srun_args} @@{health_runner} -m resiliency.monitor.health --config "$CONFIG" \

@@ -33,6 +33,11 @@ class SlurmConfig:
     # Hot spares: the job also holds this many idle nodes; a node whose worker is killed leaves
     # the job and a spare takes its ranks without a requeue (ft_launcher only; docs/clusters.md)
     spare_nodes: int = 0
+    # The python of the environment a job without container_image runs with, an absolute path
+    # on the cluster's nodes (its bin dir's torchrun or ft_launcher starts the ranks; a GPU
+    # job's preflight checks it on every node); None: the submitting environment's, with a
+    # warning for a GPU job.
+    python: Optional[str] = None
     container_image: Optional[str] = None  # pyxis --container-image
     # host:container[:flags]; the run dir, data and checkpoint dirs are added when missing
     container_mounts: list[str] = field(default_factory=list)
@@ -47,6 +52,16 @@ class SlurmConfig:
 
     def __post_init__(self) -> None:
         require(self.signal_grace_s >= 0, "launch.slurm.signal_grace_s must be >= 0")
+        require(
+            self.python is None or (self.python.startswith("/") and not self.python.endswith("/")),
+            f"launch.slurm.python={self.python!r} must be the absolute path of a python "
+            "executable as the cluster's nodes see it (e.g. /shared/envs/train/bin/python)",
+        )
+        require(
+            self.python is None or not self.container_image,
+            "launch.slurm.python and launch.slurm.container_image exclude each other: with an "
+            "image the job runs the image's own environment; set one of them",
+        )
         require(self.max_requeues >= 0, "launch.slurm.max_requeues must be >= 0")
         require(self.max_excluded_nodes >= 0, "launch.slurm.max_excluded_nodes must be >= 0")
         require(

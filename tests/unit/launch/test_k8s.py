@@ -475,3 +475,25 @@ def test_live_lease_refuses_submit(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         assert cli(GPT + [f"output_dir={tmp_path}", "--dry-run", *NO_FIT] + BASE) == 0
     finally:
         lease.release()
+
+
+def test_a_submission_refuses_an_image_given_by_tag_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every pod the operator starts or restarts pulls the image again, and a tag can move in
+    between: a real submission wants NAME@sha256:DIGEST, or --allow-tag; a dry run renders."""
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-such-kubeconfig"))
+    tagged = ["launch.k8s.image=registry.example/mcore-recipes:v1", "launch.k8s.shared_pvc=c"]
+    argv = ["k8s", *GPT, f"output_dir={tmp_path}", *tagged, *NO_FIT]
+    assert launch_main(argv) == exit_codes.CONFIG_ERROR
+    [line] = [ln for ln in capsys.readouterr().err.splitlines() if "ERROR" in ln]
+    assert "launch.k8s.image='registry.example/mcore-recipes:v1' names a tag, not a digest" in line
+    assert "NAME@sha256:DIGEST" in line and "--allow-tag" in line
+    assert not any(tmp_path.iterdir())  # refused before anything is written
+    assert launch_main([*argv, "--dry-run"]) == exit_codes.OK
+    [warning] = [ln for ln in capsys.readouterr().err.splitlines() if "names a tag" in ln]
+    assert "WARNING" in warning and "a submission would be refused" in warning
+    # --allow-tag passes the check: the submission goes on to the API (here: no kubeconfig)
+    assert launch_main([*argv, "--allow-tag"]) == exit_codes.INFRASTRUCTURE
+    assert "cannot load kubeconfig" in capsys.readouterr().err
+    assert k8s.tag_only(IMAGE, allow_tag=False) is None  # the digest pins it
