@@ -74,6 +74,16 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str]) -> int:
+    """The launch's exit code; a Ctrl-C before any rank started is one line and 130 (once the
+    ranks run, the backend forwards it to them: docs/fault-tolerance.md#ctrl-c)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        log.warning("interrupted (Ctrl-C) before any rank started")
+        return exit_codes.INTERRUPTED
+
+
+def _main(argv: list[str]) -> int:
     setup_logging("INFO")
     parser, modules = _parser()
     args, rest = parser.parse_known_args(argv)

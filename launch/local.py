@@ -23,6 +23,7 @@ ranks make an emergency save.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shlex
@@ -41,8 +42,9 @@ import psutil
 from launch import spares
 from launch.common import (
     LaunchPlan,
-    RunDirOwned,
+    Refusal,
     check_remote_tier,
+    check_resume,
     check_run_dir_free,
     plan_launch,
     rank_env,
@@ -71,6 +73,7 @@ from pretrain.context import exit_codes, interrupts
 from pretrain.context.run_dir import RunDir
 from pretrain.context.startup_clock import host_clock
 from recipes import ConfigError
+from recipes.load import started_from
 from resiliency.monitor.fault_tolerance import write_launcher_config
 from resiliency.monitor.health import describe, preflight
 from resiliency.monitor.postmortem import LauncherEvents, finalize_attempts, read_record
@@ -79,13 +82,22 @@ from resiliency.storage.layout import RunLayout
 
 log = logging.getLogger(__name__)
 LOG_NAME = "launch-local.log"
-FORWARDED = (signal.SIGTERM, signal.SIGINT)
+# Forwarded to the launcher (its own process group): SIGHUP and SIGQUIT too, which a terminal
+# sends its foreground group and torch elastic answers by stopping its workers.
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+# A second SIGINT counts as a second press past this; the ranks' own window (SAME_PRESS_S)
+# starts a little later, when the launcher's forwarded first press reaches them.
+SECOND_PRESS_S = 1.5 * interrupts.SAME_PRESS_S
+# What a stop signal leaves the ranks beyond the emergency save's own bound: the step in flight.
+STOP_SLACK_S = 30.0
 # Exits after which the same launch continues the run from its newest verified step.
 RESUMABLE = frozenset({exit_codes.INTERRUPTED, exit_codes.REQUEUE, exit_codes.INFRASTRUCTURE,
                        exit_codes.RETRY_BUDGET_EXHAUSTED})  # fmt: skip
-# The launcher dies with this process (util-linux's setpriv: no preexec_fn in a process
-# with threads); where setpriv is missing it outlives a SIGKILL of this one, as an orphan.
-_DIE_WITH_PARENT = ["setpriv", "--pdeathsig", "KILL", "--"] if shutil.which("setpriv") else []
+# The launcher stops with this process (util-linux's setpriv: no preexec_fn in a process with
+# threads): SIGTERM, so a SIGKILL of this one still stops the ranks (emergency save, exit 75)
+# instead of leaving them training as orphans in their own sessions. Where setpriv is missing
+# the launcher outlives a SIGKILL of this process.
+_DIE_WITH_PARENT = ["setpriv", "--pdeathsig", "TERM", "--"] if shutil.which("setpriv") else []
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -108,7 +120,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         overrides = [*overrides, f"launch.nproc_per_node={args.nproc}"]
     try:
         plan = _checked_plan(overrides)
-    except RunDirOwned as exc:
+    except Refusal as exc:
         return refused_code(exc)
     # Only now, every check passed: a refused launch leaves the run dir byte-identical.
     config = write_resolved_config(plan)
@@ -128,6 +140,7 @@ def _checked_plan(overrides: list[str]) -> LaunchPlan:
             )
         check_launcher_release()
     check_run_dir_free(plan)
+    check_resume(plan)
     check_remote_tier(plan)
     return plan
 
@@ -153,7 +166,7 @@ def launcher_command(
         f"--monitor-interval={ft.check_interval_s}",
         f"--workers-stop-timeout={workers_stop_timeout_s(run):g}",
         # SIGTERM -> SIGKILL grace: room for the ranks' emergency save.
-        f"--term-timeout={run.resiliency.emergency_save_timeout_s + 30:.0f}",
+        f"--term-timeout={run.resiliency.emergency_save_timeout_s + STOP_SLACK_S:.0f}",
         f"--ft-cfg-path={write_launcher_config(run, plan.run_dir)}",
         # nvrx's CLI default (true) overrides the config file's enable_nic_monitor: said again
         # here, or a CPU host logs an NVML traceback per rank monitor.
@@ -269,6 +282,8 @@ class LocalSupervisor:
                 used = self._restarts_used(before)
                 if not self._healthy(len(self.events.launches)):
                     return exit_codes.INFRASTRUCTURE
+                if self.signal is not None:  # came during the health check: nothing started
+                    break
                 code = self._launch(max(0, self.max_restarts - used))
                 if code == exit_codes.OK and not self._attempts(before):
                     # Runs without checkpoints keep no attempt records: nothing to decide.
@@ -312,7 +327,8 @@ class LocalSupervisor:
         return [a for a in recorded_attempts(self.layout) if a > before]
 
     def _decide(self, before: int) -> Decision:
-        finalize_attempts(self.layout, self._attempts(before), self.events, self.tokens_per_step)
+        finalize_attempts(self.layout, self._attempts(before), self.events, self.tokens_per_step,
+                          interrupted=self.interrupted_at is not None)  # fmt: skip
         seen = newest_attempt_exits(self.layout, self._attempts(before), self.events)
         decision = decide(
             self.plan.run_dir,
@@ -338,6 +354,10 @@ class LocalSupervisor:
         env["PYTHONWARNINGS"] = _quiet_pynvml(env.get("PYTHONWARNINGS"))
         # torchrun sets 1 itself when unset, with a banner of warnings saying so.
         env.setdefault("OMP_NUM_THREADS", "1")
+        # torch elastic SIGKILLs its workers this long after it signals them (default 30 s):
+        # the step in flight and the emergency save must fit (ft_launcher: --term-timeout).
+        grace = self.plan.run.resiliency.emergency_save_timeout_s + STOP_SLACK_S
+        env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", f"{grace:.0f}")
         if self.plan.run.parallel.elastic:
             return self._launch_nodes(restarts, env)
         cmd = launcher_command(self.plan, self.config, restarts)
@@ -353,6 +373,8 @@ class LocalSupervisor:
                 [*_DIE_WITH_PARENT, *cmd], env=env, text=True, stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT, bufsize=1, process_group=0,
             )  # fmt: skip
+            if self.signal is not None:  # it came before the child could be signalled
+                self.child.send_signal(self.signal)
             assert self.child.stdout is not None
             self._pump(self.child.stdout, keep)
             code = self.child.wait()
@@ -411,33 +433,41 @@ class LocalSupervisor:
         sys.stderr.flush()
 
     def _forward(self, signum: int, frame: FrameType | None) -> None:
+        # A signal handler: it says what it does with os.write (_say), never through logging,
+        # whose stream this process may be in the middle of writing (the pump).
         if signum == signal.SIGINT:
             now = time.monotonic()
             if self.interrupted_at is not None:
-                if now - self.interrupted_at >= interrupts.SAME_PRESS_S:
+                if now - self.interrupted_at >= SECOND_PRESS_S:
                     self._stop_at_once()
-                return  # within SAME_PRESS_S: the same press, delivered again
+                return  # the same press, delivered again
             self.interrupted_at = now
-            log.warning("launch local: Ctrl-C: the ranks stop after the step in flight with an "
-                        "emergency save; Ctrl-C again to stop at once without it")  # fmt: skip
+            _say("Ctrl-C: the ranks stop after the step in flight with an emergency save; "
+                 "Ctrl-C again to stop at once without it")  # fmt: skip
         self.signal = signum
         if self.nodes is not None:
-            log.warning("launch local: forwarding %s to the nodes", signal.Signals(signum).name)
+            _say(f"forwarding {signal.Signals(signum).name} to the nodes")
             self.nodes.signal_all(signum)
         if self.child is not None and self.child.poll() is None:
-            log.warning("launch local: forwarding %s to the launcher", signal.Signals(signum).name)
+            _say(f"forwarding {signal.Signals(signum).name} to the launcher")
             self.child.send_signal(signum)
 
     def _stop_at_once(self) -> None:
         """A second Ctrl-C: each rank is told again and exits 130 at once, without a save
         (pretrain/context/interrupts.py); the launcher then ends as its workers did."""
-        log.warning("launch local: second Ctrl-C: stopping the ranks now, without an "
-                    "emergency save (the last published step is intact)")  # fmt: skip
-        for rank, proc in sorted(rank_workers(self.plan.run_dir).items()):
-            try:
+        _say("second Ctrl-C: stopping the ranks now, without an emergency save (the last "
+             "published step is intact)")  # fmt: skip
+        for proc in rank_workers(self.plan.run_dir).values():
+            with contextlib.suppress(psutil.Error):  # gone already
                 proc.send_signal(signal.SIGINT)
-            except psutil.Error as exc:
-                log.info("launch local: rank %d: %s", rank, exc)
+
+
+def _say(message: str) -> None:
+    """One WARNING line from a signal handler, in the log's format, straight to stderr."""
+    stamp = time.strftime("%H:%M:%S")
+    line = f"{stamp} [rank 0] WARNING {__name__}: launch local: {message}\n"
+    with contextlib.suppress(OSError):  # stderr gone: the exit code still says it
+        os.write(2, line.encode())
 
 
 def _quiet_pynvml(user: str | None) -> str:
@@ -458,7 +488,10 @@ def resume_command(plan: LaunchPlan) -> str:
     if python.startswith(".."):
         python = sys.executable
     overrides = [o for o in plan.overrides if not o.lstrip("+").startswith("run_id=")]
-    return shlex.join([python, "-m", "launch", "local", *overrides, f"run_id={plan.run.run_id}"])
+    config = started_from()
+    start = ["--config", str(config.resolve())] if config is not None else []
+    return shlex.join([python, "-m", "launch", "local", *start, *overrides,
+                       f"run_id={plan.run.run_id}"])  # fmt: skip
 
 
 def _open_kept_log(path: Path) -> IO[str] | None:

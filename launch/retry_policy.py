@@ -129,6 +129,8 @@ def decide(
             STOP, outcome.exit_code, f"deterministic failure, not retried ({outcome.detail})"
         )
     unrecorded = outcome.status is None or outcome.status in KILLED_STATUSES
+    if unrecorded and exit_codes.INTERRUPTED in seen_exits:  # a second Ctrl-C: no record left
+        return Decision(STOP, exit_codes.INTERRUPTED, f"interrupted by the user ({outcome.detail})")
     deterministic = [c for c in seen_exits if c in exit_codes.DO_NOT_RETRY]
     # A worker killed by a signal (not the launcher's SIGTERM teardown) is an infrastructure
     # death whatever its peers exited with after it.

@@ -70,7 +70,7 @@ def decide(status: int, stopped: bool, job_stopping: bool) -> str | None:
     if os.WIFSIGNALED(status):
         return EXCLUDE if not stopped and os.WTERMSIG(status) in NODE_FAULT_SIGNALS else None
     code = os.waitstatus_to_exitcode(status)
-    if code in exit_codes.DO_NOT_RETRY or (code == exit_codes.REQUEUE and job_stopping):
+    if code in exit_codes.NEVER_RETRIED or (code == exit_codes.REQUEUE and job_stopping):
         return SHUTDOWN
     return None
 

@@ -61,6 +61,16 @@ def process_exit_code(outcome: Outcome) -> int:
 
 
 def main(argv: list[str]) -> int:
+    """The documented exit code; a Ctrl-C before the launcher took over its signals (importing
+    torch, say) is one line and 130."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        log.warning("interrupted (Ctrl-C) before the launcher started its workers")
+        return exit_codes.INTERRUPTED
+
+
+def _main(argv: list[str]) -> int:
     setup_logging("INFO")
     launcher = "torchrun"
     if argv[:1] == ["--ft-launcher"]:

@@ -54,6 +54,11 @@ def starting_from(path: str | Path | None) -> Iterator[None]:
         _CONFIG_FILE.reset(token)
 
 
+def started_from() -> Path | None:
+    """The config file the command in progress starts from (``starting_from``), if any."""
+    return _CONFIG_FILE.get()
+
+
 def list_recipes(overrides: Sequence[str] = ()) -> list[str]:
     """The recipes the package has, and those a ``hydra.searchpath`` override adds."""
     return group_options("recipe", overrides)

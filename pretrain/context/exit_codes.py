@@ -39,3 +39,6 @@ DO_NOT_RETRY = frozenset(
         STRAGGLER,
     }
 )
+# What no launcher restarts, in place or by requeue: the deterministic failures and the user's
+# stop (ft_launcher's in-place restart, a spare node's takeover, the retry policy).
+NEVER_RETRIED = DO_NOT_RETRY | {INTERRUPTED}

@@ -103,6 +103,9 @@ def _log_failure(failure: Failure) -> None:
         # A config refusal (the resume policy's, say) is decided alike on every rank: the
         # failing rank's exit code still goes to the launcher, the message once, from rank 0.
         log.debug("training failed (config), as on rank 0: %s", failure.message)
+    elif failure.kind == "interrupted":  # the user's stop, not a failure to investigate
+        log.warning("stopped at once on a second Ctrl-C (exit %d): %s", failure.exit_code,
+                    failure.message.splitlines()[0][:200])  # fmt: skip
     elif failure.kind in ONE_LINE_KINDS:
         log.error(
             "training failed (%s, exit %d, %s): %s",

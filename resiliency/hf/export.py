@@ -20,7 +20,11 @@ from recipes import ConfigError
 from recipes.config.run import RunConfig
 from recipes.load import load_config_dict
 from resiliency.hf.convert import hf_config, to_hf
-from resiliency.hf.tokenizer_files import write_tokenizer_dir
+from resiliency.hf.tokenizer_files import (
+    LIBRARY_KINDS,
+    library_tokenizer_json,
+    write_tokenizer_dir,
+)
 from resiliency.hf.tokenizer_json import TokenizerConversionError
 from resiliency.storage.layout import MODEL_DIR
 from resiliency.storage.manifest import Manifest
@@ -116,11 +120,18 @@ def _write_export(
     tokenizer = step_tokenizer(step)
     config = hf_config(model, vocab, dtype, getattr(tokenizer, "eod", None))
     weights = to_hf(tensors, model, vocab)
+    # Converted before out is touched: a tokenizer with no transformers form (exit 2) leaves
+    # a previous export whole instead of weights without a tokenizer.
+    converted = (
+        library_tokenizer_json(record["kind"], tokenizer)
+        if record["kind"] in LIBRARY_KINDS
+        else None
+    )
     _prepare_out(out, force)
     save_file(weights, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     files = sorted((step.step_dir / TOKENIZER_DIR).glob("*"))
-    write_tokenizer_dir(out, record["kind"], files, tokenizer, model.seq_length)
+    write_tokenizer_dir(out, record["kind"], files, tokenizer, model.seq_length, converted)
     (out / "mcore_recipes_export.json").write_text(json.dumps(_provenance(step), indent=2) + "\n")
     _set_new_file_modes(out)
     return config, weights

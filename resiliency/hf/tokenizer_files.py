@@ -75,12 +75,18 @@ def byte_tokenizer_json() -> dict:
 
 
 def write_tokenizer_dir(
-    out: Path, kind: str, files: list[Path], tokenizer: RunTokenizer, max_length: int
+    out: Path,
+    kind: str,
+    files: list[Path],
+    tokenizer: RunTokenizer,
+    max_length: int,
+    converted: Tokenizer | None = None,
 ) -> None:
     """Write ``out``'s tokenizer: the run's own files (a huggingface tokenizer), or a
     tokenizer.json that encodes as the run's ``tokenizer`` did (byte, SentencePiece, tiktoken:
     the step's own file copied beside it); tokenizer_config.json added when the files hold
-    none."""
+    none. ``converted``: the tokenizer.json of a SentencePiece or tiktoken run, converted
+    already (the export does it before it touches ``out``)."""
     eod_text: str | None
     pad: str | None
     if kind == "byte":
@@ -96,7 +102,7 @@ def write_tokenizer_dir(
         for path in files:
             if path.name not in (TOKENIZER_JSON, TOKENIZER_CONFIG):
                 shutil.copyfile(path, out / path.name)
-        converted = library_tokenizer_json(kind, tokenizer)
+        converted = converted or library_tokenizer_json(kind, tokenizer)
         converted.save(str(out / TOKENIZER_JSON))
         eod_text = converted.id_to_token(tokenizer.eod)
         pad = None if tokenizer.pad == tokenizer.eod else converted.id_to_token(tokenizer.pad)

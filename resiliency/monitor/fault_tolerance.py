@@ -225,7 +225,7 @@ class FaultToleranceHook(TrainHook):
             self._close("step", observe=False)
 
     def on_end(self, trainer: "TrainerView") -> None:
-        if trainer.exit_code in exit_codes.DO_NOT_RETRY:
+        if trainer.exit_code in exit_codes.NEVER_RETRIED:
             self._request_shutdown(f"planned exit {trainer.exit_code}")
 
     def on_exception(self, trainer: "TrainerView | None", exc: BaseException) -> None:

@@ -475,9 +475,15 @@ def _failure_fields(
 
 
 def finalize_attempts(
-    layout: RunLayout, attempts: list[int], events: LauncherEvents, tokens_per_step: int
+    layout: RunLayout,
+    attempts: list[int],
+    events: LauncherEvents,
+    tokens_per_step: int,
+    interrupted: bool = False,
 ) -> None:
-    """Merge root cause, losses and RTO into each attempt's record (its processes are gone)."""
+    """Merge root cause, losses and RTO into each attempt's record (its processes are gone).
+    ``interrupted``: the launcher stopped the newest attempt on the user's Ctrl-C; a record
+    its ranks could not finish (a second Ctrl-C stops them at once) says so."""
     records = {a: read_record(layout, a) for a in attempts}
     for index, attempt in enumerate(attempts):
         record = records[attempt]
@@ -485,6 +491,10 @@ def finalize_attempts(
             continue
         following = records.get(attempts[index + 1]) if index + 1 < len(attempts) else None
         summary = summarize(layout, attempt, record, following, events, tokens_per_step)
+        unfinished = record.get("status") in (None, "starting", "running")
+        if interrupted and following is None and unfinished:
+            summary.update(status="interrupted", exit_code=exit_codes.INTERRUPTED,
+                           failure_class="interrupted")  # fmt: skip
         try:
             atomic_write_json(
                 layout.attempt_path(attempt), {**record, **summary, "finalized_at": time.time()}
