@@ -8,7 +8,7 @@ import logging
 import sys
 from types import ModuleType
 
-from pretrain.context import exit_codes
+from pretrain.context import exit_codes, interrupts
 from pretrain.platform.logs import setup_logging
 from recipes import ConfigError, load_config
 from recipes.cli_args import config_dir_override, refuse_sweep, sweep_points, translate
@@ -73,17 +73,9 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# Once the ranks run, the backend forwards a Ctrl-C to them (docs/fault-tolerance.md#ctrl-c).
+@interrupts.one_line_on_ctrl_c("before any rank started")
 def main(argv: list[str]) -> int:
-    """The launch's exit code; a Ctrl-C before any rank started is one line and 130 (once the
-    ranks run, the backend forwards it to them: docs/fault-tolerance.md#ctrl-c)."""
-    try:
-        return _main(argv)
-    except KeyboardInterrupt:
-        log.warning("interrupted (Ctrl-C) before any rank started")
-        return exit_codes.INTERRUPTED
-
-
-def _main(argv: list[str]) -> int:
     setup_logging("INFO")
     parser, modules = _parser()
     args, rest = parser.parse_known_args(argv)

@@ -17,7 +17,7 @@ import signal
 import sys
 from dataclasses import dataclass
 
-from pretrain.context import exit_codes
+from pretrain.context import exit_codes, interrupts
 from pretrain.platform.logs import setup_logging
 
 log = logging.getLogger(__name__)
@@ -60,17 +60,8 @@ def process_exit_code(outcome: Outcome) -> int:
     return SIGNAL_BASE - outcome.code if outcome.code < 0 else outcome.code
 
 
+@interrupts.one_line_on_ctrl_c("before the launcher started its workers")
 def main(argv: list[str]) -> int:
-    """The documented exit code; a Ctrl-C before the launcher took over its signals (importing
-    torch, say) is one line and 130."""
-    try:
-        return _main(argv)
-    except KeyboardInterrupt:
-        log.warning("interrupted (Ctrl-C) before the launcher started its workers")
-        return exit_codes.INTERRUPTED
-
-
-def _main(argv: list[str]) -> int:
     setup_logging("INFO")
     launcher = "torchrun"
     if argv[:1] == ["--ft-launcher"]:

@@ -49,17 +49,8 @@ exit codes: 0 ok, 2 config error, 9 missing data or tokenizer files, 130 Ctrl-C 
 """
 
 
+@interrupts.one_line_on_ctrl_c("before training started: nothing was saved")
 def main(argv: list[str]) -> int:
-    """The exit code of one command line; a Ctrl-C before training starts is one line, 130."""
-    try:
-        return _main(argv)
-    except KeyboardInterrupt:
-        if _first_rank():
-            log.warning("interrupted (Ctrl-C) before training started: nothing was saved")
-        return exit_codes.INTERRUPTED
-
-
-def _main(argv: list[str]) -> int:
     setup_logging("INFO")
     try:
         req = parse_args(argv)

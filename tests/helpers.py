@@ -13,6 +13,21 @@ from resiliency.storage.checksum import describe_files
 from resiliency.storage.manifest import Manifest, manifest_checksum, read_manifest
 
 REPO = Path(__file__).resolve().parents[1]
+# A recipe of the user's own, outside the package (the shape of recipes/conf/recipe/*.yaml),
+# for --config-dir: gpt_tiny on synthetic tokens, 7 steps.
+USER_RECIPE = """\
+# @package _global_
+# gpt_tiny on synthetic tokens, 7 steps
+defaults:
+  - override /model: gpt_tiny
+  - override /data: mock
+parallel:
+  tp: 2
+train:
+  train_steps: 7
+launch:
+  nproc_per_node: 2
+"""
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
 

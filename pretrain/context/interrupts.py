@@ -14,9 +14,12 @@ logging module's locks may be held by the code the signal interrupted.
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from types import FrameType
 
 from pretrain.context import exit_codes
@@ -57,6 +60,29 @@ def _on_sigint(signum: int, frame: FrameType | None) -> None:
     except OSError:
         pass  # stderr gone (the launcher's pipe closed): the exit code still says it
     os._exit(exit_codes.INTERRUPTED)
+
+
+Main = Callable[[list[str]], int]
+
+
+def one_line_on_ctrl_c(when: str) -> Callable[[Main], Main]:
+    """For a command's ``main(argv) -> exit code``: a Ctrl-C that reaches it as a
+    KeyboardInterrupt (before ``install`` or a launcher's own handlers took SIGINT over) is
+    one line, ``interrupted (Ctrl-C) <when>`` (said by rank 0 only), and exit 130."""
+
+    def wrap(main: Main) -> Main:
+        @functools.wraps(main)
+        def guarded(argv: list[str]) -> int:
+            try:
+                return main(argv)
+            except KeyboardInterrupt:
+                if os.environ.get("RANK", "0") == "0":
+                    logging.getLogger(main.__module__).warning("interrupted (Ctrl-C) %s", when)
+                return exit_codes.INTERRUPTED
+
+        return guarded
+
+    return wrap
 
 
 def reset_for_tests() -> None:

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from pretrain.context import exit_codes
-from tests.helpers import REPO
+from tests.helpers import REPO, USER_RECIPE
 
 # Each entry point as a user types it (`launch slurm` as a dry run: no cluster needed).
 ENTRIES = {
@@ -21,19 +21,6 @@ ENTRIES = {
     "launch local": ["launch", "local"],
     "launch slurm": ["launch", "slurm", "--dry-run"],
 }
-USER_RECIPE = """\
-# @package _global_
-# gpt_tiny on synthetic tokens, 7 steps
-defaults:
-  - override /model: gpt_tiny
-  - override /data: mock
-parallel:
-  tp: 2
-train:
-  train_steps: 7
-launch:
-  nproc_per_node: 2
-"""
 
 
 def _cli(args: list[str], tmp: Path | None = None) -> subprocess.CompletedProcess:

@@ -16,21 +16,8 @@ from pretrain.__main__ import main as pretrain_main
 from pretrain.context import exit_codes
 from recipes import ConfigError, load_config
 from recipes.cli_args import parse_args, refuse_sweep, sweep_points, translate
+from tests.helpers import USER_RECIPE
 
-# A recipe of the user's own, outside the package (the shape of recipes/conf/recipe/*.yaml).
-USER_RECIPE = """\
-# @package _global_
-# gpt_tiny, shorter: a user's recipe
-defaults:
-  - override /model: gpt_tiny
-  - override /data: mock
-parallel:
-  tp: 2
-train:
-  train_steps: 7
-launch:
-  nproc_per_node: 2
-"""
 BAD_YAML = "train:\n  train_steps: [7\n  seed: 1\n"  # the flow list never closes
 
 

@@ -44,3 +44,16 @@ def test_a_lost_peer_after_a_ctrl_c_is_the_users_stop(sigint: None) -> None:
     )
     # Only infrastructure-like failures become the user's: a real bug stays a bug.
     assert classify(ValueError("bad shape")).exit_code == exit_codes.USER_CODE
+
+
+def test_a_ctrl_c_before_a_command_takes_sigint_over_is_one_line_and_130(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    @interrupts.one_line_on_ctrl_c("before anything started")
+    def main(argv: list[str]) -> int:
+        raise KeyboardInterrupt
+
+    assert main([]) == exit_codes.INTERRUPTED == 130
+    assert [r.getMessage() for r in caplog.records] == [
+        "interrupted (Ctrl-C) before anything started"
+    ]
