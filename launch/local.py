@@ -15,9 +15,10 @@ The launcher's output is passed through (and kept in <run_dir>/launch-local.log)
 the events the attempt records need (detection, teardown, exit codes, monitor timeouts). When
 the launcher is done, each attempt of this launch gets its root cause, losses and RTO
 (resiliency/monitor/postmortem.py), and the exit code comes from launch/retry_policy.py: 0
-when finished, REQUEUE (75) after a preemption, a "do not retry" code otherwise
-(RETRY_BUDGET_EXHAUSTED after K restarts). SIGTERM/SIGINT are forwarded to the launcher, whose
-ranks make an emergency save.
+when finished, REQUEUE (75) after a preemption (SIGTERM), INTERRUPTED (130) after a Ctrl-C
+(docs/fault-tolerance.md#ctrl-c), a "do not retry" code otherwise (RETRY_BUDGET_EXHAUSTED after
+K restarts). Either signal is forwarded to the launcher, whose ranks make an emergency save; a
+run that did not finish ends with the command that resumes it.
 """
 
 from __future__ import annotations
