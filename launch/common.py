@@ -26,6 +26,7 @@ from recipes import ConfigError, RunConfig, load_config, to_yaml
 from recipes.inputs import check_inputs
 from recipes.validate import new_launch_id, resolve_run_id, validate_runtime
 from resiliency.checkpoint.restore.preflight import judge_resume
+from resiliency.checkpoint.restore.resume_policy import PolicyRefusal
 from resiliency.checkpoint.restore.topology import TopologyRefusedError
 from resiliency.storage.layout import RunLayout, atomic_write_json
 from resiliency.storage.lease import owner_liveness, read_lease
@@ -161,15 +162,19 @@ def check_resume(plan: LaunchPlan) -> None:
         judge_resume(plan.run, plan.run_dir, plan.run.launch.world_size, plan.dp)
     except TopologyRefusedError as exc:
         raise _one_line(plan, str(exc), exit_codes.TOPOLOGY_REFUSED) from None
+    except PolicyRefusal as exc:  # the changed keys inline, "key: saved -> now"
+        keys = [change.describe() for change in exc.changes]
+        raise _one_line(plan, str(exc), exit_codes.CONFIG_ERROR, keys) from None
     except ConfigError as exc:
         raise _one_line(plan, str(exc), exit_codes.CONFIG_ERROR) from None
 
 
-def _one_line(plan: LaunchPlan, verdict: str, code: int) -> ResumeRefused:
+def _one_line(
+    plan: LaunchPlan, verdict: str, code: int, keys: list[str] | None = None
+) -> ResumeRefused:
     first, _, rest = verdict.partition("\n")
     line = first.rstrip(":")
-    keys = [k.strip() for k in rest.splitlines() if k.startswith("  ") and "->" in k]
-    if keys:  # the resume policy's changed keys, "key: saved -> now"; a table is not inline
+    if keys:  # a table (the topology's) is not inline: it is in the file
         line += ": " + "; ".join(keys[:3]) + ("; ..." if len(keys) > 3 else "")
     if rest.strip():
         fd, path = tempfile.mkstemp(prefix=f"mcore-recipes-refused-{plan.run.run_id}-",

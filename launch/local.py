@@ -74,7 +74,7 @@ from pretrain.context import exit_codes, interrupts
 from pretrain.context.run_dir import RunDir
 from pretrain.context.startup_clock import host_clock
 from recipes import ConfigError
-from recipes.load import started_from
+from recipes.load import override_key, started_from
 from resiliency.monitor.fault_tolerance import write_launcher_config
 from resiliency.monitor.health import describe, preflight
 from resiliency.monitor.postmortem import LauncherEvents, finalize_attempts, read_record
@@ -480,7 +480,7 @@ def _quiet_pynvml(user: str | None) -> str:
 
 
 def _names_run_id(overrides: list[str]) -> bool:
-    return any(o.lstrip("+").startswith("run_id=") for o in overrides)
+    return any(override_key(o) == "run_id" for o in overrides)
 
 
 def resume_command(plan: LaunchPlan) -> str:
@@ -488,7 +488,7 @@ def resume_command(plan: LaunchPlan) -> str:
     python = os.path.relpath(sys.executable)
     if python.startswith(".."):
         python = sys.executable
-    overrides = [o for o in plan.overrides if not o.lstrip("+").startswith("run_id=")]
+    overrides = [o for o in plan.overrides if override_key(o) != "run_id"]
     config = started_from()
     start = ["--config", str(config.resolve())] if config is not None else []
     return shlex.join([python, "-m", "launch", "local", *start, *overrides,

@@ -25,6 +25,7 @@ from recipes.checks import ConfigError
 from recipes.load import (
     SEARCH_PATH_KEY,
     is_group,
+    override_key,
     parse_search_path,
     schema_fields,
     search_path_override,
@@ -226,7 +227,7 @@ def _sweeps(parsed: list) -> list:
 
 
 def _is_run_id(override: str) -> bool:
-    return override.split("=", 1)[0].lstrip("+") == "run_id"
+    return override_key(override) == "run_id"
 
 
 def _point_run_id(point: list[str], index: int) -> list[str]:

@@ -165,8 +165,13 @@ def search_dirs(overrides: Sequence[str]) -> list[Path]:
     return [Path(e[len(FILE_SCHEME) :]) for e in entries if e.startswith(FILE_SCHEME)]
 
 
+def override_key(override: str) -> str:
+    """The key a ``key=value`` or ``+key=value`` override sets."""
+    return override.split("=", 1)[0].lstrip("+")
+
+
 def _is_search_path(override: str) -> bool:
-    return override.split("=", 1)[0].lstrip("+") == SEARCH_PATH_KEY
+    return override_key(override) == SEARCH_PATH_KEY
 
 
 def _search_entry(entry: str) -> str:

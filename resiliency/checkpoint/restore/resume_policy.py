@@ -84,6 +84,14 @@ RULES: tuple[tuple[str, KeyClass], ...] = (
 )
 
 
+class PolicyRefusal(ConfigError):
+    """A resume the policy refuses (exit 2); ``changes``: the differences that refused it."""
+
+    def __init__(self, message: str, changes: list["Change"]) -> None:
+        super().__init__(message)
+        self.changes = changes
+
+
 @dataclass(frozen=True)
 class Change:
     key: str
@@ -167,10 +175,10 @@ def reconcile(
     schedule = [c for c in changes if c.kind == "schedule"]
     choice = run.checkpoint.schedule_on_resume
     if problems:
-        raise ConfigError(_refusal(problems, step))
+        raise PolicyRefusal(_refusal(problems, step), problems)
     if schedule and choice == "refuse":
         implicit = run.scheduler.decay_steps is None
-        raise ConfigError(_schedule_refusal(schedule, step, implicit))
+        raise PolicyRefusal(_schedule_refusal(schedule, step, implicit), schedule)
     kept = schedule if choice == "checkpoint" else []
     applied = [c for c in changes if c not in kept]
     if kept:
