@@ -60,6 +60,18 @@ def _wait_resident(path: Path) -> None:
         time.sleep(0.05)
 
 
+def _read_whole(path: Path) -> bool:
+    """All of the file's pages resident, but for a few the kernel may drop.
+
+    WILLNEED is advice: under memory pressure or a congested device (a loaded CI host)
+    the kernel may skip a readahead window or evict a page again (CI once saw 8 pages of
+    6144 missing). One advice call reads at most one window (128 KiB), so an eighth of
+    the file missing at most still tells a whole-file read from a first-window one.
+    """
+    size = path.stat().st_size
+    return _resident_bytes(path) >= size - size // 8
+
+
 def _step_files(layout: RunLayout, step: int) -> list[Path]:
     return [p for p in layout.step_dir(step).rglob("*") if p.is_file()]
 
@@ -76,7 +88,7 @@ def test_the_newest_steps_own_shard_is_read_into_the_page_cache(layout: RunLayou
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert int(done.stdout) >= own.stat().st_size
     _wait_resident(own)
-    assert _resident_bytes(own) == own.stat().st_size  # the whole file, every page
+    assert _read_whole(own)  # the whole file, not its first readahead window
     assert _resident_bytes(other) == 0  # rank 0's shard: rank 0 reads it
     assert all(_resident_bytes(p) == 0 for p in _step_files(layout, 2))  # not the newest
 
@@ -108,4 +120,4 @@ def test_a_shard_longer_than_one_readahead_is_read_whole(tmp_path: Path) -> None
     _evict([shard], probe=shard)
     assert prefetch.prefetch_share(layout, 0, 1) >= shard.stat().st_size
     _wait_resident(shard)
-    assert _resident_bytes(shard) == shard.stat().st_size
+    assert _read_whole(shard)
