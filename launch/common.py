@@ -20,11 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pretrain.context import exit_codes
+from pretrain.context.failures import ClassifiedError
 from pretrain.context.run_dir import RunDir
 from pretrain.fit.timing import progress_problems, resolve_save_interval
 from recipes import ConfigError, RunConfig, load_config, to_yaml
 from recipes.inputs import check_inputs
 from recipes.validate import new_launch_id, resolve_run_id, validate_runtime
+from resiliency.checkpoint.restore.init_source import judge_warm_start
 from resiliency.checkpoint.restore.preflight import judge_resume
 from resiliency.checkpoint.restore.resume_policy import PolicyRefusal
 from resiliency.checkpoint.restore.topology import TopologyRefusedError
@@ -155,11 +157,14 @@ def refused_code(exc: Refusal) -> int:
 
 def check_resume(plan: LaunchPlan) -> None:
     """The resume rules the ranks' restore applies (tokenizer, topology, the resume policy),
-    judged on the newest published step's manifest before any rank starts: one line and the
+    judged on the newest published step's manifest (or, on a run's first launch, on
+    checkpoint.init_from's step) before any rank starts: one line and the
     trainer's own exit code. A multi-line verdict (the topology table, every changed key) goes
     to a file outside the run dir, which the line names."""
+    world_size = plan.run.launch.world_size
     try:
-        judge_resume(plan.run, plan.run_dir, plan.run.launch.world_size, plan.dp)
+        if judge_resume(plan.run, plan.run_dir, world_size, plan.dp) is None:
+            judge_warm_start(plan.run, plan.run_dir, world_size, plan.dp)
     except TopologyRefusedError as exc:
         raise _one_line(plan, str(exc), exit_codes.TOPOLOGY_REFUSED) from None
     except PolicyRefusal as exc:  # the changed keys inline, "key: saved -> now"
@@ -167,6 +172,8 @@ def check_resume(plan: LaunchPlan) -> None:
         raise _one_line(plan, str(exc), exit_codes.CONFIG_ERROR, keys) from None
     except ConfigError as exc:
         raise _one_line(plan, str(exc), exit_codes.CONFIG_ERROR) from None
+    except ClassifiedError as exc:  # checkpoint.init_from's steps do not verify: exit 10
+        raise _one_line(plan, str(exc), exc.exit_code) from None
 
 
 def _one_line(

@@ -142,6 +142,11 @@ class RunDir:
         return self.path / "data-cache"
 
     @property
+    def init_source_dir(self) -> Path:
+        """checkpoint.init_from=s3://...: the source step downloaded (a run layout of its own)."""
+        return self.path / "init-source"
+
+    @property
     def timeouts_path(self) -> Path:
         return self.path / "ft_timeouts.json"
 

@@ -71,6 +71,7 @@ class RemoteCheckpointConfig:
         require(self.follow_interval_s > 0, "checkpoint.remote.follow_interval_s must be > 0")
 
 
+INIT_LOADS = ("weights", "weights+optimizer")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -127,6 +128,16 @@ class CheckpointConfig:
     # check it after a restore on the same layout (refused, exit 10, if any tensor differs):
     # the run continues from exactly the saved state. One extra read of the state per save.
     fingerprint: bool = False
+    # Warm start (Megatron-LM's --pretrained-checkpoint, Megatron-Bridge's
+    # checkpoint.pretrained_checkpoint): a run with no step of its own starts from another
+    # run's weights. A step dir, a run dir (its newest verified step), an s3:// run prefix
+    # (its newest remote step), or the run dir `resiliency.hf import` wrote. Used only while
+    # this run has no published step: a relaunch resumes its own steps.
+    # restore/init_source.py; docs/checkpoints.md#warm-start.
+    init_from: Optional[str] = None
+    # What of init_from is loaded: weights (a fresh optimizer) or weights+optimizer (Adam's
+    # moments too). Either way step, data cursor, schedule and RNG are this run's, from 0.
+    init_load: str = "weights"
     local: LocalCheckpointConfig = field(default_factory=LocalCheckpointConfig)
     remote: RemoteCheckpointConfig = field(default_factory=RemoteCheckpointConfig)
 
@@ -165,6 +176,12 @@ class CheckpointConfig:
             "batch_change_lr_scaling",
             self.batch_change_lr_scaling,
             ("refuse", "none", "linear", "sqrt"),
+        )
+        one_of("checkpoint", "init_load", self.init_load, INIT_LOADS)
+        require(
+            self.init_from is None or bool(self.init_from.strip()),
+            "checkpoint.init_from is empty: give a step dir, a run dir or s3://bucket/prefix/"
+            "<run_id>, or null",
         )
         one_of(
             "checkpoint",

@@ -32,6 +32,7 @@ from resiliency.checkpoint import rank_state as state_io
 from resiliency.checkpoint.fingerprint import differences, state_fingerprint
 from resiliency.checkpoint.restore.load import EarlyLoad, read_shards
 from resiliency.checkpoint.restore.resume_lr import (
+    load_optimizer_keeping_schedule,
     scale_lr_for_batch_change,
     schedule_from_config,
     set_group_lrs,
@@ -139,6 +140,9 @@ class Checkpointer:
         self.stats = SaveStats()
         self.restored_step: int | None = None
         self.restored_tier: str | None = None  # "persistent" | "local"
+        # What the run was warm-started from (checkpoint.init_from), recorded in every
+        # manifest this run writes; set by the checkpoint hook from its restore plan.
+        self.init_source: dict[str, Any] | None = None
         self.lr_scaling: dict[str, Any] | None = None
         self._dataset_snapshot: dict[str, Any] | None = None
         # Seconds per phase of the last save (logged, and read by bench/).
@@ -494,6 +498,7 @@ class Checkpointer:
             config=asdict(run),
             files=files,
             weights_only=self.weights_only,
+            init_from=self.init_source,
             tokenizer={
                 "kind": run.data.tokenizer,
                 "path": run.data.tokenizer_path,
@@ -580,6 +585,49 @@ class Checkpointer:
         finally:
             self.cfg = cfg
         return manifest.step
+
+    def warm_start(
+        self,
+        step_dir: Path,
+        manifest: Manifest,
+        with_optimizer: bool,
+        early: EarlyLoad | None = None,
+    ) -> None:
+        """checkpoint.init_from: another run's step, verified and validated by restore/plan.py,
+        loaded as this run's step 0: its weights (and with ``with_optimizer`` its optimizer
+        state); the step, data cursor, schedule and RNG stay this run's fresh ones."""
+        if early is None:
+            self.faults.at_checkpoint("restore", manifest.step)
+        started = time.perf_counter() - (early.seconds if early else 0.0)
+        if early is not None and early.error is not None:
+            raise early.error  # the files re-hashed fine: the load's own failure
+        if early is not None:
+            loaded = early.loaded
+        else:
+            cfg = replace(self.cfg, load_optimizer=with_optimizer)
+            loaded = read_shards(self.trainer.parts, step_dir, manifest, cfg).loaded
+        startup_clock.mark("restore_read")
+        parts = self.trainer.parts
+        for key, chunk in chunks_by_key(parts.chunks).items():
+            chunk.load_state_dict(loaded[key], strict=True)
+        if with_optimizer:
+            saved = state_io.read_train_state(step_dir)["scheduler"]
+            load_optimizer_keeping_schedule(parts.optimizer, loaded["optimizer"], saved)
+            if not self._optimizer_has_state():
+                raise RestoreError(f"optimizer state is empty after loading {step_dir}")
+        else:
+            # Main (fp32) params were copied from the weights at build time; refresh them.
+            parts.optimizer.reload_model_params()
+        log.log(
+            logging.INFO if self.rank == 0 else logging.DEBUG,
+            "warm start: %s of run %r loaded (%s) in %.2f s; training starts at step 0 with "
+            "this run's schedule and data",
+            step_dir.name,
+            manifest.run_id,
+            "weights and optimizer state" if with_optimizer else "weights, fresh optimizer",
+            time.perf_counter() - started,
+        )
+        startup_clock.mark("restore_load")
 
     def apply_loaded(
         self,

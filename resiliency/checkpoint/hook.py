@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -22,8 +22,14 @@ from pretrain.train.hooks import StepResult, TrainHook
 from recipes import ConfigError
 from resiliency.checkpoint.checkpointer import Checkpointer
 from resiliency.checkpoint.local.tier import LocalTier
+from resiliency.checkpoint.restore.init_source import loads_optimizer
 from resiliency.checkpoint.restore.load import EarlyLoad, read_shards
-from resiliency.checkpoint.restore.plan import RestorePlan, plan_restore, reads_shards_early
+from resiliency.checkpoint.restore.plan import (
+    RestorePlan,
+    plan_init,
+    plan_restore,
+    reads_shards_early,
+)
 from resiliency.checkpoint.restore.resume_policy import ResumeDecision, reconcile
 from resiliency.checkpoint.restore.topology import resize_of
 from resiliency.checkpoint.write.async_writer import SpawnedWriterQueue
@@ -106,7 +112,7 @@ class CheckpointHook(TrainHook):
             self.writer_queue.writer.start()
         self.initialise = run.model.perform_initialization
         self.dp = dp
-        if self.cfg.resume:
+        if self.cfg.resume or self.cfg.init_from:
             run, self.plan = self._plan_restore(run, self.rejected)
         run = self._model_init_for_plan(self._reconcile(run))
         self.cfg = run.checkpoint  # one generation: the section the run trains with
@@ -117,18 +123,24 @@ class CheckpointHook(TrainHook):
     ) -> "tuple[RunConfig, RestorePlan | None]":
         """The newest step to restore that is none of ``rejected`` (the only call of
         plan_restore): at start and after a failed re-hash for this attempt (which may
-        download a remote step for it), or for a rollback."""
+        download a remote step for it), or for a rollback. For an attempt of a run with no
+        step of its own, checkpoint.init_from's step (a warm start; never for a rollback)."""
         vocab = run_tokenizer(run.data.tokenizer, run.data.tokenizer_path).vocab_size
         attempt = self.ctx.attempt if for_attempt else 0
-        return plan_restore(
-            run, self.layout, self.env.world_size, self.dp, vocab, rejected, attempt
-        )
+        world, plan = self.env.world_size, None
+        if self.cfg.resume:
+            run, plan = plan_restore(run, self.layout, world, self.dp, vocab, rejected, attempt)
+        if plan is None and for_attempt and self.cfg.init_from is not None:
+            run, plan = plan_init(
+                run, self.layout.run_dir, world, self.dp, vocab, rejected, attempt
+            )
+        return run, plan
 
     def _reconcile(self, run: "RunConfig") -> "RunConfig":
         """Judge this launch's config against the one the chosen step was saved with: refuse,
         or say in the log (and later the attempt record) what changes and what is kept."""
-        if self.plan is None:
-            return run
+        if self.plan is None or self.plan.init is not None:
+            return run  # a warm start's source was judged by its own rules (init_source.py)
         manifest = self.plan.manifest
         # A checkpoint that carries its tokenizer had its files compared by content already.
         carried = manifest.tokenizer.get("files") is not None
@@ -196,6 +208,7 @@ class CheckpointHook(TrainHook):
         self.checkpointer = checkpointer
         if self.cfg.local.enabled:
             self.local = LocalTier(self.cfg.local, trainer, checkpointer)
+        checkpointer.init_source = self._lineage()
         restored, tier = self._restore(checkpointer, early)
         if self.local is not None:
             self.local.discard_after(restored or 0)
@@ -207,12 +220,32 @@ class CheckpointHook(TrainHook):
             lr_scaling=checkpointer.lr_scaling,
             local_dir=self.cfg.local.dir if self.local else None,
             config_changes=self.decision.record() if self.decision else None,
+            init_from=checkpointer.init_source,
             corpus_changes=self.plan.corpus_changes if self.plan else None,
             resized=(
                 resize_of(self.plan.manifest, self.env.world_size, self.dp)
                 if self.plan is not None and restored is not None
                 else None
             ),
+        )
+
+    def _lineage(self) -> dict[str, Any] | None:
+        """The warm start this run began with: the plan's source, or what its own step
+        recorded (carried into every manifest it writes)."""
+        if self.plan is None:
+            return None
+        if self.plan.init is not None:
+            return self.plan.init.record(self.cfg.init_load)
+        return self.plan.manifest.init_from
+
+    def _load_section(self) -> "CheckpointConfig":
+        """What the planned step's load reads: a warm start loads the optimizer state only
+        with checkpoint.init_load=weights+optimizer (and a source that has it)."""
+        assert self.plan is not None
+        if self.plan.init is None:
+            return self.cfg
+        return dataclasses.replace(
+            self.cfg, load_optimizer=loads_optimizer(self.cfg, self.plan.init)
         )
 
     def _read_early(self, trainer: "TrainerView") -> EarlyLoad | None:
@@ -238,7 +271,11 @@ class CheckpointHook(TrainHook):
             started = time.perf_counter()
             try:
                 return read_shards(
-                    trainer.parts, self.plan.step_dir, self.plan.manifest, self.cfg, check
+                    trainer.parts,
+                    self.plan.step_dir,
+                    self.plan.manifest,
+                    self._load_section(),
+                    check,
                 )
             except CheckpointException as exc:  # a BaseException, raised on every rank alike
                 return EarlyLoad(error=exc, seconds=time.perf_counter() - started)
@@ -249,14 +286,20 @@ class CheckpointHook(TrainHook):
     def _restore(
         self, checkpointer: Checkpointer, early: EarlyLoad | None = None
     ) -> tuple[int | None, str | None]:
-        """The local tier when it holds a newer verified step, else the persistent tier."""
-        persistent = self.plan.manifest.step if self.plan is not None else None
+        """The local tier when it holds a newer verified step, else the persistent tier (or,
+        with neither, a warm start's source)."""
+        plan = self.plan
+        persistent = plan.manifest.step if plan is not None and plan.init is None else None
         if self.local is not None and self.cfg.resume:
             step = self.local.choose(persistent)
             if step is not None:
                 self.local.restore(step)
                 return step, "local"
         if self.plan is None:
+            return None, None
+        if self.plan.init is not None:  # this run's step 0 is the source's state
+            with_optimizer = self._load_section().load_optimizer
+            checkpointer.warm_start(self.plan.step_dir, self.plan.manifest, with_optimizer, early)
             return None, None
         return checkpointer.restore(
             self.plan.step_dir, self.plan.manifest, self.plan.report.same_layout, early

@@ -54,6 +54,9 @@ class Manifest:
     files: list[FileEntry] = field(default_factory=list)
     # No optimizer state: a step imported from transformers (restores load weights only).
     weights_only: bool = False
+    # The step a warm start loaded as this run's step 0 (checkpoint.init_from): the spec, its
+    # run id, step and manifest checksum, and what was loaded; carried by every later step.
+    init_from: dict[str, Any] | None = None
     created_at: str = field(default_factory=utc_now_iso)
     schema_version: int = SCHEMA_VERSION
 

@@ -23,6 +23,17 @@ from pretrain.train.fault_injection import FaultInjector
 from recipes import ConfigError
 from recipes.config.checkpoint import CheckpointConfig, RemoteCheckpointConfig
 from recipes.config.run import RunConfig
+from resiliency.checkpoint.restore.init_source import (
+    InitSource,
+    InitSourceError,
+    fetched_dir,
+    from_step_dir,
+    init_target,
+    is_remote,
+    judge,
+    resolve_local,
+    split_remote,
+)
 from resiliency.checkpoint.restore.preflight import check_must_match, check_tokenizer, target_for
 from resiliency.checkpoint.restore.share_check import ShareCheck
 from resiliency.checkpoint.restore.topology import (
@@ -61,6 +72,8 @@ class RestorePlan:
     # How the corpus differs from the one the step recorded, resumed anyway because
     # data.allow_changed_corpus=true (corpus.corpus_changes); None when nothing differs.
     corpus_changes: list[dict[str, Any]] | None = None
+    # A warm start (checkpoint.init_from): another run's step, loaded as this run's step 0.
+    init: InitSource | None = None
 
     def check_metadata_files(self, checksums: bool = True) -> str | None:
         """Collective: the first problem any rank finds in the step's small model files (the
@@ -209,12 +222,19 @@ def _unrecoverable(
         )
         return None
     reasons = "\n".join(f"  {name}: {reason}" for name, reason in skipped)
+    foreign = any("another run" in reason for _, reason in skipped)
     return (
         f"{layout.steps_dir} holds {len(steps)} published step(s) and none verifies"
         f"{f' (nor any of the remote tier, {len(remote)} committed)' if remote else ''}:\n"
         f"{reasons}\nNothing was changed. Repair or restore the steps (python -m resiliency "
         "verify <step dir> says why), or start this run's history over with "
         "checkpoint.start_over_if_unverified=true."
+        + (
+            " To train from another run's step, start a run of its own from it: "
+            "checkpoint.init_from=<that step dir or run dir> (a warm start)."
+            if foreign
+            else ""
+        )
     )
 
 
@@ -270,8 +290,9 @@ def start_rehash(
     return future, check
 
 
-def check_topology(manifest: Manifest, target: Target) -> TopologyReport:
-    """Validate; a refusal raises with the diff table and the user's options."""
+def check_topology(manifest: Manifest, target: Target, warm_start: bool = False) -> TopologyReport:
+    """Validate; a refusal raises with the diff table and the user's options. A layout change
+    is worth a warning on a resume; a warm start is expected to change it (logged at INFO)."""
     report = validate(manifest, target)
     if report.refused:
         raise TopologyRefusedError(
@@ -279,7 +300,8 @@ def check_topology(manifest: Manifest, target: Target) -> TopologyReport:
             f"{report.table()}"
         )
     if not report.same_layout and dist.get_rank() == 0:
-        log.warning("restore: topology changes from the checkpoint's:\n%s", report.table())
+        level = logging.INFO if warm_start else logging.WARNING
+        log.log(level, "restore: topology changes from the checkpoint's:\n%s", report.table())
     return report
 
 
@@ -379,3 +401,86 @@ def plan_restore(
         step_dir, manifest, report, tier, rehash, share_check=share_check, corpus_changes=changes
     )
     return dataclasses.replace(run, model=model), plan
+
+
+def plan_init(
+    run: RunConfig,
+    run_dir: Path,
+    world_size: int,
+    dp: int,
+    vocab_size: int,
+    rejected: Mapping[int, str] | None = None,
+    attempt: int = 0,
+) -> tuple[RunConfig, RestorePlan]:
+    """Collective: checkpoint.init_from's step to load as this run's step 0 (a run with no
+    step of its own): rank 0 resolves it (downloads an s3:// source into the run dir), every
+    rank judges it (init_source.judge, the topology) and re-hashes its share, as a restore."""
+    spec = run.checkpoint.init_from
+    assert spec is not None
+    key = key_from_env(run.checkpoint.signing_key_env)
+    found, error = None, None
+    if dist.get_rank() == 0:
+        try:
+            found = str(_resolve_init(run, run_dir, rejected or {}, attempt, key).step_dir)
+        except Exception as exc:  # noqa: BLE001 - every rank raises it
+            error = exc
+    found, error = broadcast_object((found, error))
+    if error is not None:
+        raise error
+    source = from_step_dir(spec, Path(found))
+    run = judge(run, source)
+    manifest = source.manifest
+    rehash, share_check = start_rehash(
+        source.step_dir,
+        manifest,
+        FaultInjector.parse(run.train.fault, dist.get_rank()),
+        run.checkpoint.full_verify,
+        reads_shards_early(run.checkpoint),
+    )
+    target = init_target(run, world_size, dp, vocab_size, source)
+    report = check_topology(manifest, target, warm_start=True)
+    if dist.get_rank() == 0:
+        log.info(
+            "warm start: %s of run %r (%s) as step 0, loading %s",
+            source.step_dir.name,
+            manifest.run_id,
+            spec,
+            source.loads(run.checkpoint.init_load),
+        )
+    plan = RestorePlan(
+        source.step_dir, manifest, report, "init", rehash, share_check=share_check, init=source
+    )
+    return run, plan
+
+
+def _resolve_init(
+    run: RunConfig,
+    run_dir: Path,
+    rejected: Mapping[int, str],
+    attempt: int,
+    key: SigningKey | None,
+) -> InitSource:
+    """Rank 0: the local source's step, or the newest intact step of an s3:// source,
+    downloaded into this run's dir (kept there: a retry before the first save reuses it)."""
+    spec = run.checkpoint.init_from
+    assert spec is not None
+    if not is_remote(spec):
+        return resolve_local(spec, run_dir, rejected, key)
+    url, source_run = split_remote(spec)
+    layout = fetched_dir(run_dir, source_run)
+    if layout.published_steps():
+        try:
+            return resolve_local(str(layout.run_dir), run_dir, rejected, key)
+        except ClassifiedError:
+            pass  # none verifies: fetch again
+    remote = run.checkpoint.remote
+    store = ObjectStore(
+        url, remote.endpoint_url, remote.workers, retry_budget_s=remote.retry_budget_s
+    )
+    below = min(rejected) if rejected else None
+    fetched = fetch_newest(store, layout, attempt, remote.workers, below, key=key)
+    if fetched is None:
+        raise InitSourceError(
+            f"checkpoint.init_from={spec}: no committed step there fetched intact"
+        )
+    return resolve_local(str(fetched), run_dir, rejected, key)

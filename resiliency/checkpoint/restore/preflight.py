@@ -41,9 +41,12 @@ def target_for(
     )
 
 
-def check_tokenizer(manifest: Manifest, path: str | None, step_dir: Path) -> None:
+def check_tokenizer(
+    manifest: Manifest, path: str | None, step_dir: Path, init_from: str | None = None
+) -> None:
     """The running tokenizer's files are the checkpoint's, or ConfigError with the difference
-    (a step saved before tokenizers travelled with checkpoints records none: not checked)."""
+    (a step saved before tokenizers travelled with checkpoints records none: not checked).
+    ``init_from``: the step is a warm start's source, named so in the refusal."""
     saved = manifest.tokenizer.get("files")
     if saved is None:
         return
@@ -53,6 +56,14 @@ def check_tokenizer(manifest: Manifest, path: str | None, step_dir: Path) -> Non
     copy = step_dir / TOKENIZER_DIR
     if len(saved) == 1 and path and Path(path).is_file():
         copy = copy / next(iter(saved))
+    if init_from is not None:
+        raise ConfigError(
+            f"checkpoint.init_from={init_from} refused: {step_dir.name} of run "
+            f"{manifest.run_id!r} was trained with another tokenizer than "
+            f"data.tokenizer_path={path}: {difference}. Train from it with its own copy "
+            f"(data.tokenizer_path={copy}); data tokenized by another tokenizer needs "
+            "preparing again with that one"
+        )
     raise ConfigError(
         f"restore refused: {step_dir.name} was trained with another tokenizer than "
         f"data.tokenizer_path={path}: {difference}. Continue it with its own copy "

@@ -36,6 +36,19 @@ def schedule_from_config(parts: Any, opt: OptimizerConfig) -> None:
     )
 
 
+def load_optimizer_keeping_schedule(optimizer: Any, state: Any, saved: dict[str, Any]) -> None:
+    """A warm start's optimizer state (Adam's moments and step counts) loaded while every
+    group's hyperparameters (lr, bounds, weight decay, betas, eps) stay this run's: its
+    scheduler starts at step 0 from its own config. The saved bounds are set first because
+    megatron 0.19 pairs saved and live groups by their max/min LR (``saved``: the step's
+    scheduler state)."""
+    mine = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    set_group_lrs(optimizer, saved["max_lr"], saved["min_lr"])
+    optimizer.load_state_dict(state)
+    for group, values in zip(optimizer.param_groups, mine, strict=True):
+        group.update(values)
+
+
 def scale_lr_for_batch_change(
     parts: Any, train_state: dict[str, Any], rule: str
 ) -> dict[str, Any] | None:
