@@ -302,12 +302,17 @@ def test_import_round_trips_and_continues_with_transformers_loss(
     assert all(torch.equal(original[k], back[k]) for k in original)
 
     # Continued pretraining at another layout (TP=2, or EP=2): its first loss is the one
-    # transformers computes for the same batch.
+    # transformers computes for the same batch. llama: a run of its own warm-started from the
+    # import (checkpoint.init_from); mixtral: the imported run itself, resumed.
     layout = ["parallel.tp=2"] if family == "llama" else ["parallel.ep=2"]
     steps = ["train.train_steps=1", "train.micro_batch_size=2", "train.global_batch_size=8"]
+    run_id, says = "continued", "FRESH optimizer state"
+    if family == "llama":
+        run_id, says = "warm", "loaded (weights, fresh optimizer)"
+        run = [*run[:-1], f"run_id={run_id}", f"checkpoint.init_from={tmp_path / 'continued'}"]
     proc = run_pretrain(2, [*run, *layout, *steps])
-    assert "FRESH optimizer state" in proc.stderr
-    first = json.loads((tmp_path / "continued" / "metrics" / "steps.jsonl").read_text()
+    assert says in proc.stderr
+    first = json.loads((tmp_path / run_id / "metrics" / "steps.jsonl").read_text()
                        .splitlines()[0])  # fmt: skip
     assert first["step"] == 1
     expected = _transformers_first_batch_loss(source, [*run, *layout, *steps], tmp_path)
