@@ -18,6 +18,9 @@ from recipes.inputs import DataInputError
 
 # Local storage refusing writes: the same on fresh hardware, so not worth a retry.
 LOCAL_IO_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT})
+# CUDA's OutOfMemoryError says "out of memory"; torch's CPU allocator raises a RuntimeError
+# "DefaultCPUAllocator: can't allocate memory ... (Cannot allocate memory)" (ENOMEM).
+OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory")
 INFRA_MARKERS = (
     "gloo",
     "nccl",
@@ -64,7 +67,7 @@ def classify(exc: BaseException) -> Failure:
         return Failure(exc.kind, exc.exit_code, exc.retryable, message)
     if isinstance(exc, NonFiniteError) or _is_megatron_nan_check(exc):
         return Failure("numeric", exit_codes.NUMERIC, False, message)
-    if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower():
+    if isinstance(exc, MemoryError) or any(m in str(exc).lower() for m in OOM_MARKERS):
         return Failure("oom", exit_codes.OOM, False, message)
     if isinstance(exc, OSError) and exc.errno in LOCAL_IO_ERRNOS:
         return Failure("checkpoint", exit_codes.CHECKPOINT_IO, False, message)

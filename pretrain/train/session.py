@@ -20,7 +20,12 @@ from recipes import ConfigError, RunConfig, to_yaml
 
 log = logging.getLogger(__name__)
 # Deterministic failures whose message says everything: one line, no traceback.
-ONE_LINE_KINDS = ("config", "lease", "topology", "checkpoint", "data", "interrupted")
+ONE_LINE_KINDS = ("config", "lease", "topology", "checkpoint", "data", "interrupted", "oom")
+# Where the memory goes, and the knobs that lower it (the allocation's traceback says little).
+OOM_ADVICE = (
+    "python -m pretrain --plan with the same overrides shows the memory per device; lower "
+    "train.micro_batch_size, raise parallel.tp or parallel.pp, or set perf.recompute=selective"
+)
 
 
 def train(run: RunConfig, device: str, dp: int) -> int:
@@ -112,7 +117,7 @@ def _log_failure(failure: Failure) -> None:
             failure.kind,
             failure.exit_code,
             summary,
-            failure.message,
+            failure.message + (f". {OOM_ADVICE}" if failure.kind == "oom" else ""),
         )
     else:
         log.exception("training failed (%s, exit %d, %s)", failure.kind, failure.exit_code, summary)

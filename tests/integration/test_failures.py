@@ -4,8 +4,10 @@ infrastructure failures are retried, within a budget; SIGTERM saves and asks for
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -214,3 +216,22 @@ def test_megatron_nan_check_is_numeric(kind: str) -> None:
         exit_codes.NUMERIC,
         False,
     )
+
+
+def test_a_real_out_of_memory_is_exit_8_in_one_line_and_not_retried(
+    stdlib_corpus: str, tmp_path: Path
+) -> None:
+    """torch's CPU allocator refuses a 256 GiB embedding (ENOMEM, not "out of memory" as CUDA
+    says): class oom, exit 8 as launch local's process status, one attempt, no traceback."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch", "local", "recipe=gpt_tiny",
+         f"data.paths=[{stdlib_corpus}]", f"output_dir={tmp_path}", "run_id=oom",
+         "launch.nproc_per_node=1", "parallel.tp=1", "model.padded_vocab_size=1073741824"],
+        cwd=REPO, text=True, capture_output=True, timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == exit_codes.OOM, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    assert "can't allocate memory" in proc.stderr and "python -m pretrain --plan" in proc.stderr
+    [record] = attempts(tmp_path / "oom")
+    assert (record["failure_class"], record["exit_code"]) == ("oom", exit_codes.OOM)
