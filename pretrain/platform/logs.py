@@ -49,6 +49,14 @@ ROUTINE_NOTICES = {
     "megatron.core.dist_checkpointing.serialization": (
         "Overwriting old incomplete / corrupted checkpoint",
     ),
+    # megatron-core 0.19, on every start: GPTModel is the model both stacks build on purpose
+    # (the same class on 0.16); HybridModel is a migration for its own issue, not a fault.
+    "megatron.core.models.gpt.gpt_model": ("GPTModel IS DEPRECATED",),
+    # megatron-core 0.19: DDP computes the distributed optimizer's parameter layout itself,
+    # as 0.16 always did; precomputing it would only move the same computation.
+    "megatron.core.distributed.distributed_data_parallel": (
+        "DistributedDataParallel: full_param_layout not provided",
+    ),
 }
 
 

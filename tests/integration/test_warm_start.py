@@ -78,6 +78,7 @@ def _step(root: Path, run_id: str, step: int) -> Path:
     return RunLayout(root, run_id).step_dir(step)
 
 
+@pytest.mark.current_stack  # megatron-core 0.19 pairs optimizer groups differently
 def test_weights_and_moments_of_another_run_at_another_layout(
     source: Path, tiny_overrides: list[str], tmp_path: Path
 ) -> None:
