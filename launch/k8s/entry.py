@@ -15,6 +15,7 @@ ChildFailedError, maps it, and keeps a per-node retry budget on the shared volum
   DO_NOT_RETRY (2-11)                      same code               job fails   -
   REQUEUE (75), agent stopped by SIGTERM   128+75, 128+signal      pod retried not counted
   INFRASTRUCTURE (1), killed by a signal   128+1, 128+signal       pod retried counted
+  INTERRUPTED (130), agent stopped by SIGINT  13 (INTERRUPTED_IN_POD)  job fails   -
   retry budget used up                     7 (RETRY_BUDGET_EXHAUSTED)  job fails
   any other code                           same code               job fails   (unknown: a
                                                                    blind retry could loop)
@@ -51,6 +52,8 @@ def classify(outcome: Outcome) -> tuple[int, bool]:
     code = outcome.code
     if code == exit_codes.OK:
         return code, False
+    if code in (exit_codes.INTERRUPTED, -signal.SIGINT):  # the user's stop: never recreated
+        return exit_codes.INTERRUPTED_IN_POD, False
     if code < 0:
         return SIGNAL_BASE - code, not outcome.planned
     if code == exit_codes.REQUEUE:

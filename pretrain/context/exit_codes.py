@@ -24,6 +24,9 @@ REQUEUE = 75  # planned exit after an emergency save (EX_TEMPFAIL): requeue me
 # 128 + SIGINT, as a shell reports an interrupted command. Not a failure and not a requeue:
 # no launcher retries it, and no retry budget counts it.
 INTERRUPTED = 130
+# INTERRUPTED as a Kubernetes container's exit code: the training-operator recreates a pod that
+# exits 128-255, so the user's stop leaves the pod as a permanent failure (1-127) instead.
+INTERRUPTED_IN_POD = 13
 
 DO_NOT_RETRY = frozenset(
     {

@@ -133,6 +133,9 @@ def test_installed_wheel_renders_and_validates_outside_the_repo(tmp_path: Path) 
         (Outcome(-9, False), (137, True)),
         (Outcome(-15, True), (143, False)),
         (Outcome(42, False), (42, False)),
+        # The user's stop (a worker's 130, or the agent's SIGINT) fails the job, not retried.
+        (Outcome(130, False), (13, False)),
+        (Outcome(-2, True), (13, False)),
     ],
 )
 def test_exit_code_mapping(outcome: Outcome, expected: tuple[int, bool]) -> None:
