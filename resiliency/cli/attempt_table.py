@@ -69,10 +69,14 @@ def _dash(value: object) -> object:
 
 
 def _restored(record: dict[str, Any]) -> str:
-    """Step restored from (and the tier when local or remote); "fresh" when it started anew."""
+    """Step restored from (and the tier when local or remote); "<run>@<step>" when it was
+    warm-started from another run's step; "fresh" when it started anew."""
     if "restored_step" not in record:
         return "-"  # never got as far as restoring
     step = record["restored_step"]
+    source = record.get("init_from")
+    if step is None and isinstance(source, dict):  # a warm start: another run's step
+        return f"{source.get('run_id')}@{source.get('step')}"
     if step is None:
         return "fresh"
     tier = record.get("restored_tier")

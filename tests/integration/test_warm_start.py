@@ -109,6 +109,11 @@ def test_weights_and_moments_of_another_run_at_another_layout(
     assert recorded == {"from": str(a4), "run_id": "A", "step": 4, "manifest": marker,
                         "load": "weights+optimizer"}  # fmt: skip
 
+    listed = subprocess.run([sys.executable, "-m", "resiliency", "ls", str(source / "WO")],
+                            cwd=REPO, text=True, capture_output=True, timeout=60)  # fmt: skip
+    [row] = [ln for ln in listed.stdout.splitlines() if ln.startswith("attempt-01")]
+    assert row.split()[1:5] == ["finished", "0", "-", "A@4"], listed.stdout  # restored from
+
     # A relaunch resumes its own step, whatever init_from says now, and keeps the record.
     again = _warm(tiny_overrides, source, "WO", "checkpoint.init_from=/nonexistent",
                   "train.train_steps=2", "checkpoint.schedule_on_resume=config")  # fmt: skip
