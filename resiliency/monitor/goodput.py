@@ -15,6 +15,9 @@ falls in exactly one category: they add up to the wall time.
 - startup: process start to the first step, less the restore;
 - restore: checkpoint load and planning (load start to the first step) of restored attempts;
 - downtime: between one attempt's end and the next one's process start (scheduler, launcher);
+- paused: the same gap after an attempt the user ended (Ctrl-C: ``interrupted``) or that
+  finished its steps (a run extended later): the user's time, not the system's, so goodput
+  is productive time over the wall time less the pauses;
 - other: the rest of an attempt (logging, hooks, shutdown, a killed attempt's last moments).
 """
 
@@ -37,8 +40,11 @@ CATEGORIES = (
     "startup",
     "restore",
     "downtime",
+    "paused",
     "other",
 )
+# Attempts whose end the user chose: the wait for the next launch is a pause, not downtime.
+USER_ENDED = ("interrupted", "finished")
 
 
 @dataclass
@@ -50,7 +56,9 @@ class Ledger:
 
     @property
     def goodput(self) -> float | None:
-        return self.seconds["productive"] / self.wall_s if self.wall_s > 0 else None
+        """Productive time over the time the run was meant to run (wall less pauses)."""
+        meant = self.wall_s - self.seconds["paused"]
+        return self.seconds["productive"] / meant if meant > 0 else None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -103,7 +111,8 @@ def build_ledger(run_dir: Path) -> Ledger:
         following = next((records[j] for j in range(i + 1, len(records)) if continued[j]), None)
         _attempt(ledger, record, windows[i], following, steps, saves, evals)
         if i + 1 < len(records):
-            ledger.seconds["downtime"] += max(0.0, begins[i + 1] - ends[i])
+            gap = "paused" if record.get("status") in USER_ENDED else "downtime"
+            ledger.seconds[gap] += max(0.0, begins[i + 1] - ends[i])
     ledger.wall_s = ends[-1] - begins[0]
     return ledger
 
@@ -159,8 +168,9 @@ def format_ledger(ledger: Ledger) -> str:
     if ledger.goodput is None:
         return "goodput: no attempt with a start time recorded yet"
     lines = [
-        f"goodput {ledger.goodput:.1%} of {ledger.wall_s:.1f} s wall over {ledger.attempts} "
-        f"attempt(s); {ledger.lost_steps} step(s) recomputed"
+        f"goodput {ledger.goodput:.1%} of {ledger.wall_s:.1f} s wall"
+        + (f" less {ledger.seconds['paused']:.1f} s paused" if ledger.seconds["paused"] else "")
+        + f" over {ledger.attempts} attempt(s); {ledger.lost_steps} step(s) recomputed"
     ]
     for name in CATEGORIES:
         value = ledger.seconds[name]

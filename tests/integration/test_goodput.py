@@ -68,6 +68,7 @@ def test_ledger_by_hand(tmp_path: Path) -> None:
         "startup": 4.0 + 2.0,  # 0->4; 14->16
         "restore": 2.0,  # 16->18
         "downtime": 4.0,  # attempt 1's last step (10) -> attempt 2's process start (14)
+        "paused": 0.0,
         "other": (10.0 - 4.0 - 5.5) + (24.0 - 14.0 - 4.0 - 4.5),
     }
     assert sum(ledger.seconds.values()) == pytest.approx(ledger.wall_s)
@@ -109,6 +110,39 @@ def test_an_attempt_refused_at_config_costs_only_its_own_time(tmp_path: Path) ->
 
 
 @pytest.mark.slow
+def test_the_wait_after_a_ctrl_c_or_a_finished_run_is_a_pause(tmp_path: Path) -> None:
+    """Attempt 1 (t=0..10) is stopped by Ctrl-C after step 2 (saved); the user relaunches at
+    t=100, attempt 2 restores step 2 and finishes at t=110; at t=200 a third extends the run
+    (t=200..210). The two waits are the user's: paused, not downtime, and out of goodput's
+    denominator. Every second by hand."""
+    attempts = [
+        {"attempt": 1, "start_time": 0.0, "end_time": 10.0, "status": "interrupted",
+         "startup": {"process_start": 0.0, "first_step_started_at": 4.0}},
+        {"attempt": 2, "start_time": 100.0, "end_time": 110.0, "status": "finished",
+         "restored_step": 2,
+         "startup": {"process_start": 100.0, "load_started_at": 101.0,
+                     "first_step_started_at": 102.0}},
+        {"attempt": 3, "start_time": 200.0, "end_time": 210.0, "status": "finished",
+         "restored_step": 4,
+         "startup": {"process_start": 200.0, "load_started_at": 201.0,
+                     "first_step_started_at": 202.0}},
+    ]  # fmt: skip
+    steps = [
+        {"step": 1, "step_time_s": 2.0, "time": 6.0},
+        {"step": 2, "step_time_s": 2.0, "time": 8.0},
+        {"step": 3, "step_time_s": 3.0, "time": 105.0},
+        {"step": 4, "step_time_s": 3.0, "time": 108.0},
+        {"step": 5, "step_time_s": 4.0, "time": 206.0},
+    ]
+    _write(tmp_path, attempts, steps, [])
+    ledger = build_ledger(tmp_path)
+    assert ledger.seconds["paused"] == 90.0 + 90.0  # 10->100, 110->200
+    assert ledger.seconds["downtime"] == 0.0 and ledger.lost_steps == 0
+    assert ledger.wall_s == 210.0
+    assert sum(ledger.seconds.values()) == pytest.approx(ledger.wall_s)
+    assert ledger.goodput == pytest.approx((2 + 2 + 3 + 3 + 4) / (210.0 - 180.0))
+
+
 def test_killed_and_resumed_run(tiny_overrides: list[str], tmp_path: Path) -> None:
     base = [
         *tiny_overrides,
