@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -151,6 +152,19 @@ def test_a_rebuilt_corpus_is_refused_unless_allowed(
     assert list(recorded) == [prefix + ".idx"]
     _build(out, reverse=True)  # the same documents in another order, under the same prefix
     assert file_checksum(Path(prefix + ".idx")) != recorded[prefix + ".idx"]
+
+    # launch local refuses it before any rank starts: one line, exit 2, nothing started.
+    started = time.monotonic()
+    launched = subprocess.run(
+        [sys.executable, "-m", "launch", "local", *base, "train.train_steps=4",
+         "launch.nproc_per_node=2"],
+        cwd=REPO, capture_output=True, text=True, timeout=120, env=env(),
+    )  # fmt: skip
+    assert launched.returncode == exit_codes.CONFIG_ERROR, launched.stderr[-3000:]
+    assert time.monotonic() - started < 10  # no rank: the launcher's own judgement
+    [line] = [ln for ln in launched.stderr.splitlines() if "ERROR" in ln]
+    assert "restore refused: step-000000002 was trained on another corpus" in line
+    assert "[rank 1]" not in launched.stderr and "Traceback" not in launched.stderr
 
     refused = _relaunch([*base, "train.train_steps=4"])
     assert refused.returncode == exit_codes.CONFIG_ERROR, refused.stderr[-3000:]

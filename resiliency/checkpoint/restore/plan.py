@@ -20,7 +20,6 @@ from pretrain.context.failures import ClassifiedError
 from pretrain.context.run_dir import RunDir
 from pretrain.platform.distributed import broadcast_object
 from pretrain.train.fault_injection import FaultInjector
-from recipes import ConfigError
 from recipes.config.checkpoint import CheckpointConfig, RemoteCheckpointConfig
 from recipes.config.run import RunConfig
 from resiliency.checkpoint.restore.init_source import (
@@ -34,7 +33,13 @@ from resiliency.checkpoint.restore.init_source import (
     resolve_local,
     split_remote,
 )
-from resiliency.checkpoint.restore.preflight import check_must_match, check_tokenizer, target_for
+from resiliency.checkpoint.restore.preflight import (
+    check_must_match,
+    check_tokenizer,
+    corpus_refusal,
+    corpus_to_check,
+    target_for,
+)
 from resiliency.checkpoint.restore.share_check import ShareCheck
 from resiliency.checkpoint.restore.topology import (
     Target,
@@ -43,7 +48,7 @@ from resiliency.checkpoint.restore.topology import (
     validate,
 )
 from resiliency.storage.checksum import FileEntry
-from resiliency.storage.corpus import INDEX_SUFFIX, corpus_changes, describe_change
+from resiliency.storage.corpus import corpus_changes, describe_change
 from resiliency.storage.layout import MODEL_DIR, RunLayout
 from resiliency.storage.manifest import Manifest, read_manifest
 from resiliency.storage.object_retry import ObjectStoreAccessError, ObjectStoreUnavailable
@@ -314,9 +319,8 @@ def check_corpus(
     run's own index cache (built from the old corpus, named by config, not content) is
     removed so that megatron rebuilds it. A step saved before index checksums were recorded,
     or mock data, is not checked."""
-    saved = manifest.dataset.get("index_files")
-    saved_kind = manifest.config.get("data", {}).get("kind", "indexed")
-    if saved is None or run.data.kind != "indexed" or saved_kind != "indexed":
+    saved = corpus_to_check(run, manifest)
+    if saved is None:
         return None
     changes = corpus_changes(saved, run.data.paths) if dist.get_rank() == 0 else None
     if changes and run.data.allow_changed_corpus:
@@ -324,14 +328,9 @@ def check_corpus(
     changes = broadcast_object(changes)
     if not changes:
         return None
-    what = "; ".join(describe_change(c) for c in changes)
     if not run.data.allow_changed_corpus:
-        raise ConfigError(
-            f"restore refused: {step_dir.name} was trained on another corpus than data.paths "
-            f"holds now: {what}. Its data cursor counts samples of the {INDEX_SUFFIX} files it "
-            "recorded, so it would now select other samples. Continue anyway with "
-            "data.allow_changed_corpus=true, or start a new run (another run_id)"
-        )
+        raise corpus_refusal(step_dir, changes)
+    what = "; ".join(describe_change(c) for c in changes)
     if dist.get_rank() == 0:
         log.warning(
             "restore: data.allow_changed_corpus=true: resuming %s on a changed corpus (%s); "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 from recipes import ConfigError, RunConfig
 from resiliency.checkpoint.restore.resume_policy import reconcile
@@ -19,6 +20,7 @@ from resiliency.checkpoint.restore.topology import (
     TopologyRefusedError,
     validate,
 )
+from resiliency.storage.corpus import INDEX_SUFFIX, corpus_changes, describe_change
 from resiliency.storage.layout import RunLayout
 from resiliency.storage.manifest import Manifest, read_manifest
 from resiliency.storage.tokenizer_copy import TOKENIZER_DIR, tokenizer_difference
@@ -107,7 +109,39 @@ def judge_resume(run: RunConfig, run_dir: Path, world_size: int, dp: int) -> int
             f"{report.table()}"
         )
     check_policy(run, manifest)  # the schedule too
+    check_corpus_unchanged(run, manifest, step_dir)
     return manifest.step
+
+
+def corpus_to_check(run: RunConfig, manifest: Manifest) -> dict[str, str] | None:
+    """The index checksums the step recorded, where a resume compares them with data.paths'
+    (indexed data on both sides; a step saved before they were recorded has none)."""
+    saved = manifest.dataset.get("index_files")
+    saved_kind = manifest.config.get("data", {}).get("kind", "indexed")
+    if saved is None or run.data.kind != "indexed" or saved_kind != "indexed":
+        return None
+    return dict(saved)
+
+
+def corpus_refusal(step_dir: Path, changes: list[dict[str, Any]]) -> ConfigError:
+    what = "; ".join(describe_change(c) for c in changes)
+    return ConfigError(
+        f"restore refused: {step_dir.name} was trained on another corpus than data.paths "
+        f"holds now: {what}. Its data cursor counts samples of the {INDEX_SUFFIX} files it "
+        "recorded, so it would now select other samples. Continue anyway with "
+        "data.allow_changed_corpus=true, or start a new run (another run_id)"
+    )
+
+
+def check_corpus_unchanged(run: RunConfig, manifest: Manifest, step_dir: Path) -> None:
+    """The corpus refusal the ranks' restore makes (data.paths' index files are not the ones
+    the step recorded, and data.allow_changed_corpus is off): one read of each .idx."""
+    saved = corpus_to_check(run, manifest)
+    if saved is None or run.data.allow_changed_corpus:
+        return
+    changes = corpus_changes(saved, list(run.data.paths))
+    if changes:
+        raise corpus_refusal(step_dir, changes)
 
 
 def check_policy(run: RunConfig, manifest: Manifest) -> None:
