@@ -284,3 +284,39 @@ def test_retention_counts_only_steps_that_verify_remotely_and_ignores_a_garbage_
     # Newest two that verify: 8 and 4; 6 is kept too (newer than 4), only 2 goes.
     assert result.deleted == [2] and result.committed == [4, 6, 8]
     assert read_latest(store, "run") == 8  # the garbage hint was replaced
+
+
+@pytest.mark.slow
+def test_a_final_upload_that_cannot_reach_the_store_is_exit_12(
+    s3: S3Server, proxy: FaultProxy, prefix: str, tiny_overrides: list[str], tmp_path: Path
+) -> None:
+    """The store goes away for good once the first step is up: training ends well (step 100
+    published on the shared tier) but the object store lacks it, and launch local says so
+    with its process status, 12 (REMOTE_BEHIND), not 0."""
+    url = s3.url(prefix)
+    overrides = [*tiny_overrides, f"output_dir={tmp_path}", "run_id=run", "train.train_steps=100",
+                 "checkpoint.save_interval=5", f"checkpoint.remote.url={url}",
+                 "checkpoint.remote.follow_interval_s=0.5",
+                 "checkpoint.remote.retry_budget_s=3"]  # fmt: skip
+    direct = ObjectStore(url, s3.endpoint_url)
+    job = _launch(overrides, _env(s3, proxy.endpoint_url))
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(job.stdout or []), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 240
+        while not committed_remote_steps(direct, "run"):
+            assert job.poll() is None and time.monotonic() < deadline, "no step went up"
+            time.sleep(0.1)
+        proxy.set_mode("refuse")
+        code = job.wait(timeout=240)
+    finally:
+        proxy.set_mode("pass")
+        if job.poll() is None:
+            job.kill()
+    reader.join(timeout=10)
+    output = "".join(lines)
+    assert code == exit_codes.REMOTE_BEHIND, output[-4000:]
+    assert RunLayout(tmp_path, "run").published_steps()[-1] == 100  # training ended well
+    assert committed_remote_steps(direct, "run")[-1] < 100
+    assert "the object store lacks the newest verified step" in output
