@@ -26,7 +26,6 @@ from recipes import ConfigError, RunConfig
 from recipes.validate import transformer_engine_needs
 from resiliency.monitor.fault_tolerance import LAUNCHER_CONFIG_FILE
 
-LAUNCHERS = {"torchrun": "torchrun", "ft_launcher": "ft_launcher"}
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Signals the launcher handles itself. Not SIGTERM/SIGUSR1: torchrun turns those into a Python
 # exception raised at an arbitrary point of its main loop, which can wedge it in its own
@@ -89,12 +88,6 @@ def env_python(run: RunConfig, inputs: ScriptInputs) -> str:
     """The python outside a container, quoted: launch.slurm.python, else the submitting
     environment's."""
     return _q(run.launch.slurm.python or inputs.bin_dir / "python")
-
-
-def env_bin(run: RunConfig, inputs: ScriptInputs) -> Path:
-    """The bin dir of that python's environment: its torchrun and ft_launcher."""
-    python = run.launch.slurm.python
-    return Path(python).parent if python else inputs.bin_dir
 
 
 def environment_warning(run: RunConfig, bin_dir: Path) -> str | None:
@@ -160,6 +153,7 @@ def render_sbatch(run: RunConfig, inputs: ScriptInputs) -> str:
         **_standby_values(run, inputs),
         "uploader_start": _uploader_start(run, inputs),
         "remote_behind": str(exit_codes.REMOTE_BEHIND),
+        "interrupted": str(exit_codes.INTERRUPTED),
     }
     return _ScriptTemplate(SCRIPT).substitute(values)
 
@@ -543,10 +537,15 @@ def container_args(run: RunConfig, inputs: ScriptInputs) -> list[str]:
 
 
 def _launcher(run: RunConfig, inputs: ScriptInputs) -> str:
-    name = LAUNCHERS[run.launch.backend]
-    # Inside a container the image provides the environment; outside, the submitting venv does.
-    launcher = name if run.launch.slurm.container_image else _q(env_bin(run, inputs) / name)
+    """torchrun or ft_launcher, through ``python -m launch.torchrun``: the same launcher,
+    in-process, whose stop by a signal (a user's SIGINT) is one line rather than torch
+    elastic's SignalException traceback, and whose exit code is the failing rank's. Inside a
+    container the image provides the environment; outside, launch.slurm.python's or the
+    submitting one's."""
+    python = "python" if run.launch.slurm.container_image else env_python(run, inputs)
+    launcher = f"{python} -m launch.torchrun"
     if run.launch.backend == "ft_launcher":
+        launcher += " --ft-launcher"
         # ft_launcher refuses to start without its section/timeout config (written at submit).
         launcher += f" --ft-cfg-path={_q(inputs.run_dir / LAUNCHER_CONFIG_FILE)}"
         launcher += f" --workers-stop-timeout={workers_stop_timeout_s(run):g}"
@@ -585,9 +584,21 @@ cd @@{workdir}
 # restore), so it is repeated every 30 s until srun ends.
 # A TERM for this shell means Slurm itself is ending the job (scancel, preemption, time limit):
 # forward it too, but leave any requeue to Slurm.
+# An INT for this shell (`scancel --signal=INT --batch`, a user's Ctrl-C for a batch job) is
+# the user's stop: SIGINT to the ranks once (a second one would stop them at once, without the
+# save), exit 130 after their emergency save, never requeued.
 SIGNALED_BY=""
 SRUN_PID=""
 REPEATER_PID=""
+on_interrupt() {
+    [ -n "$SIGNALED_BY" ] && return 0  # one stop request per job
+    SIGNALED_BY=INT
+    echo "[$(date +%T)] batch shell got SIGINT: SIGINT to the ranks for an emergency save," \
+         "then stop (exit 130, not requeued)"
+@@{mark_stopping}    if [ -n "$SRUN_PID" ]; then
+        scancel --signal=INT "$SLURM_JOB_ID" || echo "warning: scancel failed"
+    fi
+}
 on_signal() {
     SIGNALED_BY=$1
     echo "[$(date +%T)] batch shell got SIG$1: SIGTERM to the ranks for an emergency save"
@@ -603,6 +614,7 @@ on_signal() {
 }
 trap 'on_signal USR1' USR1
 trap 'on_signal TERM' TERM
+trap 'on_interrupt' INT
 
 # ---------------------------------------------------------------- logs
 # One log per job and restart (the --output file above gets everything as well). tee ignores
@@ -747,6 +759,10 @@ UPDATE=$(sed -n 2p <<<"$POLICY_OUT")
 echo "[$(date +%T)] retry policy: ${DECISION:-<no decision, exit $RC>}"
 case "$DECISION" in
     requeue*)
+        if [ "$SIGNALED_BY" = INT ]; then
+            echo "[$(date +%T)] interrupted by the user: not requeued (resubmit to resume)"
+            exit @@{interrupted}
+        fi
         if [ "$SIGNALED_BY" = TERM ]; then
             echo "Slurm terminated this job (scancel, preemption or time limit): not requeueing"
             exit 75

@@ -268,7 +268,7 @@ def test_dry_run_renders_a_valid_script(stdlib_corpus: str, tmp_path: Path) -> N
         "--qos=high",
     ]
     launcher = (
-        f'{BIN}/torchrun --nnodes="$SLURM_NNODES" --nproc-per-node=1 '
+        f'{BIN}/python -m launch.torchrun --nnodes="$SLURM_NNODES" --nproc-per-node=1 '
         '--rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" '
         '--rdzv-id="$SLURM_JOB_ID" -m pretrain --config "$CONFIG"'
     )
@@ -448,7 +448,8 @@ def test_render_gpus_container_and_ft_launcher(stdlib_corpus: str, tmp_path: Pat
     assert "export MCORE_RECIPES_IMAGE_DIGEST=nvcr.io/nvidia/pytorch:25.01-py3" in script
     # inside the container the image's launcher runs, not the submitting venv's
     assert re.search(
-        r"^\s+ft_launcher --ft-cfg-path=\S+/ft_launcher.yaml --workers-stop-timeout=10 "
+        r"^\s+python -m launch.torchrun --ft-launcher --ft-cfg-path=\S+/ft_launcher.yaml "
+        r"--workers-stop-timeout=10 "
         r"--nnodes=\"\$SLURM_NNODES\" --nproc-per-node=2 "
         r"\\\n\s+--rdzv-backend=c10d --rdzv-endpoint=",
         script,
@@ -796,6 +797,34 @@ def test_usr1_saves_requeues_and_resumes_bit_for_bit(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("to", ["batch", "steps"])
+def test_sigint_saves_and_stops_the_job_without_a_requeue(
+    slurm_env: dict[str, str], tiny_overrides: list[str], tmp_path: Path, to: str
+) -> None:
+    """A user's Ctrl-C for a batch job: SIGINT to the batch shell (`scancel --signal=INT
+    --batch`, forwarded to the ranks once) or to every process of the job's steps. The ranks
+    save at the step boundary; the job ends with 130, never requeued; the record says
+    interrupted, with the step saved."""
+    run_dir = tmp_path / "ctrl-c"
+    job_id = _submit(_cluster_overrides(tiny_overrides, tmp_path, "ctrl-c"), slurm_env)
+    _wait_steps(run_dir, 3, job_id, slurm_env)
+    which = ["--batch"] if to == "batch" else []
+    subprocess.run(
+        ["scancel", "--signal=INT", *which, job_id], env=slurm_env, check=True, timeout=60
+    )
+    info = _wait_done(job_id, run_dir, slurm_env)
+    context = f"{info}\n{_log_tail(run_dir)}"
+    assert (info["ExitCode"], info["Restarts"]) == (f"{exit_codes.INTERRUPTED}:0", "0"), context
+    [record] = _attempts(run_dir)
+    assert (record["status"], record["exit_code"]) == ("interrupted", exit_codes.INTERRUPTED)
+    saved = record["step"]
+    assert 3 <= saved < 40 and RunLayout(tmp_path, "ctrl-c").published_steps()[-1] == saved
+    log = (run_dir / "slurm" / f"{job_id}-restart-0.log").read_text()
+    assert "retry policy: stop" in log and "requeue" not in log.split("retry policy:")[-1]
+    assert "Traceback" not in log, log[-4000:]
+
+
+@pytest.mark.slow
 def test_user_code_failure_is_not_requeued(
     slurm_env: dict[str, str], background_jobs: dict[str, tuple[str, Path]]
 ) -> None:
@@ -908,7 +937,7 @@ def _node_launcher(job_id: str, node: str) -> psutil.Process:
         env, argv = proc.info["environ"] or {}, proc.info["cmdline"] or []
         if (env.get("SLURM_JOB_ID"), env.get("SLURMD_NODENAME")) != (job_id, node):
             continue
-        if any(arg.endswith("/ft_launcher") for arg in argv[:2]):
+        if "launch.torchrun" in argv[:3] and "--ft-launcher" in argv[:4]:
             return proc
     raise AssertionError(f"no ft_launcher of job {job_id} on {node}")
 
