@@ -320,3 +320,25 @@ def test_a_final_upload_that_cannot_reach_the_store_is_exit_12(
     assert RunLayout(tmp_path, "run").published_steps()[-1] == 100  # training ended well
     assert committed_remote_steps(direct, "run")[-1] < 100
     assert "the object store lacks the newest verified step" in output
+
+
+def test_an_object_store_that_stays_out_is_exit_1(
+    s3: S3Server, proxy: FaultProxy, prefix: str, tiny_overrides: list[str], tmp_path: Path
+) -> None:
+    """The store refuses every connection past checkpoint.remote.retry_budget_s when the run
+    starts: infrastructure, exit 1 (INFRASTRUCTURE, which launchers retry), as the process
+    status of python -m launch.torchrun."""
+    proxy.set_mode("refuse")
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node=1",
+             "-m", "pretrain", *tiny_overrides, "parallel.tp=1", f"output_dir={tmp_path}",
+             "run_id=out", f"checkpoint.remote.url={s3.url(prefix)}",
+             "checkpoint.remote.retry_budget_s=2"],
+            cwd=REPO, text=True, capture_output=True, timeout=180,
+            env={**os.environ, **_env(s3, proxy.endpoint_url), "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+    finally:
+        proxy.set_mode("pass")
+    assert proc.returncode == exit_codes.INFRASTRUCTURE, proc.stderr[-4000:]
+    assert "(infrastructure, exit 1, retryable)" in proc.stderr, proc.stderr[-4000:]
