@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 
 from pretrain.context import exit_codes, interrupts
-from pretrain.platform.logs import setup_logging
+from pretrain.platform.logs import setup_launcher_logging
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def process_exit_code(outcome: Outcome) -> int:
 
 @interrupts.one_line_on_ctrl_c("before the launcher started its workers")
 def main(argv: list[str]) -> int:
-    setup_logging("INFO")
+    setup_launcher_logging()
     launcher = "torchrun"
     if argv[:1] == ["--ft-launcher"]:
         launcher, argv = "ft_launcher", argv[1:]

@@ -38,7 +38,7 @@ from launch.k8s.isolation import CONDITIONS_DIR, write_condition
 from launch.standby.launch import Standby, standby_env
 from launch.torchrun import LAUNCHERS, SIGNAL_BASE, Outcome, run_launcher
 from pretrain.context import exit_codes
-from pretrain.platform.logs import setup_logging
+from pretrain.platform.logs import setup_launcher_logging
 from recipes.load import load_config_file
 from resiliency.monitor.fault_tolerance import write_launcher_config
 from resiliency.monitor.health import describe, preflight
@@ -177,7 +177,7 @@ def node_healthy(launcher_args: list[str], state_dir: Path) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    setup_logging("INFO")
+    setup_launcher_logging()
     args = _parse(argv)
     signal.signal(signal.SIGTERM, _on_signal)
     budget = RetryBudget(budget_path(args.state_dir), args.retries)

@@ -34,6 +34,16 @@ def setup_logging(level: str = "INFO", rank: int | None = None) -> None:
         warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 
+def setup_launcher_logging() -> None:
+    """setup_logging for a process that runs torchrun or ft_launcher in-process: the
+    launcher's own INFO lines (ft_launcher's rendezvous rounds, worker-group restarts and exit
+    codes, under nvidia_resiliency_ext) stay, as a bare launcher prints them: the post-mortems
+    and the elastic supervisor read them from its output. Only the ranks' copy of that library
+    is quieted."""
+    setup_logging("INFO")
+    logging.getLogger("nvidia_resiliency_ext").setLevel(logging.INFO)
+
+
 # Third-party WARNINGs that every normal run prints, by logger: kept for DEBUG runs only, so a
 # normal run prints no warning (the loggers' other warnings pass).
 ROUTINE_NOTICES = {
