@@ -155,15 +155,16 @@ def refused_code(exc: Refusal) -> int:
     return exc.exit_code
 
 
-def check_resume(plan: LaunchPlan) -> None:
+def check_resume(plan: LaunchPlan, warm_start: bool = True) -> None:
     """The resume rules the ranks' restore applies (tokenizer, topology, the resume policy),
     judged on the newest published step's manifest (or, on a run's first launch, on
     checkpoint.init_from's step) before any rank starts: one line and the
     trainer's own exit code. A multi-line verdict (the topology table, every changed key) goes
-    to a file outside the run dir, which the line names."""
+    to a file outside the run dir, which the line names. ``warm_start``: judge
+    checkpoint.init_from too (its path as this host sees it)."""
     world_size = plan.run.launch.world_size
     try:
-        if judge_resume(plan.run, plan.run_dir, world_size, plan.dp) is None:
+        if judge_resume(plan.run, plan.run_dir, world_size, plan.dp) is None and warm_start:
             judge_warm_start(plan.run, plan.run_dir, world_size, plan.dp)
     except TopologyRefusedError as exc:
         raise _one_line(plan, str(exc), exit_codes.TOPOLOGY_REFUSED) from None

@@ -41,6 +41,7 @@ from launch.common import (
     check_fit,
     check_progress,
     check_remote_tier,
+    check_resume,
     check_run_dir_free,
     outside_run_dir,
     plan_launch,
@@ -161,6 +162,9 @@ def _check(args: argparse.Namespace, plan: LaunchPlan) -> None:
         check_progress(plan, None, grace, "launch.k8s.termination_grace_s")
     if not args.dry_run:
         check_run_dir_free(plan)
+        if plan.run_dir.is_dir():  # the volume mounted here too: judge its newest step
+            # (init_from's path is the pods'; only the ranks see it for sure)
+            check_resume(plan, warm_start=False)
         if not args.skip_remote_check:  # seconds at most: before the fit check's model plan
             check_remote_tier(plan)
     if not args.skip_fit_check:  # the dry run too: it says what a submission would

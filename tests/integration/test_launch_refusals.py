@@ -112,6 +112,9 @@ RESUME_REFUSALS = {
                        "cannot be restored into this layout"),
     "slurm-shape-change": (["slurm", "model.hidden_size=128"], CONFIG,
                            "model.hidden_size: 64 -> 128"),
+    # the run's volume mounted on the submitting host too
+    "k8s-shape-change": (["k8s", *K8S, "model.hidden_size=128"], CONFIG,
+                         "model.hidden_size: 64 -> 128"),
 }  # fmt: skip
 # (argv after the run's own overrides, the exit code, what its one line says)
 REFUSALS = {
