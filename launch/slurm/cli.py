@@ -131,7 +131,9 @@ def _checked(args: argparse.Namespace, overrides: list[str]) -> tuple[LaunchPlan
         check_progress(
             plan, slurm.time_limit_s, slurm.signal_grace_s, "launch.slurm.signal_grace_s"
         )
-    check_resume(plan)  # what the ranks' restore would refuse: the run dir's newest step
+    # What the ranks' restore would refuse: the run dir's newest step, or on its first launch
+    # checkpoint.init_from's (a dry run's only where that path is mounted here).
+    check_resume(plan, warm_start=not args.dry_run or _init_from_here(plan))
     _warn_on_short_grace(plan)
     text = render(plan)  # a value it cannot render is bad input too
     # After every check of the input: a bad value is reported as such, on any machine.
@@ -227,6 +229,16 @@ def _warn_on_missing_inputs(plan: LaunchPlan) -> None:
         check_inputs(plan.run)
     except ConfigError as exc:
         log.warning("dry run, rendered anyway: %s", exc)
+    source = plan.run.checkpoint.init_from
+    if source is not None and not source.startswith("s3://") and not _init_from_here(plan):
+        log.warning(
+            "dry run, rendered anyway: checkpoint.init_from=%s does not exist here", source
+        )
+
+
+def _init_from_here(plan: LaunchPlan) -> bool:
+    source = plan.run.checkpoint.init_from
+    return source is not None and Path(source).expanduser().exists()
 
 
 def _warn_on_environment(plan: LaunchPlan) -> None:
