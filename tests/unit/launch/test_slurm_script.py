@@ -168,14 +168,15 @@ def test_launch_slurm_python_is_the_environment_the_job_runs_with(backend: str) 
         *GPU_NODES, f"launch.slurm.python={CLUSTER_PYTHON}", f"launch.backend={backend}"
     )
     flat = _flat(script)
-    assert f"' launcher /cluster/envs/train/bin/{backend} " in flat, flat
+    which = " --ft-launcher" if backend == "ft_launcher" else ""
+    assert f"' launcher {CLUSTER_PYTHON} -m launch.torchrun{which} " in flat, flat
     for module in ("launch.slurm.preflight", "resiliency.monitor.health", "launch.retry_policy"):
         assert f"{CLUSTER_PYTHON} -m {module}" in flat, module
     assert "/shared/venv/bin" not in script  # nothing of the submitting environment
     cpu = _script(
         "launch.nodes=2", "launch.nproc_per_node=1", f"launch.slurm.python={CLUSTER_PYTHON}"
     )
-    assert "launcher /cluster/envs/train/bin/torchrun " in _flat(cpu)  # CPU jobs too
+    assert f"launcher {CLUSTER_PYTHON} -m launch.torchrun " in _flat(cpu)  # CPU jobs too
 
 
 @pytest.mark.parametrize(
