@@ -179,6 +179,11 @@ class CheckpointConfig:
         )
         one_of("checkpoint", "init_load", self.init_load, INIT_LOADS)
         require(
+            self.init_from is None or self.enabled,
+            "checkpoint.init_from needs checkpoint.enabled=true: the warm start is a restore "
+            "(drop checkpoint.enabled=false, or checkpoint.init_from)",
+        )
+        require(
             self.init_from is None or bool(self.init_from.strip()),
             "checkpoint.init_from is empty: give a step dir, a run dir or s3://bucket/prefix/"
             "<run_id>, or null",

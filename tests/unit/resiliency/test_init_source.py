@@ -87,6 +87,8 @@ def test_s3_prefixes() -> None:
 def test_config_section() -> None:
     with pytest.raises(ConfigError, match="init_load"):
         load_config(["recipe=gpt_tiny", "checkpoint.init_load=optimizer"])
+    with pytest.raises(ConfigError, match="init_from needs checkpoint.enabled=true"):
+        load_config(["recipe=gpt_tiny", "checkpoint.init_from=x", "checkpoint.enabled=false"])
     with pytest.raises(ConfigError, match="init_from is empty"):
         load_config(["recipe=gpt_tiny", "checkpoint.init_from=' '"])
 
