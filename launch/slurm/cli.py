@@ -231,9 +231,7 @@ def _warn_on_missing_inputs(plan: LaunchPlan) -> None:
         log.warning("dry run, rendered anyway: %s", exc)
     source = plan.run.checkpoint.init_from
     if source is not None and not source.startswith("s3://") and not _init_from_here(plan):
-        log.warning(
-            "dry run, rendered anyway: checkpoint.init_from=%s does not exist here", source
-        )
+        log.warning("dry run, rendered anyway: checkpoint.init_from=%s does not exist here", source)
 
 
 def _init_from_here(plan: LaunchPlan) -> bool:
