@@ -185,8 +185,7 @@ def test_a_rebuilt_corpus_is_refused_unless_allowed(
     attempts = sorted((root / "runs" / RUN / "attempts").glob("attempt-*.json"))
     record = json.loads(attempts[-1].read_text())
     assert record["restored_step"] == 2
-    if "corpus_changes" in record:  # the attempt record keeps what the plan found
-        assert record["corpus_changes"][0]["prefix"] == prefix
+    assert record["corpus_changes"][0]["prefix"] == prefix  # what the plan found, recorded
     newest = json.loads((step.parent / "step-000000004" / "manifest.json").read_text())
     assert newest["dataset"]["index_files"] == {
         prefix + ".idx": file_checksum(Path(prefix + ".idx"))
