@@ -156,15 +156,23 @@ def test_killed_and_resumed_run(tiny_overrides: list[str], tmp_path: Path) -> No
     run_pretrain(2, base)
     run_dir = tmp_path / "g"
     ledger = build_ledger(run_dir)
-    assert sum(ledger.seconds.values()) == pytest.approx(ledger.wall_s, abs=1e-6)
     assert all(ledger.seconds[c] >= 0 for c in CATEGORIES if c != "other"), ledger.seconds
-    assert ledger.attempts == 2 and ledger.lost_steps in (1, 2)  # step 5 (and 6 if logged)
+    # What was lost, from the raw files: the steps the killed attempt logged after the step
+    # the second one restored (4), and their step times.
     steps = [
         json.loads(x) for x in (run_dir / "metrics" / "steps.jsonl").read_text().split("\n") if x
     ]
-    assert ledger.seconds["productive"] + ledger.seconds["lost"] == pytest.approx(
-        sum(s["step_time_s"] for s in steps)
+    records = sorted(
+        (json.loads(p.read_text()) for p in (run_dir / "attempts").glob("attempt-*.json")),
+        key=lambda r: r["attempt"],
     )
+    assert [r["restored_step"] for r in records] == [None, 4]
+    resumed_at = records[1]["start_time"]
+    lost = [s for s in steps if s["time"] < resumed_at and s["step"] > 4]
+    assert ledger.attempts == 2 and ledger.lost_steps == len(lost) >= 1  # step 5 (and 6?)
+    assert ledger.seconds["lost"] == pytest.approx(sum(s["step_time_s"] for s in lost))
+    kept = [s for s in steps if s not in lost]
+    assert ledger.seconds["productive"] == pytest.approx(sum(s["step_time_s"] for s in kept))
     assert ledger.seconds["downtime"] > 0 and ledger.seconds["restore"] > 0
     proc = subprocess.run(
         [sys.executable, "-m", "resiliency", "goodput", str(run_dir), "--json"],
