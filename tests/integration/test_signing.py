@@ -9,19 +9,21 @@ import os
 import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
 
+from bench.s3_server import S3Server
 from pretrain.context import exit_codes
 from recipes import ConfigError, load_config
 from resiliency.checkpoint.local.store import REJECTED_SUFFIX, VerifiedLocalManager
 from resiliency.storage.checksum import file_checksum
-from resiliency.storage.layout import COMMITTED_NAME, MANIFEST_NAME, RunLayout
-from resiliency.storage.object_store import ObjectInfo
+from resiliency.storage.layout import MANIFEST_NAME, RunLayout
+from resiliency.storage.object_store import ObjectStore
 from resiliency.storage.publish import begin_step, publish, write_manifest_and_commit
-from resiliency.storage.remote import fetch_newest, step_prefix, verify_remote_step
+from resiliency.storage.remote import fetch_newest, upload_step, verify_remote_step
 from resiliency.storage.select import select_restore_step
 from resiliency.storage.signing import (
     SIGNATURE_PREFIX,
@@ -121,53 +123,21 @@ def test_a_signature_over_crc32c_checksums_is_refused(tmp_path: Path) -> None:
     assert {entry["algorithm"] for entry in manifest["files"]} == {"sha256"}
 
 
-class FakeStore:
-    """The object-store calls a remote restore makes, in memory."""
-
-    url = "s3://fake/prefix"
-
-    def __init__(self) -> None:
-        self.objects: dict[str, tuple[bytes, dict[str, str]]] = {}
-
-    def put(self, key: str, data: bytes, metadata: dict[str, str] | None = None) -> None:
-        self.objects[key] = (data, metadata or {})
-
-    def list(self, prefix: str) -> list[str]:
-        return sorted(k for k in self.objects if k.startswith(prefix))
-
-    def head(self, key: str) -> ObjectInfo | None:
-        if key not in self.objects:
-            return None
-        data, metadata = self.objects[key]
-        return ObjectInfo(key, len(data), "etag", metadata)
-
-    def get_bytes(self, key: str) -> tuple[bytes, str] | None:
-        return (self.objects[key][0], "etag") if key in self.objects else None
-
-    def download(self, key: str, path: Path) -> None:
-        path.write_bytes(self.objects[key][0])
-
-
-def _mirror(store: FakeStore, step_dir: Path, run_id: str, step: int) -> None:
-    """The step as an uploader leaves it: every file with its checksum, COMMITTED last."""
-    base = step_prefix(run_id, step)
-    for entry in verify_step_dir(step_dir, run_id, full=False).manifest.files:
-        store.put(base + entry.path, (step_dir / entry.path).read_bytes(),
-                  {"checksum": entry.checksum, "algorithm": entry.algorithm})  # fmt: skip
-    for name in (MANIFEST_NAME, COMMITTED_NAME):
-        store.put(base + name, (step_dir / name).read_bytes())
-
-
-def test_a_remote_step_must_be_signed_too(tmp_path: Path) -> None:
+def test_a_remote_step_must_be_signed_too(
+    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the real object store (SeaweedFS), uploaded by the real uploader."""
+    for name, value in s3.env.items():
+        monkeypatch.setenv(name, value)
+    store = ObjectStore(s3.url(f"signing-{uuid.uuid4().hex[:8]}"), s3.endpoint_url, workers=2)
     source = RunLayout(tmp_path / "source", "run")
-    store = FakeStore()
-    _mirror(store, _step(source, 2, signed=True), "run", 2)
-    _mirror(store, _step(source, 4, signed=False), "run", 4)
-    verdict = verify_remote_step(store, "run", 4, full=True, key=KEY)  # type: ignore[arg-type]
+    upload_step(store, _step(source, 2, signed=True), "run", 2)
+    upload_step(store, _step(source, 4, signed=False), "run", 2)
+    verdict = verify_remote_step(store, "run", 4, full=True, key=KEY)
     assert not verdict.ok and verdict.reason == UNSIGNED
-    assert verify_remote_step(store, "run", 4, full=True).ok  # type: ignore[arg-type]
+    assert verify_remote_step(store, "run", 4, full=True).ok
     fresh = RunLayout(tmp_path / "fresh", "run")
-    fetched = fetch_newest(store, fresh, 1, 2, key=KEY)  # type: ignore[arg-type]
+    fetched = fetch_newest(store, fresh, 1, 2, key=KEY)
     assert fetched == fresh.step_dir(2) and fresh.published_steps() == [2]
     assert verify_step_dir(
         fetched, "run", full=False, key=KEY
