@@ -42,6 +42,7 @@ from launch.slurm.script import ScriptInputs, environment_warning, render_sbatch
 from pretrain.context.run_dir import RunDir
 from recipes import ConfigError, RunConfig
 from recipes.inputs import check_inputs
+from resiliency.checkpoint.restore.init_source import is_remote
 from resiliency.monitor.fault_tolerance import LAUNCHER_CONFIG_FILE, write_launcher_config
 from resiliency.storage.manifest import code_commit, image_digest
 
@@ -230,7 +231,7 @@ def _warn_on_missing_inputs(plan: LaunchPlan) -> None:
     except ConfigError as exc:
         log.warning("dry run, rendered anyway: %s", exc)
     source = plan.run.checkpoint.init_from
-    if source is not None and not source.startswith("s3://") and not _init_from_here(plan):
+    if source is not None and not is_remote(source) and not _init_from_here(plan):
         log.warning("dry run, rendered anyway: checkpoint.init_from=%s does not exist here", source)
 
 
