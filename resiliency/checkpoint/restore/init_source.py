@@ -101,9 +101,10 @@ def resolve_local(
     rejected: Mapping[int, str] | None = None,
     key: SigningKey | None = None,
 ) -> InitSource:
-    """A step dir (that step), or a run dir (its newest verified step not in ``rejected``);
-    ConfigError (exit 2) naming what is wrong otherwise. Markers, manifests and file sizes
-    are checked here; every byte is re-hashed by the restore that loads it."""
+    """A step dir (that step), or a run dir (its newest verified step not in ``rejected``).
+    A path that is neither: ConfigError (exit 2); steps that do not verify: InitSourceError
+    (exit 10). Markers, manifests and file sizes are checked here; every byte is re-hashed by
+    the restore that loads it."""
     path = Path(spec).expanduser()
     if not path.exists():
         raise ConfigError(
@@ -117,8 +118,9 @@ def resolve_local(
         )
     if parse_step(path.name) is not None:
         return _step_source(spec, path, rejected or {}, key)
-    if (path / RunLayout.from_run_dir(path).steps_dir.name).is_dir():
-        return _newest_source(spec, RunLayout.from_run_dir(path), rejected or {}, key)
+    layout = RunLayout.from_run_dir(path)
+    if layout.steps_dir.is_dir():
+        return _newest_source(spec, layout, rejected or {}, key)
     raise ConfigError(
         f"checkpoint.init_from={spec} is neither a step dir (steps/step-NNNNNNNNN) nor a run "
         "dir (holding steps/)"
