@@ -427,7 +427,7 @@ def plan_init(
     if error is not None:
         raise error
     source = from_step_dir(spec, Path(found))
-    run = judge(run, source)
+    pinned = judge(run, source)  # the source's padded vocab, once the layout is judged
     manifest = source.manifest
     rehash, share_check = start_rehash(
         source.step_dir,
@@ -436,8 +436,9 @@ def plan_init(
         run.checkpoint.full_verify,
         reads_shards_early(run.checkpoint),
     )
-    target = init_target(run, world_size, dp, vocab_size, source)
-    report = check_topology(manifest, target, warm_start=True)
+    # This launch's own padded vocab (if it sets one) is judged against the source's.
+    report = check_topology(manifest, init_target(run, world_size, dp, vocab_size, source), True)
+    run = pinned
     if dist.get_rank() == 0:
         log.info(
             "warm start: %s of run %r (%s) as step 0, loading %s",
