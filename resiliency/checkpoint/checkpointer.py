@@ -566,12 +566,7 @@ class Checkpointer:
             self.cfg = replace(cfg, load_optimizer=False, schedule_on_resume="config")
             train_state["global_batch_size"] = self.trainer.parts.plan.global_batch_size
         try:
-            if early is not None and early.error is not None:
-                raise early.error  # the files re-hashed fine: the load's own failure
-            if early is not None:
-                loaded = early.loaded
-            else:
-                loaded = read_shards(self.trainer.parts, step_dir, manifest, self.cfg).loaded
+            loaded = self._shards(step_dir, manifest, self.cfg, early)
             rank_state = state_io.load_rank_state(step_dir, self.rank) if same_layout else None
             startup_clock.mark("restore_read")
             self.apply_loaded(
@@ -586,6 +581,21 @@ class Checkpointer:
             self.cfg = cfg
         return manifest.step
 
+    def _shards(
+        self, step_dir: Path, manifest: Manifest, cfg: CheckpointConfig, early: EarlyLoad | None
+    ) -> dict[str, Any]:
+        """The step's shards: those the early read brought already, or read now."""
+        if early is not None and early.error is not None:
+            raise early.error  # the files re-hashed fine: the load's own failure
+        if early is not None:
+            return early.loaded
+        return read_shards(self.trainer.parts, step_dir, manifest, cfg).loaded
+
+    def _load_chunks(self, loaded: dict[str, Any]) -> None:
+        """The model chunks' weights, strictly (every parameter the checkpoint's)."""
+        for key, chunk in chunks_by_key(self.trainer.parts.chunks).items():
+            chunk.load_state_dict(loaded[key], strict=True)
+
     def warm_start(
         self,
         step_dir: Path,
@@ -599,17 +609,11 @@ class Checkpointer:
         if early is None:
             self.faults.at_checkpoint("restore", manifest.step)
         started = time.perf_counter() - (early.seconds if early else 0.0)
-        if early is not None and early.error is not None:
-            raise early.error  # the files re-hashed fine: the load's own failure
-        if early is not None:
-            loaded = early.loaded
-        else:
-            cfg = replace(self.cfg, load_optimizer=with_optimizer)
-            loaded = read_shards(self.trainer.parts, step_dir, manifest, cfg).loaded
+        cfg = replace(self.cfg, load_optimizer=with_optimizer)
+        loaded = self._shards(step_dir, manifest, cfg, early)
         startup_clock.mark("restore_read")
         parts = self.trainer.parts
-        for key, chunk in chunks_by_key(parts.chunks).items():
-            chunk.load_state_dict(loaded[key], strict=True)
+        self._load_chunks(loaded)
         if with_optimizer:
             saved = state_io.read_train_state(step_dir)["scheduler"]
             load_optimizer_keeping_schedule(parts.optimizer, loaded["optimizer"], saved)
@@ -641,8 +645,7 @@ class Checkpointer:
         """Put loaded shards, loop state and RNG (None: topology changed, reseed) in place;
         ``restored``: the (step, tier) this run now continues from."""
         trainer = self.trainer
-        for key, chunk in chunks_by_key(trainer.parts.chunks).items():
-            chunk.load_state_dict(loaded[key], strict=True)
+        self._load_chunks(loaded)
         override = self.cfg.schedule_on_resume == "config"
         if self.cfg.load_optimizer:
             if override:  # megatron 0.19 pairs saved and live groups by their max/min LR
