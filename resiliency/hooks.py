@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pretrain.train.hooks import TrainHook
+from resiliency.checkpoint.equivalence.hook import StateDumpHook
 from resiliency.checkpoint.hook import CheckpointHook, CheckpointPreflight
 from resiliency.monitor.evidence import AttemptEvidenceHook
 from resiliency.monitor.fault_tolerance import FaultToleranceHook, under_ft_launcher
@@ -59,4 +60,7 @@ def build_hooks(run: RunConfig, env: DistEnv, run_dir: Path) -> list[TrainHook]:
         back.append(MetricsHook(cfg.metrics, run.run_id, ctx, checkpoint, evidence, straggler))
     if checkpoint is not None and cfg.watch.steps:
         back.append(PostRestoreWatchHook(cfg.watch, env.rank, run_dir, ctx))
+    if run.checkpoint.dump_state_at:  # last: it dumps what every other hook left in place
+        dumps = Path(run.checkpoint.dump_state_dir or "")
+        back.append(StateDumpHook(run.checkpoint.dump_state_at, dumps, env.rank))
     return front + middle + [OwnershipEndHook(ctx)] + back

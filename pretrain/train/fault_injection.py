@@ -16,7 +16,13 @@ corruption: NaN gradients at that step once per process, so a replay of the step
 clean), corrupt (once step N is committed, flip one byte of the largest model file of that
 step, then SIGKILL this rank: a newest checkpoint that rots on disk, which the restore must
 refuse), eio_rehash (this rank's re-hash of step N, while restoring it, fails with EIO, as a
-flaky disk or a stale NFS handle would). A "/<round>" suffix limits an
+flaky disk or a stale NFS handle would). The break_* kinds break this rank's restore of step N
+on purpose, in the smallest way each part of the state can be wrong, as the resume-equivalence
+gate's controls (drill/equivalence): break_rng_python, break_rng_numpy, break_rng_torch,
+break_rng_ep (one draw too many from that stream; ep: megatron's expert-parallel stream,
+Megatron-LM PR #6858), break_adam_step (the optimizer's step counter back to 0, Megatron-Bridge
+PR #3832), break_data_cursor (this rank's data from sample 0, Megatron-Bridge PR #5637),
+break_param (one element of one parameter off by one ulp). A "/<round>" suffix limits an
 entry to one launcher round (TORCHELASTIC_RESTART_COUNT), so a fault can hit once and the
 restarted group run clean.
 Empty in every shipped recipe.
@@ -51,6 +57,10 @@ KINDS = (
     "sdc",
     "corrupt",
     "eio_rehash",
+    *(f"break_{what}" for what in ("rng_python", "rng_numpy", "rng_torch", "rng_ep")),
+    "break_adam_step",
+    "break_data_cursor",
+    "break_param",
 )
 ROUND_ENV = "TORCHELASTIC_RESTART_COUNT"
 SPIKE_FACTOR = 1000.0  # spike@N without a factor
@@ -120,6 +130,14 @@ class FaultInjector:
         if self._due(step, ("eio_rehash",)):
             log.warning("fault injection: EIO in the re-hash of step %d", step)
             raise OSError(errno.EIO, os.strerror(errno.EIO), f"step {step} (injected)")
+
+    def restore_breaks(self, step: int) -> frozenset[str]:
+        """What this rank's restore of step ``step`` must get wrong (the break_* kinds, less
+        the prefix: "rng_python", ..., "param")."""
+        due = self._due(step, tuple(k for k in KINDS if k.startswith("break_")))
+        for fault in due:
+            log.warning("fault injection: the restore of step %d breaks %s", step, fault.kind[6:])
+        return frozenset(fault.kind.removeprefix("break_") for fault in due)
 
     def after_commit(self, step: int, model_dir: Path) -> None:
         """Step ``step`` is committed, its model state in ``model_dir``: ``corrupt`` flips one

@@ -138,6 +138,13 @@ class CheckpointConfig:
     # What of init_from is loaded: weights (a fresh optimizer) or weights+optimizer (Adam's
     # moments too). Either way step, data cursor, schedule and RNG are this run's, from 0.
     init_load: str = "weights"
+    # The resume-equivalence gate's probe (python -m drill.equivalence; docs/checkpoints.md,
+    # "Proving a resume exact"): at each listed step, before the next one trains, every rank
+    # writes its whole state (parameters, main parameters, optimizer state, the last step's
+    # gradients, schedule, RNG streams, data cursor) to <dump_state_dir>/step-<N>/rank-<R>.pt.
+    # Empty: never.
+    dump_state_at: list[int] = field(default_factory=list)
+    dump_state_dir: Optional[str] = None
     local: LocalCheckpointConfig = field(default_factory=LocalCheckpointConfig)
     remote: RemoteCheckpointConfig = field(default_factory=RemoteCheckpointConfig)
 
@@ -187,6 +194,15 @@ class CheckpointConfig:
             self.init_from is None or bool(self.init_from.strip()),
             "checkpoint.init_from is empty: give a step dir, a run dir or s3://bucket/prefix/"
             "<run_id>, or null",
+        )
+        require(
+            not self.dump_state_at or bool(self.dump_state_dir),
+            "checkpoint.dump_state_at needs checkpoint.dump_state_dir (where each rank writes "
+            "its state), e.g. checkpoint.dump_state_dir=/tmp/dumps/reference",
+        )
+        require(
+            all(isinstance(s, int) and s >= 0 for s in self.dump_state_at),
+            f"checkpoint.dump_state_at={self.dump_state_at!r}: give step numbers (>= 0)",
         )
         one_of(
             "checkpoint",

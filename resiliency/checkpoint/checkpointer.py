@@ -30,6 +30,7 @@ from pretrain.platform.distributed import broadcast_object
 from pretrain.train.fault_injection import FaultInjector
 from resiliency.checkpoint import rank_state as state_io
 from resiliency.checkpoint.fingerprint import differences, state_fingerprint
+from resiliency.checkpoint.restore import broken
 from resiliency.checkpoint.restore.load import EarlyLoad, read_shards
 from resiliency.checkpoint.restore.resume_lr import (
     load_optimizer_keeping_schedule,
@@ -645,6 +646,7 @@ class Checkpointer:
         """Put loaded shards, loop state and RNG (None: topology changed, reseed) in place;
         ``restored``: the (step, tier) this run now continues from."""
         trainer = self.trainer
+        breaks = self.faults.restore_breaks(train_state["step"])  # the gate's controls only
         self._load_chunks(loaded)
         override = self.cfg.schedule_on_resume == "config"
         if self.cfg.load_optimizer:
@@ -671,7 +673,7 @@ class Checkpointer:
         self.lr_scaling = scaling or self.lr_scaling
         trainer.parts.scheduler.load_state_dict(train_state["scheduler"])
         load_s = None if started is None else time.perf_counter() - started
-        trainer.load_state_dict(train_state, load_s=load_s)
+        trainer.load_state_dict(broken.cursor_dropped(train_state, breaks), load_s=load_s)
         if rank_state is not None:
             state_io.restore_rng(rank_state, trainer.env.device)
         else:
@@ -679,6 +681,7 @@ class Checkpointer:
             log.warning(
                 "restore: topology changed; RNG reseeded from (seed, step, rank) = %d", seed
             )
+        broken.break_restored(trainer.parts.chunks, trainer.parts.optimizer, breaks)
         self._check_restored(train_state, lr_saved=not override)
         self._check_fingerprint(rank_state)
         log.info(

@@ -41,7 +41,7 @@ def state_fingerprint(chunks: list[Any], optimizer: Any) -> dict[str, str]:
     for index, chunk in enumerate(chunks):
         for name, param in chunk.named_parameters():
             digests[f"model{index}.{name}"] = tensor_digest(param)
-    for index, inner in enumerate(_inner_optimizers(optimizer)):
+    for index, inner in enumerate(inner_optimizers(optimizer)):
         for group_index, group in enumerate(inner.param_groups):
             for position, param in enumerate(group["params"]):
                 prefix = f"optimizer{index}.group{group_index}.{position}"
@@ -62,7 +62,7 @@ def differences(saved: dict[str, str], restored: dict[str, str]) -> list[str]:
     ]
 
 
-def _inner_optimizers(optimizer: Any) -> list[Any]:
+def inner_optimizers(optimizer: Any) -> list[Any]:
     """The torch optimizers behind megatron's wrappers (chained for MoE, one otherwise)."""
     wrappers = getattr(optimizer, "chained_optimizers", [optimizer])
     return [getattr(w, "optimizer", w) for w in wrappers]

@@ -91,6 +91,8 @@ def test_missing_recipe_lists_choices() -> None:
         (["parallel.vpp=2", "parallel.tp=1"], "vpp=2 needs parallel.pp > 1"),
         (["checkpoint.keep_last=1"], "keep_last=1"),
         (["train.global_batch_size=7"], "multiple of train.micro_batch_size"),
+        (["checkpoint.dump_state_at=[2]"], "dump_state_at needs checkpoint.dump_state_dir"),
+        (["checkpoint.dump_state_at=[-1]", "checkpoint.dump_state_dir=/x"], "step numbers"),
     ],
 )
 def test_impossible_config_is_refused(overrides: list[str], expected: str) -> None:

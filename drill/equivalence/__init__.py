@@ -1,0 +1,2 @@
+"""``python -m drill.equivalence``: the resume-equivalence gate (docs/checkpoints.md,
+"Proving a resume exact")."""

@@ -1,0 +1,5 @@
+import sys
+
+from drill.equivalence.cli import main
+
+sys.exit(main())
