@@ -6,9 +6,10 @@ SIGKILLs and SIGSTOPs ranks, SIGKILLs checkpoint writers, flips a byte of a publ
 here, behind the soak's proxy), at moments drawn from the seed. This module grades each soak
 itself, not by the soak's verdict: it reads both runs' ``metrics/steps.jsonl`` and compares the
 losses bit for bit, finds each SIGKILL the soak reports in the launcher's own log (that rank's
--9 exit after the fault's moment), and each full disk there as a worker's exit 10, the
-launcher's stop and the relaunch after it. The soak's own exit code and confirmations are
-reported beside, for comparison.
+-9 exit after the fault's moment), each SIGSTOP there as that rank's monitor timing it out,
+each writer kill as the worker group failing, and each full disk as a worker's exit 10, the
+launcher's stop and the relaunch after it. A seed meets the goal only if the soak itself also
+exited 0 and injected every fault it planned (the plan fits the run's length).
 """
 
 from __future__ import annotations
@@ -58,6 +59,34 @@ def _kills_in_launcher_log(out: Path, injected: list[dict]) -> tuple[int, int]:
         for rank, window in windows
     )
     return len(windows), seen
+
+
+# A rank monitor's timeout for a rank (nvrx 0.4: "[RankMonServer<r>@<host>:<rank>] Section ...
+# has been open" / "Was out of section"; nvrx 0.7: "[workload:?(<rank>) ...] ... open"), and
+# the launcher giving up on its worker group: this module's own reading of the launcher's log.
+_MONITOR_TIMEOUT = (
+    r"(?:RankMonServer\d+@[^\]]*?:{rank}\]|workload:\?\({rank}\))"
+    r".*?(?:has been open for|Was out of section for)"
+)
+_GROUP_FAILED = re.compile(r"Worker group (?:FAILED|UNHEALTHY)")
+
+
+def _stops_and_writer_kills_in_launcher_log(out: Path, injected: list[dict]) -> tuple[int, int]:
+    """(SIGSTOPs and writer kills the soak reports, those the launcher's log shows: the
+    stopped rank's monitor timing it out, or the worker group failing after a lost writer,
+    before the next fault)."""
+    text = (out / "logs" / "soak.log").read_bytes()
+    ends = [i["log_offset"] for i in injected[1:]] + [len(text)]
+    seen = total = 0
+    for fault, end in zip(injected, ends):
+        window = text[fault["log_offset"] : end].decode(errors="replace")
+        if fault["kind"] == "sigstop":
+            total += 1
+            seen += bool(re.search(_MONITOR_TIMEOUT.format(rank=fault["rank"]), window))
+        elif fault["kind"] == "kill_writer":
+            total += 1
+            seen += bool(_GROUP_FAILED.search(window))
+    return total, seen
 
 
 def _full_disks_in_launcher_log(out: Path, injected: list[dict]) -> tuple[int, int]:
@@ -116,34 +145,63 @@ def one_soak(
     wall = time.perf_counter() - started
     if not (out / "soak.json").exists():
         raise RuntimeError(f"soak seed {seed} failed ({proc.returncode}): {proc.stderr[-3000:]}")
-    injected = json.loads((out / "soak.json").read_text())["outside"]["injected"]
-    clean, soak = _losses(out / "runs" / "clean" / "soak"), _losses(out / "runs" / "soak" / "soak")
-    kills, kills_seen = _kills_in_launcher_log(out, injected)
-    flips, flips_gone = _flips_gone(injected)
-    disks, disks_seen = _full_disks_in_launcher_log(out, injected)
-    outages = sum(i["kind"] == "s3_outage" for i in injected)
     remote_newest = None
     if s3 is not None:  # read here, straight from the server (not through the soak's proxy)
         remote_newest = _newest_on_server(s3, f"p9-{seed}/soak")
     return {
         "seed": seed,
-        "steps": STEPS,
+        **grade_soak(out, proc.returncode, remote_newest, STEPS),
+        "wall_s": round(wall, 1),
+    }
+
+
+def grade_soak(out: Path, soak_exit: int, remote_newest: int | None, steps: int) -> dict[str, Any]:
+    """One soak's P9 row, read from its output dir: the soak's report for what it says it did,
+    the launcher's log and the file system for whether it happened, both runs' losses."""
+    report = json.loads((out / "soak.json").read_text())["outside"]
+    injected = report["injected"]
+    clean, soak = _losses(out / "runs" / "clean" / "soak"), _losses(out / "runs" / "soak" / "soak")
+    kills, kills_seen = _kills_in_launcher_log(out, injected)
+    hangs, hangs_seen = _stops_and_writer_kills_in_launcher_log(out, injected)
+    flips, flips_gone = _flips_gone(injected)
+    disks, disks_seen = _full_disks_in_launcher_log(out, injected)
+    return {
+        "steps": steps,
+        "planned": len(report["plan"]),
         "faults": len(injected),
         "kinds": sorted({i["kind"] for i in injected}),
-        "soak_exit": proc.returncode,
+        "soak_exit": soak_exit,
         "soak_confirmed": sum(i["confirmed"] for i in injected),
         "kills": kills,
         "kills_in_launcher_log": kills_seen,
+        "stops_and_writer_kills": hangs,
+        "stops_and_writer_kills_in_launcher_log": hangs_seen,
         "flips": flips,
         "flips_no_longer_published": flips_gone,
         "full_disks": disks,
         "full_disks_stopped_and_relaunched": disks_seen,
-        "outages": outages,
+        "outages": sum(i["kind"] == "s3_outage" for i in injected),
         "remote_newest_step": remote_newest,
-        "steps_complete": sorted(soak) == list(range(1, STEPS + 1)),
+        "steps_complete": sorted(soak) == list(range(1, steps + 1)),
         "bit_exact": soak == clean,
-        "wall_s": round(wall, 1),
     }
+
+
+def p9_goal_met(runs: list[dict[str, Any]]) -> bool:
+    """Every soak exited 0, injected what it planned, lost no step, and every fault it reports
+    shows where this module looks."""
+    return bool(runs) and all(
+        r["soak_exit"] == 0
+        and r["faults"] == r["planned"]
+        and r["bit_exact"]
+        and r["steps_complete"]
+        and r["kills"] == r["kills_in_launcher_log"]
+        and r["stops_and_writer_kills"] == r["stops_and_writer_kills_in_launcher_log"]
+        and r["flips"] == r["flips_no_longer_published"]
+        and r["full_disks"] == r["full_disks_stopped_and_relaunched"]
+        and (not r["outages"] or r["remote_newest_step"] == r["steps"])
+        for r in runs
+    )
 
 
 def _newest_on_server(s3: S3Server, prefix: str) -> int | None:
@@ -167,13 +225,5 @@ def bench_outside(work: Path, data: str, seeds: list[int], env: dict[str, str]) 
     return {
         "P9_runs": runs,
         "P9_faults": sum(r["faults"] for r in runs),
-        "P9_goal_met": all(
-            r["bit_exact"]
-            and r["steps_complete"]
-            and r["kills"] == r["kills_in_launcher_log"]
-            and r["flips"] == r["flips_no_longer_published"]
-            and r["full_disks"] == r["full_disks_stopped_and_relaunched"]
-            and (not r["outages"] or r["remote_newest_step"] == STEPS)
-            for r in runs
-        ),
+        "P9_goal_met": p9_goal_met(runs),
     }

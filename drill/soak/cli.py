@@ -113,9 +113,9 @@ def _outside_verdict(runs: SoakRuns) -> int:
     exact = not trajectory_problems(*dirs)
     confirmed = sum(i.confirmed for i in outside.injected)
     print(
-        f"soak (outside, seed {runs.seed}): {len(outside.injected)} fault(s) injected, "
-        f"{confirmed} confirmed by the launcher's log and the OS, {len(outside.skipped)} "
-        f"skipped (the job had ended); trajectory "
+        f"soak (outside, seed {runs.seed}): {len(outside.plan)} fault(s) planned, "
+        f"{len(outside.injected)} injected, {confirmed} confirmed by the launcher's log and "
+        f"the OS, {len(outside.skipped)} not injected; trajectory "
         f"{'bit-exact' if exact else 'NOT bit-exact'} against the clean run"
     )
     for injection in outside.injected:

@@ -464,9 +464,11 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 def judge_outside(run: OutsideRun, clean_dir: Path, soak_dir: Path, steps: int) -> list[str]:
-    """What is wrong with the soak (empty: nothing): its exit, each fault's evidence, and the
-    trajectory (:func:`trajectory_problems`)."""
+    """What is wrong with the soak (empty: nothing): its exit, a planned fault it could not
+    inject (the plan fits the run's length, so the job did not run as planned), each fault's
+    evidence, and the trajectory (:func:`trajectory_problems`)."""
     problems = [] if run.exit_code == 0 else [f"the soak run exited {run.exit_code}"]
+    problems += [f"a planned fault was not injected: {skipped}" for skipped in run.skipped]
     problems += [
         f"{i.kind} on rank {i.rank} not confirmed: {i.evidence}"
         for i in run.injected

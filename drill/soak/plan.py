@@ -34,7 +34,13 @@ from pathlib import Path
 
 from drill.experiment import prepare_out
 from drill.jobs import DrillError, _job_env
-from drill.soak.outside import OUTSIDE_KINDS, OutsideDriver, OutsideRun, plan_outside
+from drill.soak.outside import (
+    OUTSIDE_KINDS,
+    OutsideDriver,
+    OutsideFault,
+    OutsideRun,
+    plan_outside,
+)
 from drill.soak.resources import around_soak, remote_url, usable_kinds
 from pretrain.context.run_dir import RunDir, read_jsonl
 from recipes import ConfigError, RunConfig, load_config
@@ -326,6 +332,25 @@ def _launch(
     runs.exits[name], runs.wall_s[name] = launcher.run(name, overrides, budget)
 
 
+# The share of the clean run's training time the planned faults may use up, gaps and recovery
+# together: the rest is slack for a slower recovery than planned, so every planned fault lands.
+PLANNED_SHARE = 0.75
+
+
+def fit_plan(drawn: list[OutsideFault], train_s: float, recovery_s: float) -> list[OutsideFault]:
+    """The first faults of ``drawn`` (arrivals of a Poisson process: exponential gaps) whose
+    gaps, plus ``recovery_s`` of training each one costs again (the steps since the last save,
+    and the step the soak waits for before the next gap), fit in PLANNED_SHARE of ``train_s``.
+    At least one, so a soak always injects something."""
+    plan, used = [], 0.0
+    for fault in drawn:
+        used += fault.gap_s + recovery_s
+        if plan and used > PLANNED_SHARE * train_s:
+            break
+        plan.append(fault)
+    return plan
+
+
 def _soak_from_outside(
     launcher: SoakLauncher,
     runs: SoakRuns,
@@ -333,13 +358,24 @@ def _soak_from_outside(
     kinds: tuple[str, ...],
     run: RunConfig,
 ) -> None:
-    """The soak run with faults the soak process injects (:mod:`drill.soak.outside`): as many
-    as the clean run's training time holds at the MTBF; those the job outlives are skipped.
-    ``kinds``: those this machine allows (:func:`usable_kinds`); ``run``: the resolved config."""
+    """The soak run with faults the soak process injects (:mod:`drill.soak.outside`): those of
+    a Poisson process at the MTBF that fit in the clean run's training time (:func:`fit_plan`);
+    each must then be injected (one the job outlives fails the soak). ``kinds``: those this
+    machine allows (:func:`usable_kinds`); ``run``: the resolved config."""
     mtbf = runs.mtbf_s or (cfg.mtbf_steps * runs.step_s if cfg.mtbf_steps else cfg.mtbf_s)
-    count = max(1, math.ceil(runs.steps * runs.step_s / mtbf))
     kinds = tuple(k for k in kinds if k in OUTSIDE_KINDS)  # usable_kinds: never empty
-    plan = plan_outside(random.Random(runs.seed), count, mtbf, cfg.nproc, kinds)
+    drawn = plan_outside(
+        random.Random(runs.seed), math.ceil(3 * runs.steps * runs.step_s / mtbf) + 3, mtbf,
+        cfg.nproc, kinds,
+    )  # fmt: skip
+    plan = fit_plan(drawn, runs.steps * runs.step_s, (runs.save_every + 1) * runs.step_s)
+    log.info(
+        "soak: %d fault(s) planned from seed %d: %s",
+        len(plan),
+        runs.seed,
+        ", ".join(f"{f.kind}@+{f.gap_s:.1f}s rank {f.rank}" for f in plan),
+    )
+    count = len(plan)
     runs.outside = OutsideRun(runs.seed, plan)
     run_dir = runs.run_dir("soak")
     # A hang is caught by learned timeouts only after resiliency.ft.learn_after_steps.

@@ -20,11 +20,14 @@ from drill.soak.disk import can_mount
 from drill.soak.outside import (
     OUTSIDE_KINDS,
     Injection,
+    OutsideRun,
     confirm,
     flip_byte,
+    judge_outside,
     losses,
     plan_outside,
 )
+from drill.soak.plan import PLANNED_SHARE, fit_plan
 from resiliency.storage.object_store import ObjectStore
 from resiliency.storage.remote import committed_remote_steps
 from tests.helpers import REPO
@@ -39,6 +42,25 @@ def test_the_plan_is_the_seeds() -> None:
     assert outages and all(5.0 <= o <= 20.0 for o in outages)  # the documented range
     assert not any(f.outage_s for f in one if f.kind != "s3_outage")
     assert {f.rank for f in one} <= {0, 1} and all(f.gap_s > 0 for f in one)
+
+
+def test_the_planned_faults_fit_the_run_and_one_at_least() -> None:
+    drawn = plan_outside(random.Random(2), 40, 5.0, 2, OUTSIDE_KINDS)
+    plan = fit_plan(drawn, 36.0, 5.0)
+    assert plan == drawn[: len(plan)] and 1 <= len(plan) < len(drawn)
+    assert sum(f.gap_s + 5.0 for f in plan) <= PLANNED_SHARE * 36.0
+    assert sum(f.gap_s + 5.0 for f in drawn[: len(plan) + 1]) > PLANNED_SHARE * 36.0
+    assert fit_plan(drawn, 0.1, 5.0) == drawn[:1]
+
+
+def test_a_planned_fault_that_was_not_injected_fails_the_soak(tmp_path: Path) -> None:
+    for name in ("clean", "soak"):
+        (tmp_path / name / "metrics").mkdir(parents=True)
+        (tmp_path / name / "metrics" / "steps.jsonl").write_text('{"step": 1, "loss": 2.5}\n')
+    plan = plan_outside(random.Random(1), 2, 5.0, 2, ("sigkill",))
+    run = OutsideRun(1, plan, skipped=["sigkill on rank 0: the job had ended"], exit_code=0)
+    problems = judge_outside(run, tmp_path / "clean", tmp_path / "soak", 1)
+    assert problems == ["a planned fault was not injected: sigkill on rank 0: the job had ended"]
 
 
 def _dead_pid() -> int:
@@ -185,23 +207,26 @@ def _own_losses(run_dir: Path) -> dict[int, str]:
     return found
 
 
-# ~90 s of real runs (a clean run and a soak with 5 faults): with the benchmarks
-# (bench --only P9 runs several seeds), in `make test-all`.
+# ~90 s of real runs: a clean run and a soak whose faults (a SIGKILL, a SIGSTOP, a checkpoint
+# writer's SIGKILL and a rotted step, dealt from a shuffled deck) come from this process's seed.
 @pytest.mark.slow
-@pytest.mark.exhaustive
 def test_an_outside_soak_loses_nothing(tmp_path: Path, tiny_overrides: list[str]) -> None:
     out = tmp_path / "soak"
     cmd = [
         sys.executable, "-m", "drill.soak", "--outside", f"--out={out}", "--steps=36",
-        "--mtbf-steps=8", "--seed=3", *tiny_overrides, "checkpoint.save_interval=4",
+        "--mtbf-steps=5", "--seed=11", "--kinds=sigkill,sigstop,kill_writer,flip",
+        *tiny_overrides, "checkpoint.save_interval=4",
         "checkpoint.async_save=true", "resiliency.ft.timeout_floor_s=4",
         "resiliency.ft.learn_after_steps=3", "resiliency.ft.check_interval_s=0.5",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert "soak (outside, seed 11)" in proc.stdout, proc.stdout
     report = json.loads((out / "soak.json").read_text())["outside"]
     injected = report["injected"]
     assert injected and all(i["confirmed"] for i in injected), injected
+    assert len(injected) == len(report["plan"]) and not report["skipped"], report
+    assert {"sigkill", "sigstop"} <= {i["kind"] for i in injected}, injected
     # The launcher's own lines, read here: every SIGKILL shows as that rank's -9 exit before
     # the next fault.
     launcher_log = (out / "logs" / "soak.log").read_bytes()
@@ -210,6 +235,13 @@ def test_an_outside_soak_loses_nothing(tmp_path: Path, tiny_overrides: list[str]
         if kill["kind"] == "flip":  # read here: the flipped byte is no longer published
             path = Path(kill["flipped"])
             assert not path.exists() or path.read_bytes()[kill["flipped_at"]] != kill["flipped_to"]
+        if kill["kind"] == "sigstop":  # the stopped rank's own monitor timed it out
+            after = launcher_log[kill["log_offset"] : end].decode(errors="replace")
+            monitor = (
+                rf"(?:RankMonServer\d+@[^\]]*?:{kill['rank']}\]|workload:\?\({kill['rank']}\))"
+            )
+            assert re.search(monitor + r".*?(?:has been open|Was out of section)", after), kill
+            continue
         if kill["kind"] not in ("sigkill", "flip"):
             continue
         after = launcher_log[kill["log_offset"] : end].decode(errors="replace")
