@@ -162,3 +162,62 @@ def test_files_larger_than_a_part_go_up_in_parts(store: ObjectStore, tmp_path: P
     assert verify_remote_step(parted, "run", 3, full=True).ok
     fetched = fetch_newest(parted, RunLayout(tmp_path / "new", "run"), attempt=1, workers=2)
     assert fetched is not None and fetched.name == "step-000000003"
+
+
+def test_resiliency_upload_exits_as_documented(
+    s3: S3Server, proxy: FaultProxy, store: ObjectStore, tmp_path: Path
+) -> None:
+    """Real `python -m resiliency upload` processes, each exit code its docstring promises,
+    read as the process status: 0 caught up; 1 the store out past the retry budget (BEHIND);
+    2 not a run dir, or credentials the server refuses; 6 the run's lease moved to another job
+    while --follow served the old one (it stops; the new job's uploader takes over)."""
+    layout = RunLayout(tmp_path, "run")
+    for step in (2, 4):
+        write_synthetic_step(layout, step)
+    assert cli(s3, "upload", str(tmp_path / "nothing"), "--to", store.url).returncode == 2
+    wrong = subprocess.run(
+        [sys.executable, "-m", "resiliency", "upload", str(layout.run_dir), "--to", store.url],
+        cwd=REPO, text=True, capture_output=True, timeout=120,
+        env={**os.environ, **s3.env, "AWS_SECRET_ACCESS_KEY": "not-the-key"},
+    )  # fmt: skip
+    assert wrong.returncode == 2, wrong.stdout + wrong.stderr[-2000:]
+    proxy.set_mode("refuse")
+    try:
+        out = cli(s3, "upload", str(layout.run_dir), "--to", store.url,
+                  "--endpoint-url", proxy.endpoint_url, "--retry-budget-s", "1")  # fmt: skip
+    finally:
+        proxy.set_mode("pass")
+    assert out.returncode == 1 and "BEHIND" in out.stdout, out.stdout + out.stderr[-2000:]
+    ok = cli(s3, "upload", str(layout.run_dir), "--to", store.url)
+    assert ok.returncode == 0 and "newest remote committed step: 4" in ok.stdout, ok.stdout
+
+    # A job (a process that dies holding the lease: its generation 1), served by --follow.
+    job = (
+        "from resiliency.storage.layout import RunLayout\n"
+        "from resiliency.storage.lease import RunLease\n"
+        f"RunLease(RunLayout({str(tmp_path)!r}, 'run'), 1, 60.0).acquire()\n"
+    )
+    subprocess.run([sys.executable, "-c", job], cwd=REPO, check=True, timeout=60)
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "resiliency", "upload", str(layout.run_dir), "--to", store.url,
+         "--follow", "--interval", "0.5"],
+        cwd=REPO, env={**os.environ, **s3.env}, text=True, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        write_synthetic_step(layout, 6)
+        deadline = time.monotonic() + 60
+        while read_latest(store, "run") != 6:  # the follower serves generation 1
+            assert follower.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        # Another job takes the run over (the old owner is dead): generation 2.
+        from resiliency.storage.lease import RunLease
+
+        RunLease(layout, 2, 60.0).acquire()
+        code = follower.wait(timeout=60)
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+    output = follower.stdout.read() if follower.stdout else ""
+    assert code == 6, output[-3000:]
+    assert "lease moved from generation 1 to 2" in output, output[-3000:]

@@ -14,6 +14,7 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 
 from bench.s3_server import S3Server
@@ -125,15 +126,33 @@ def _launch(overrides: list[str], env: dict[str, str], timeout: float = 300) -> 
                             stderr=subprocess.STDOUT)  # fmt: skip
 
 
+def _follower(run_dir: Path) -> psutil.Process | None:
+    """The job's live `resiliency upload --follow` process, found by its command line."""
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if "upload" in cmd and "--follow" in cmd and str(run_dir) in cmd:
+            return proc
+    return None
+
+
+# The uploader's retry backoff cap (resiliency/storage/object_retry.py, max_delay_s): after an
+# outage its next try comes at most this long after the store answers again.
+BACKOFF_CAP_S = 15.0
+SLACK_S = 3.0  # a scan, the objects' PUTs and HEADs, this loop's 0.1 s polling
+
+
 @pytest.mark.slow
 def test_launch_local_uploads_each_step_and_rides_out_an_outage(
     s3: S3Server, proxy: FaultProxy, prefix: str, tiny_overrides: list[str], tmp_path: Path
 ) -> None:
-    """A fresh run: each step is on the remote tier within a follow interval of its publish
-    (checked while training); a 15 s outage from step 15 on; the job ends with its newest
-    step committed remotely."""
+    """A fresh run uploading as it trains, read from the server directly while it runs: each
+    step is up within a follow interval of its publish; a 6 s outage from step 15 on is
+    ridden out (the steps published during and after it are up within the interval plus the
+    retry backoff's cap of the store's return); the follower SIGKILLed from outside is
+    restarted by launch local and the steps published after that go up within the interval
+    plus its restart; the job ends with its newest step committed remotely."""
     interval, url = 1.0, s3.url(prefix)
-    overrides = [*tiny_overrides, f"output_dir={tmp_path}", "run_id=run", "train.train_steps=40",
+    overrides = [*tiny_overrides, f"output_dir={tmp_path}", "run_id=run", "train.train_steps=150",
                  "checkpoint.save_interval=5", f"checkpoint.remote.url={url}",
                  f"checkpoint.remote.follow_interval_s={interval:g}",
                  "checkpoint.remote.retry_budget_s=60"]  # fmt: skip
@@ -145,37 +164,73 @@ def test_launch_local_uploads_each_step_and_rides_out_an_outage(
     reader.start()
     published: dict[int, float] = {}
     remote: dict[int, float] = {}
-    outage_at: float | None = None
-    outage_over = False
+    samples: list[tuple[float, int]] = []  # (when, the newest step committed on the server)
+    outage: list[float] = []  # its start and end
+    killed: tuple[float, int] | None = None  # when, and the follower's pid
+    restarted: int | None = None  # the new follower's pid, seen while the job ran
     while job.poll() is None:
         now = time.monotonic()
         for step in layout.published_steps() if layout.steps_dir.is_dir() else []:
             published.setdefault(step, now)
-        for step in committed_remote_steps(direct, "run"):
+        committed = committed_remote_steps(direct, "run")
+        for step in committed:
             remote.setdefault(step, now)
+        samples.append((now, max(committed, default=0)))
         # From step 15 on, once the steps before it went up (or were given their chance).
         settled = 10 in remote or (10 in published and now - published[10] > interval + 3.0)
-        if outage_at is None and 15 in published and settled:
+        if not outage and 15 in published and settled:
             proxy.set_mode("refuse")
-            outage_at = now
-        if outage_at is not None and not outage_over and now - outage_at > 15:
+            outage.append(now)
+        if len(outage) == 1 and now - outage[0] > 6:
             proxy.set_mode("pass")
-            outage_over = True
+            outage.append(now)
+        owed = [s for s, t in published.items() if t <= now - interval]
+        caught_up = max(committed, default=0) >= max(owed, default=0)
+        if len(outage) == 2 and killed is None and caught_up and now - outage[1] > 1:
+            follower = _follower(layout.run_dir)
+            if follower is not None:
+                follower.kill()  # from outside, as an OOM killer or an operator would
+                killed = (now, follower.pid)
+        if killed is not None and restarted is None:
+            follower = _follower(layout.run_dir)
+            restarted = follower.pid if follower is not None and follower.pid != killed[1] else None
         time.sleep(0.1)
     proxy.set_mode("pass")
     reader.join(timeout=10)
     output = "".join(lines)
     assert job.returncode == 0, output[-4000:]
-    assert outage_at is not None, output[-2000:]
+    assert len(outage) == 2 and killed is not None and restarted is not None, output[-2000:]
     for step in (5, 10):  # published before the outage: up within a follow interval
-        assert step in remote, (step, remote, published)
-        assert remote[step] - published[step] <= interval + 3.0, (step, remote, published)
-    assert committed_remote_steps(direct, "run")[-1] == 40
-    assert verify_remote_step(direct, "run", 40, full=True).ok  # every byte, downloaded
-    assert "newest remote committed step: 40" in output
+        assert step in remote and remote[step] - published[step] <= interval + SLACK_S, step
+
+    # While the job runs, the server's newest step is never behind a step published more than
+    # the interval (+ slack) before, but from an outage's start until the uploader caught up,
+    # at most the backoff's cap after the store answered again, and from the follower's kill
+    # until its successor caught up, at most its restart after (launch local: 1 s, its 1 s
+    # watch, the new process's imports).
+    def owed(now: float) -> int:
+        return max((s for s, t in published.items() if t <= now - interval - SLACK_S), default=0)
+
+    def caught_up(after: float) -> float:
+        return next(now for now, newest in samples if now >= after and newest >= owed(now))
+
+    back = caught_up(outage[1])
+    assert back <= outage[1] + interval + BACKOFF_CAP_S + SLACK_S, (back, outage)
+    restored = caught_up(killed[0] + interval + SLACK_S)
+    assert restored <= killed[0] + 2.0 + 5.0 + interval + SLACK_S, (restored, killed)
+    exempt = [(outage[0], back), (killed[0], restored)]
+    checked = [now for now, _ in samples if not any(a <= now <= b for a, b in exempt)]
+    for now, newest in samples:
+        if now in checked:
+            assert newest >= owed(now), (now, newest, owed(now), exempt)
+    assert sum(now > restored for now in checked) > 10, (checked, exempt)
+    assert "launch local: uploader exited -9; restarting it in 1 s" in output, output[-3000:]
+    assert committed_remote_steps(direct, "run")[-1] == 150
+    assert verify_remote_step(direct, "run", 150, full=True).ok  # every byte, downloaded
+    assert "newest remote committed step: 150" in output
     assert "object store:" in output and "retry" in output  # the outage was seen and retried
     metrics = (layout.metrics_dir / "remote.prom").read_text()
-    assert 'checkpoint_remote_last_committed_step{run_id="run"} 40.0' in metrics
+    assert 'checkpoint_remote_last_committed_step{run_id="run"} 150.0' in metrics
     assert 'checkpoint_remote_lag_steps{run_id="run"} 0.0' in metrics
 
 
