@@ -82,10 +82,14 @@ def overrides(config: str, work: Path, data: str) -> list[str]:
     ]
 
 
-def torchrun(args: list[str], timeout: float = 1200, tries: int = 1) -> None:
+def torchrun(args: list[str], timeout: float = 1200, tries: int = 1, ft: bool = False) -> None:
+    """2 ranks of ``args`` under torchrun, or (``ft``) under nvidia-resiliency-ext's
+    ft_launcher, as ``launch local launch.backend=ft_launcher`` runs a job: every rank then has
+    its fault-tolerance hook (rank monitor heartbeats and sections) as a user's job does."""
+    launcher = [sys.executable, "-m", "launch.torchrun", "--ft-launcher"] if ft else [TORCHRUN]
     for attempt in range(tries):
         proc = subprocess.run(
-            [TORCHRUN, "--standalone", "--nproc-per-node=2", *args],
+            [*launcher, "--standalone", "--nproc-per-node=2", *args],
             cwd=REPO,
             env=ENV,
             text=True,
@@ -105,10 +109,16 @@ def torchrun(args: list[str], timeout: float = 1200, tries: int = 1) -> None:
 
 
 def worker(
-    mode: str, config: str, work: Path, data: str, *extra: str, more: tuple[str, ...] = ()
+    mode: str,
+    config: str,
+    work: Path,
+    data: str,
+    *extra: str,
+    more: tuple[str, ...] = (),
+    ft: bool = False,
 ) -> dict[str, Any]:
     out = work / f"{mode}-{config}.json"
-    torchrun([WORKER, mode, f"--out={out}", *extra, *overrides(config, work, data), *more])
+    torchrun([WORKER, mode, f"--out={out}", *extra, *overrides(config, work, data), *more], ft=ft)
     return json.loads(out.read_text())
 
 
@@ -409,12 +419,18 @@ def bench_hang(work: Path, data: str, reps: int, stops: int) -> dict[str, Any]:
     return hang_detection.bench(work, data, reps, stops, seed)
 
 
+# P5's unit: the mean step time over a block of this many consecutive steps, so periodic hook
+# work (metrics files, TensorBoard flushes every resiliency.metrics.write_interval_steps) is in it.
+P5_BLOCK_STEPS = 10
+
+
 def bench_overhead(config: str, work: Path, data: str, reps: int) -> dict[str, Any]:
-    # One framework step, one without its TensorBoard hook, one bare step, rotating (the finest
-    # interleave there is); each ratio compares two steps a fraction of a second apart, so
-    # machine drift cancels; every 30 triples make one repetition: the median of their ratios
-    # (a step stalled by another tenant of the machine is not overhead).
-    per_rep = 30
+    # A block of framework steps, one without its TensorBoard hook, one of bare steps, rotating;
+    # each ratio compares two blocks seconds apart, so machine drift cancels; every 4 triples
+    # make one repetition: the median of their ratios (a block stalled by another tenant of the
+    # machine is not overhead). Under ft_launcher, so every default hook of a fault-tolerant job
+    # runs (the rank monitor's heartbeats and sections included).
+    per_rep = 4
     # No periodic saves (the recipe's save_interval): checkpoint cost is P1/P2's business.
     raw = worker(
         "overhead",
@@ -422,8 +438,9 @@ def bench_overhead(config: str, work: Path, data: str, reps: int) -> dict[str, A
         work,
         data,
         f"--reps={per_rep * reps}",
-        "--block-steps=1",
+        f"--block-steps={P5_BLOCK_STEPS}",
         more=("checkpoint.save_interval=null",),
+        ft=True,
     )
     pairs = raw["pairs"]
     groups = [pairs[i : i + per_rep] for i in range(0, len(pairs), per_rep)]

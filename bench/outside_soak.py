@@ -29,7 +29,7 @@ from resiliency.storage.object_store import ObjectStore
 from resiliency.storage.remote import committed_remote_steps
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS, MTBF_STEPS, SAVE_EVERY = 48, 8, 4
+STEPS, MTBF_STEPS, SAVE_EVERY = 64, 4, 4
 
 
 def _losses(run_dir: Path) -> dict[int, float]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from bench.outside_soak import p9_goal_met
 from bench.remote_upload import rows as remote_rows
 from resiliency.monitor.recovery import PHASES
 
@@ -243,26 +244,21 @@ def _outside_rows(outside: dict[str, Any] | None, row: Rows) -> None:
         flips, gone = r.get("flips", 0), r.get("flips_no_longer_published", 0)
         disks, stopped = r.get("full_disks", 0), r.get("full_disks_stopped_and_relaunched", 0)
         outages, remote = r.get("outages", 0), r.get("remote_newest_step")
-        ok = (
-            r["bit_exact"]
-            and r["steps_complete"]
-            and r["kills"] == r["kills_in_launcher_log"]
-            and flips == gone
-            and disks == stopped
-            and (not outages or remote == r.get("steps", remote))
-        )
+        hangs = r.get("stops_and_writer_kills", 0)
+        hangs_seen = r.get("stops_and_writer_kills_in_launcher_log", 0)
         row(
             f"P9 soak, faults from outside, seed {r['seed']}: bit-exact",
             "tiny",
             _one(float(r["bit_exact"])),
             "1 (bit-exact)",
-            ok,
+            p9_goal_met([r]),
             0,
-            note=f"{r['faults']} faults ({', '.join(r['kinds'])}); SIGKILLs in the launcher's "
-            f"log {r['kills_in_launcher_log']}/{r['kills']}; flipped bytes no longer "
-            f"published {gone}/{flips}; full disks stopped (exit 10) and relaunched "
-            f"{stopped}/{disks}; S3 outages {outages}, newest step in the object store at "
-            f"the end {remote}; the soak's own exit "
+            note=f"{r['faults']} of {r.get('planned', '?')} planned faults injected "
+            f"({', '.join(r['kinds'])}); SIGKILLs in the launcher's log "
+            f"{r['kills_in_launcher_log']}/{r['kills']}; SIGSTOPs and writer kills there "
+            f"{hangs_seen}/{hangs}; flipped bytes no longer published {gone}/{flips}; full "
+            f"disks stopped (exit 10) and relaunched {stopped}/{disks}; S3 outages {outages}, "
+            f"newest step in the object store at the end {remote}; the soak's own exit "
             f"{r['soak_exit']}, confirmed {r['soak_confirmed']}/{r['faults']}; {r['wall_s']:.0f} s",
         )
 

@@ -36,6 +36,7 @@ import random
 import re
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -155,6 +156,7 @@ class OutsideDriver:
         # committed there, read past the proxy
         self.proxy, self.remote_newest = proxy, remote_newest
         self._refused_before = 0  # the proxy's count when the outage began
+        self._outage_timer: threading.Timer | None = None  # ends the outage under way
         self.deadline = time.monotonic() + timeout_s  # the job's, like its launch timeout
         # A hang is caught by the learned timeouts (resiliency.ft.learn_after_steps); before
         # them the launcher waits the untrained default (minutes).
@@ -164,6 +166,8 @@ class OutsideDriver:
         """Inject the plan into ``job``; ``relaunch()`` starts the job again (after a full
         disk, which the launcher does not retry)."""
         for fault in self.run.plan:
+            if fault.kind == "s3_outage":
+                self._outage_over()  # one outage at a time: each is counted on its own
             ready = self._wait_training(
                 job, self.earliest.get(fault.kind, 0), published=fault.kind == "flip"
             )
@@ -189,6 +193,7 @@ class OutsideDriver:
         except subprocess.TimeoutExpired:
             job.kill()
             self.run.exit_code = job.wait()
+        self._outage_over()
         self._read_remote()
         text = self.launcher_log.read_bytes()
         ends = [i.log_offset for i in self.run.injected[1:]] + [len(text)]
@@ -223,14 +228,26 @@ class OutsideDriver:
 
     def _outage(self, job: subprocess.Popen, injection: Injection) -> None:
         """The object store answers 503 for the outage's length (cut short only by the
-        deadline), then serves again; the proxy counts what it refused."""
+        deadline), then serves again, on a timer: the faults planned after it are injected
+        while it lasts (the job trains on through an outage, so the plan does not count its
+        length). The proxy counts what it refused."""
         assert self.proxy is not None
-        before = self._refused_before
-        end = min(time.monotonic() + injection.outage_s, self.deadline)
-        while time.monotonic() < end:
-            time.sleep(0.1)
-        self.proxy.set_mode("pass")
-        injection.refused = self.proxy.faults_injected - before
+        proxy, before = self.proxy, self._refused_before
+
+        def end() -> None:
+            proxy.set_mode("pass")
+            injection.refused = proxy.faults_injected - before
+
+        length = max(0.0, min(injection.outage_s, self.deadline - time.monotonic()))
+        self._outage_timer = threading.Timer(length, end)
+        self._outage_timer.daemon = True
+        self._outage_timer.start()
+
+    def _outage_over(self) -> None:
+        """Wait for the outage under way, if any, to end as planned."""
+        if self._outage_timer is not None:
+            self._outage_timer.join()
+            self._outage_timer = None
 
     def _read_remote(self) -> None:
         """After the job: its newest published step and the newest committed remotely."""

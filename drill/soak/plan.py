@@ -102,6 +102,8 @@ class SoakRuns:
     wall_s: dict[str, float] = field(default_factory=dict)
     overrides: list[str] = field(default_factory=list)
     mtbf_s: float | None = None  # derived from measured costs (mtbf_cost_multiple)
+    # The MTBF the faults were planned at, in seconds of training (P6's planner is fed it)
+    planned_mtbf_s: float | None = None
     outside: OutsideRun | None = None  # --outside: what the soak injected and confirmed
 
     def run_dir(self, name: str) -> Path:
@@ -306,6 +308,9 @@ def run_soak(cfg: SoakConfig) -> SoakRuns:
             runs.mtbf_s,
             cfg.mtbf_cost_multiple,
         )
+    runs.planned_mtbf_s = runs.mtbf_s or (
+        cfg.mtbf_steps * runs.step_s if cfg.mtbf_steps else cfg.mtbf_s
+    )
     if cfg.outside:
         _soak_from_outside(launcher, runs, cfg, kinds, run)
         (out / "soak.json").write_text(json.dumps(_plan_record(runs), indent=1))
@@ -340,8 +345,9 @@ PLANNED_SHARE = 0.75
 def fit_plan(drawn: list[OutsideFault], train_s: float, recovery_s: float) -> list[OutsideFault]:
     """The first faults of ``drawn`` (arrivals of a Poisson process: exponential gaps) whose
     gaps, plus ``recovery_s`` of training each one costs again (the steps since the last save,
-    and the step the soak waits for before the next gap), fit in PLANNED_SHARE of ``train_s``.
-    At least one, so a soak always injects something."""
+    and the step the soak waits for before the next gap), fit in PLANNED_SHARE of ``train_s``
+    (an outage runs beside the faults after it: its length is not counted). At least one, so a
+    soak always injects something."""
     plan, used = [], 0.0
     for fault in drawn:
         used += fault.gap_s + recovery_s

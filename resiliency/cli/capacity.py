@@ -118,6 +118,7 @@ def predicted_goodput(
     train_s: float | None = None,
     first_save_extra_s: float = 0.0,
     in_flight_s: float = 0.0,
+    mtbf_of_training: bool = False,
 ) -> float:
     """The goodput of saving every ``interval_s`` of training at a blocking cost ``save_s``
     each, with failures every ``mtbf_s`` of wall time (Young/Daly), and every cost a real run
@@ -129,9 +130,13 @@ def predicted_goodput(
 
     wall = S0 + T (1 + C/tau) + (wall / M) (R + C1 + tau/2 + W), so goodput = T / wall =
     (1 - (R + C1 + tau/2 + W) / M) / (1 + C/tau + S0/T). 0 where failures come faster than
-    recovery."""
+    recovery. With ``mtbf_of_training``, M counts training time (a fault every M seconds of
+    training, as a soak plans them): wall = S0 + T (1 + C/tau) + (T / M) (R + C1 + tau/2 + W),
+    so goodput = 1 / (1 + C/tau + S0/T + (R + C1 + tau/2 + W) / M)."""
     per_failure = restart_s + first_save_extra_s + interval_s / 2 + in_flight_s
     start = first_start_s / train_s if train_s else 0.0
+    if mtbf_of_training:
+        return 1.0 / (1.0 + save_s / interval_s + start + per_failure / mtbf_s)
     return max(0.0, 1.0 - per_failure / mtbf_s) / (1.0 + save_s / interval_s + start)
 
 

@@ -329,8 +329,10 @@ def recovery_times(
     detected = _first_after(events.detections, after, window[1])
     if detected is None:
         detected = _first_after(ends, fault_wall, float("inf"))
-    if detected is not None and source.endswith("(wall clock)"):
-        # Only the launcher saw this death: it cannot have seen it before it happened.
+    unmeasured = detected is not None and source.endswith("(wall clock)")
+    if unmeasured:
+        # Only the launcher saw this death: it cannot have seen it before it happened, and
+        # when it happened is known no better than that, so its detection is not measured.
         fault = min(fault, detected + offset)
         fault_wall = fault - offset
     torn_down = None
@@ -342,6 +344,7 @@ def recovery_times(
         None if torn_down is None else torn_down + offset,
         following,
         events.host,
+        detection_measured=not unmeasured,
     )
     rto["failure_at"] = round(fault_wall, 3)  # wall clock, as every other record time
     return rto

@@ -109,10 +109,13 @@ def recovery_ledger(
     torn_down: float | None,
     following: dict[str, Any],
     reader: dict[str, str],
+    detection_measured: bool = True,
 ) -> dict[str, Any]:
     """The phases from ``fault`` to the first step of ``following`` (the next attempt's
     record); ``detected``/``torn_down``: the launcher's moments on ``reader``'s clock. A
-    phase whose two ends were read from different hosts' clocks is None."""
+    phase whose two ends were read from different hosts' clocks is None; so is detection
+    when the fault's moment is known only as its detection (``detection_measured`` false:
+    listed in ``not_measured``, and the total counts from the detection)."""
     startup = following.get("startup_clock") or {}
     marks, rank0 = startup.get("marks", {}), clock_of(startup)
     launcher = clock_of(reader)
@@ -130,6 +133,8 @@ def recovery_ledger(
             absent.append(name)  # nothing restored: the phase took no time
             moment = previous
         seconds[f"{name}_s"] = _gap(previous, moment)
+        if name == "detection" and not detection_measured:
+            seconds["detection_s"] = None
         previous = moment
     done = marks.get("first_step")
     return {
@@ -140,6 +145,7 @@ def recovery_ledger(
         **seconds,
         "total_s": round(done - fault[0], 3) if done is not None and rank0 == fault[2] else None,
         "absent": absent,
+        "not_measured": [] if detection_measured else ["detection"],
         **({} if rank0 == launcher or not marks else {"cross_host": startup.get("host")}),
     }
 
@@ -181,6 +187,11 @@ def format_recovery(attempt: int, rto: dict[str, Any]) -> str:
         value = rto.get(f"{name}_s")
         shown = "       n/a" if value is None else f"{value:8.3f} s"
         none = "  (none)" if name in rto.get("absent", []) else ""
+        if name in rto.get("not_measured", []):
+            shown, none = (
+                "not measured",
+                "  (only the launcher saw the fault; the total counts from here)",
+            )
         lines.append(f"  {name:<14} {shown}{none}")
     lost = rto.get("work_lost") or {}
     if lost:

@@ -272,7 +272,7 @@ def test_a_full_disk_and_an_object_store_outage_from_outside_lose_nothing(
     out, prefix = tmp_path / "soak", f"soak-{uuid.uuid4().hex[:8]}"
     cmd = [
         sys.executable, "-m", "drill.soak", "--outside", "--kinds=full_disk,s3_outage",
-        f"--out={out}", "--steps=18", "--mtbf-steps=6", "--seed=7", *tiny_overrides,
+        f"--out={out}", "--steps=18", "--mtbf-steps=3", "--seed=9", *tiny_overrides,
         "checkpoint.save_interval=3", "checkpoint.async_save=true",
         f"checkpoint.remote.url={s3.url(prefix)}", "checkpoint.remote.follow_interval_s=1",
     ]  # fmt: skip

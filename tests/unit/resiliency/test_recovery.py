@@ -110,3 +110,29 @@ def test_a_fault_stamped_on_another_host_is_placed_by_its_wall_time() -> None:
     rto = recovery_times({}, failure, _following({}), events, (99.5, 200.0))
     assert rto["failure_at"] == 100.0  # node-b's stamp read with node-a's offset says 4100
     assert rto["detected_at_clock"] == 1100.4 and rto["fault_source"].startswith("the rank's")
+
+
+def test_a_death_only_the_launcher_saw_has_no_measured_detection() -> None:
+    from resiliency.monitor.postmortem import LauncherEvents, recovery_times
+
+    # No reaper, no failure record with a clock: the fault's moment is the launcher's
+    # detection (its log's wall stamp), so the detection phase is unknown, not 0.
+    events = LauncherEvents(clock_offset=0.0, host=HOST)
+    events.detections, events.joins = [100.5], [102.0]
+    failure = {"rank": 1, "time": 101.0, "source": "launcher log"}
+    rto = recovery_times({}, failure, _following(MARKS), events, (99.0, 200.0))
+    assert rto["detection_s"] is None and rto["not_measured"] == ["detection"]
+    assert rto["teardown_s"] == 1.5 and rto["total_s"] == 6.5  # from the detection at 100.5
+    shown = format_recovery(1, rto)
+    assert "detection      not measured  (only the launcher saw the fault" in shown
+    measured = recovery_ledger(
+        (100.0, "standby", "node-a/boot-1"), 100.5, 102.0, _following(MARKS), HOST
+    )
+    assert measured["not_measured"] == [] and "not measured" not in format_recovery(1, measured)
+
+
+def test_a_fault_rate_per_training_time_counts_the_recoveries_in_the_denominator() -> None:
+    # T = 3600 s of training, a fault every 3600 s of it: one fault, 110 s of recovery and lost
+    # work, saves 5 s every 100 s: wall = 3600 * 1.05 + 110, goodput = 3600 / wall.
+    got = predicted_goodput(100.0, 5.0, 60.0, 3600.0, train_s=3600.0, mtbf_of_training=True)
+    assert got == pytest.approx(3600 / (3600 * 1.05 + 110))
