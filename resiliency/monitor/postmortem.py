@@ -224,6 +224,9 @@ def _from_stack(dump: dict[str, Any]) -> dict[str, Any]:
         if waiting
         else f"hang in section {dump.get('section')} (step {dump.get('step')})"
     )
+    if blocked := dump.get("blocked_in"):  # the heartbeat's last look: the file it waits for
+        waited = float(dump.get("beat_at", blocked["since"])) - float(blocked["since"])
+        cause += f": blocked in {blocked['syscall']}({blocked['path']}) for {waited:.0f} s"
     return {
         "rank": dump["rank"],
         "time": dump["opened_at"],

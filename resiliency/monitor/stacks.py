@@ -7,6 +7,10 @@ of the section it is in; the main thread of a victim is inside ``torch.distribut
 culprit's is not. The dump is written by a C thread, so it works even while the main thread is
 stuck in C code, and before the rank monitor SIGKILLs the rank.
 
+Each beat also says which file the main thread is blocked on, if it has been in a file syscall
+since the beat before (``blocked_in``: syscall, path, since; resiliency/monitor/io_wait.py): a
+rank stuck on a hung mount is named with the path it waits for.
+
 A stopped rank (SIGSTOP, a frozen node) dumps nothing: every thread stops, the dump thread too.
 So each rank also keeps a liveness heartbeat: a thread stamps the file every ``BEAT_S`` with the
 time and the longest stall it saw between two beats. A stopped rank's beats end (or, if it is
@@ -28,9 +32,11 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from resiliency.monitor.io_wait import blocked_in
+
 STACKS_DIR = "stacks"  # below <run_dir>/attempts
-HEADER_BYTES = 1024
-ARM_BYTES = 864  # the arm header; the heartbeat slot is the rest of HEADER_BYTES
+HEADER_BYTES = 2048
+ARM_BYTES = 864  # the arm header; the heartbeat slot is the rest of HEADER_BYTES (a path fits)
 BEAT_S = 0.5
 DUMP_FRACTION = 0.9  # of the section timeout: dump before the monitor's SIGKILL
 COLLECTIVE_MARKERS = ("torch/distributed/", "torch\\distributed\\")
@@ -82,22 +88,35 @@ class StackWatchdog:
 
     def _beat(self) -> None:
         last, stall, stall_from = time.time(), 0.0, None
+        main = (os.getpid(), threading.main_thread().native_id or 0)
+        seen: dict[str, Any] | None = None  # the file syscall the main thread was in, since
         while not self._stop.wait(BEAT_S):
             now = time.time()
             if now - last - BEAT_S > stall:
                 stall, stall_from = now - last - BEAT_S, last
             last = now
+            blocked = blocked_in(*main)
+            if blocked is None:
+                seen = None
+            elif seen is None or {k: seen[k] for k in blocked} != blocked:
+                seen = {**blocked, "since": round(now - BEAT_S, 3)}  # at most one beat ago
             try:
-                self._write_beat(now, stall, stall_from)
+                # Named once it lasted a beat: a read that returns at once is not a wait.
+                self._write_beat(
+                    now, stall, stall_from, seen if seen and seen["since"] < now - BEAT_S else None
+                )
             except (OSError, ValueError):
                 return  # closed under us: the rank is exiting
 
-    def _write_beat(self, now: float, stall: float, stall_from: float | None) -> None:
+    def _write_beat(
+        self, now: float, stall: float, stall_from: float | None, blocked: dict | None = None
+    ) -> None:
         beat = {
             "beat_at": round(now, 3),
             "stall_s": round(stall, 3),
             "stall_from": stall_from and round(stall_from, 3),
             "progress_at": round(self.progress_at, 3),
+            **({"blocked_in": blocked} if blocked else {}),
         }
         os.pwrite(self.fd, _slot(beat, HEADER_BYTES - ARM_BYTES), ARM_BYTES)
 

@@ -76,8 +76,13 @@ def file_checksum(path: Path, algorithm: str = DEFAULT_ALGORITHM) -> str:
     buf = _buffer()
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            hasher.update(view[:n])
+        try:
+            while n := f.readinto(buf):
+                hasher.update(view[:n])
+        except OSError as exc:  # a read's error names no file: name it for whoever reports it
+            if exc.filename is None:
+                raise OSError(exc.errno, exc.strerror, str(path)) from exc
+            raise
     return hasher.hexdigest()
 
 
@@ -193,7 +198,9 @@ class _ChecksummingFile(ChecksummingStream):
     def __enter__(self) -> "_ChecksummingFile":
         return self
 
-    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: Any, *rest: Any) -> None:
+        if isinstance(exc, OSError) and exc.filename is None:
+            exc.filename = self._path  # a write's or an fsync's error names no file: this one
         self.close(report=exc_type is None)
 
 

@@ -1,0 +1,178 @@
+"""Storage that fails under the trainer, from the kernel's file system layer: the run dir on
+drill.faultfs (a FUSE passthrough whose calls on chosen paths fail or block), so the trainer's
+own reads and fsyncs meet EIO as a failing disk or a stale NFS handle would give it. Which
+calls failed is read from the file system's own record (hits.jsonl), not from the trainer.
+Skipped, saying why, where /dev/fuse, root or libfuse3 is missing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from pretrain.context import exit_codes
+from resiliency.storage.layout import RunLayout
+from tests.helpers import REPO, read_steps, run_pretrain
+
+pytestmark = pytest.mark.slow
+
+
+def _unusable() -> str | None:
+    if os.geteuid() != 0:
+        return "mounting a FUSE file system here needs root"
+    if not os.path.exists("/dev/fuse"):
+        return "no /dev/fuse on this host"
+    if shutil.which("fusermount3") is None:
+        return "no fusermount3 (apt install fuse3)"
+    try:
+        import mfusepy  # noqa: F401
+    except (ImportError, OSError) as exc:
+        return f"mfusepy cannot load libfuse3: {exc}"
+    return None
+
+
+@dataclass
+class FaultFS:
+    mount: Path
+    rules: Path
+    hits: Path
+
+    def set(self, *rules: dict) -> None:
+        tmp = self.rules.with_suffix(".tmp")
+        tmp.write_text(json.dumps(list(rules)))
+        tmp.replace(self.rules)
+
+    def landed(self) -> list[dict]:
+        if not self.hits.exists():
+            return []
+        return [json.loads(line) for line in self.hits.read_text().splitlines()]
+
+
+@pytest.fixture()
+def faultfs(tmp_path: Path) -> Iterator[FaultFS]:
+    if (why := _unusable()) is not None:
+        pytest.skip(why)
+    fs = FaultFS(tmp_path / "mnt", tmp_path / "rules.json", tmp_path / "hits.jsonl")
+    (tmp_path / "backing").mkdir()
+    fs.set()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "drill.faultfs", str(tmp_path / "backing"), str(fs.mount),
+         "--rules", str(fs.rules), "--hits", str(fs.hits)],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while not os.path.ismount(fs.mount):
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        assert time.monotonic() < deadline, "faultfs did not mount"
+        time.sleep(0.1)
+    try:
+        yield fs
+    finally:
+        fs.set()  # release anything blocked
+        subprocess.run(["fusermount3", "-u", "-z", str(fs.mount)], check=False)
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _base(tiny: list[str], fs: FaultFS, steps: int) -> list[str]:
+    return [*tiny, f"output_dir={fs.mount}", "run_id=run", f"train.train_steps={steps}",
+            "checkpoint.save_interval=2", "scheduler.decay_steps=8"]  # fmt: skip
+
+
+def test_a_shard_that_cannot_be_read_makes_the_restore_fall_back_a_step(
+    faultfs: FaultFS, tiny_overrides: list[str]
+) -> None:
+    """Every read of the newest step's model shards fails with EIO (the kernel's answer, to
+    the early read, the re-hash and the load alike): the restore names the file, falls back
+    to the step before, and the steps it trains again are the ones the first run trained,
+    bit for bit."""
+    first = run_pretrain(2, _base(tiny_overrides, faultfs, 6))
+    assert first.returncode == 0
+    layout = RunLayout(faultfs.mount, "run")
+    assert layout.published_steps()[-2:] == [4, 6]
+    before = {s: r["loss"] for s, r in read_steps(faultfs.mount / "run").items()}
+    faultfs.set({"op": "read", "path": "run/steps/step-000000006/model/*", "error": "EIO"})
+    again = run_pretrain(2, _base(tiny_overrides, faultfs, 8))
+    hits = [h for h in faultfs.landed() if h["error"] == "EIO"]
+    assert hits and all(h["op"] == "read" for h in hits), hits
+    named = {h["path"].rsplit("/", 1)[-1] for h in hits}
+    assert any(name in again.stderr for name in named), again.stderr[-4000:]
+    assert "resumed from step-000000004" in again.stderr, again.stderr[-4000:]
+    after = {s: r["loss"] for s, r in read_steps(faultfs.mount / "run").items()}
+    assert [after[i] for i in (5, 6)] == [before[i] for i in (5, 6)]
+    assert layout.published_steps()[-1] == 8
+
+
+def test_a_save_whose_fsync_fails_publishes_nothing_and_exits_10(
+    faultfs: FaultFS, tiny_overrides: list[str]
+) -> None:
+    """fsync of the step's files returns EIO from the first save on: the save never commits,
+    no step is published, and every rank exits 10 (CHECKPOINT_IO, not retried) naming the
+    file whose bytes may not be on disk."""
+    faultfs.set({"op": "fsync", "path": "run/steps/*", "error": "EIO"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node=2",
+         "-m", "pretrain", *_base(tiny_overrides, faultfs, 4)],
+        cwd=REPO, text=True, capture_output=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == exit_codes.CHECKPOINT_IO, proc.stderr[-4000:]
+    assert RunLayout(faultfs.mount, "run").published_steps() == []
+    fsyncs = [h for h in faultfs.landed() if h["op"] == "fsync"]
+    assert fsyncs, faultfs.landed()
+    named = {h["path"].rsplit("/", 1)[-1] for h in fsyncs}
+    errors = [line for line in proc.stderr.splitlines() if "Input/output error" in line]
+    assert any(name in line for line in errors for name in named), errors or proc.stderr[-4000:]
+
+
+SETUP_TIMEOUT_S = 12.0
+
+
+def test_a_rank_blocked_in_a_read_is_named_torn_down_and_the_relaunch_resumes(
+    faultfs: FaultFS, tiny_overrides: list[str]
+) -> None:
+    """Every read of the newest step's model shards blocks (a hung NFS server's answer to one
+    file): the restoring ranks hang in the read, the setup section's timeout catches it, the
+    attempt record names the rank and the file it was blocked on, ft_launcher tears the group
+    down (a process waiting on FUSE dies to SIGKILL) and restarts it; the storage answers
+    again and the restart restores that step."""
+    first = run_pretrain(2, _base(tiny_overrides, faultfs, 6))
+    assert first.returncode == 0
+    faultfs.set({"op": "read", "path": "run/steps/step-000000006/model/*", "error": "block"})
+    cmd = [sys.executable, "-m", "launch", "local", "--nproc=2", "--max-restarts=1",
+           *_base(tiny_overrides, faultfs, 8), "launch.backend=ft_launcher",
+           f"resiliency.ft.setup_timeout_s={SETUP_TIMEOUT_S:g}",
+           "resiliency.ft.check_interval_s=0.5", "checkpoint.prefetch=false"]  # fmt: skip
+    log = faultfs.mount.parent / "launch.log"
+    with log.open("w") as out:
+        job = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+        try:
+            deadline = time.monotonic() + 120
+            while "Worker group FAILED" not in log.read_text(errors="replace"):
+                assert job.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+                time.sleep(0.2)
+            faultfs.set()  # the storage answers again
+            code = job.wait(timeout=180)
+        finally:
+            faultfs.set()
+            if job.poll() is None:
+                job.kill()
+    text = log.read_text(errors="replace")
+    assert code == 0, text[-4000:]
+    blocks = [h for h in faultfs.landed() if h["error"] == "block"]
+    assert blocks, faultfs.landed()
+    record = json.loads((faultfs.mount / "run" / "attempts" / "attempt-02.json").read_text())
+    causes = json.dumps(record.get("failure") or record)
+    blocked = [h["path"].rsplit("/", 1)[-1] for h in blocks]
+    assert "blocked in" in causes and any(name in causes for name in blocked), causes[:3000]
+    assert "resumed from step-000000006" in text, text[-4000:]
+    assert RunLayout(faultfs.mount, "run").published_steps()[-1] == 8
