@@ -124,7 +124,14 @@ def worker(
 
 # ---------------------------------------------------------------- P1 + P2
 def bench_save(config: str, work: Path, data: str, reps: int, pairs: int) -> dict[str, Any]:
-    raw = worker("save", config, work, data, f"--reps={reps}", f"--pairs={pairs}")
+    return save_figures(worker("save", config, work, data, f"--reps={reps}", f"--pairs={pairs}"))
+
+
+def save_figures(raw: dict[str, Any]) -> dict[str, Any]:
+    """P1 and P2 from the save worker's measurements (bench/worker.py ``mode_save``): P1 the
+    save's bandwidth over the raw fsync'd write's, per pair (each pair writes the rank's bytes
+    on every one of the 2 ranks), a repetition the median of its pairs; P2 the async save's
+    blocked time over its bytes' memcpy time, goal blocked <= 2 x memcpy + 50 ms."""
     asyn = raw["async"]
     nbytes = raw["bytes"]
     sync = [pair for rep in raw["sync"] for pair in rep]
@@ -327,7 +334,7 @@ def bench_restore(config: str, work: Path, data: str, reps: int, pairs: int) -> 
     step_dir = max(RunDir(run_dir).steps_dir.glob("step-?????????"))
     files = [p for p in step_dir.rglob("*") if p.is_file()]
     nbytes = sum(p.stat().st_size for p in files)
-    samples = []
+    samples: list[dict[str, float]] = []
     for index in range(reps * pairs):
         sample: dict[str, float] = {}
         for which in ("fresh", "restore") if index % 2 == 0 else ("restore", "fresh"):
@@ -341,6 +348,13 @@ def bench_restore(config: str, work: Path, data: str, reps: int, pairs: int) -> 
             time.sleep(3.5)  # the killed run's lease goes stale (checkpoint.lease_timeout_s=3)
             sample.update(_time_to_training(config, work, data, run_dir))
         samples.append(sample)
+    return restore_figures(samples, nbytes, pairs)
+
+
+def restore_figures(samples: list[dict[str, float]], nbytes: int, pairs: int) -> dict[str, Any]:
+    """P3 from fresh/restore pairs: (restore's launch -> training resumes) - (fresh start's
+    launch -> training starts), over the checkpoint's cold read time; a repetition is the
+    median of ``pairs`` consecutive pairs. Goal <= 1.25."""
     # Restore ends when training resumes (the first step starts); the step itself is training
     # and is reported next to it.
     per_pair = [(s["resumed_s"] - s["fresh_s"]) / s["read_s"] for s in samples]
