@@ -97,6 +97,10 @@ def encode_items(encoder: Encoder, items: Iterable[Item], workers: int) -> Itera
     try:
         with multiprocessing.get_context("fork").Pool(workers, _worker_init) as pool:
             yield from _ordered(pool, iter(items), workers)
+            # Let the workers see the end and exit: the with-block's terminate() SIGTERMs them,
+            # and one killed holding the task queue's lock leaves its peers (and join) waiting.
+            pool.close()
+            pool.join()
     finally:
         _WORKER_ENCODER = None
 

@@ -3,11 +3,21 @@ any run starts and without touching --out."""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
 
 from drill.equivalence.cli import main
+
+
+@pytest.fixture(autouse=True)
+def keep_sigterm() -> object:
+    """main() installs its SIGTERM handler in this process: put the test runner's back, so a
+    process this worker forks later does not inherit it."""
+    before = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, before)
 
 
 @pytest.mark.parametrize(
