@@ -22,6 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from bench.s3_server import S3Server
 from drill.jobs import SLURM_TERMINAL as TERMINAL  # states after which a job never runs again
 from launch.__main__ import main as launch_main
 from launch.retry_policy import REQUEUE, STOP, decide, newest_attempt_exits
@@ -30,6 +31,7 @@ from pretrain.context.run_dir import RunDir, read_jsonl
 from resiliency.monitor.postmortem import LauncherEvents
 from resiliency.storage.layout import RunLayout, atomic_write_json
 from resiliency.storage.lease import RunLease
+from resiliency.storage.synthetic import write_synthetic_step
 from tests.ft_helpers import kill_node
 from tests.helpers import REPO, read_steps, run_pretrain
 
@@ -366,39 +368,70 @@ def _follow_uploads(script: str) -> str:
     return script[start : script.index("\n}\n", start) + 3]
 
 
-def test_the_batch_script_restarts_a_dead_uploader(stdlib_corpus: str, tmp_path: Path) -> None:
-    """The script's own loop, run by bash around a stand-in uploader that is SIGKILLed from
-    outside: restarted after a backoff; TERM stops loop and uploader; exit 6 is final."""
+def _uploaders(run_dir: Path) -> list[psutil.Process]:
+    """The live `resiliency upload --follow` processes serving ``run_dir``."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if "upload" in cmd and "--follow" in cmd and str(run_dir) in cmd:
+            found.append(proc)
+    return found
+
+
+def _wait_uploader(run_dir: Path, other_than: int | None = None) -> psutil.Process:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        live = [p for p in _uploaders(run_dir) if p.pid != other_than]
+        if live:
+            return live[0]
+        time.sleep(0.05)
+    raise AssertionError(f"no uploader for {run_dir}")
+
+
+def test_the_batch_script_restarts_a_dead_uploader(
+    stdlib_corpus: str, tmp_path: Path, s3: S3Server
+) -> None:
+    """The script's own loop, run by bash around the real uploader (`python -m resiliency
+    upload --follow` against the real S3 server): SIGKILLed from outside, restarted after a
+    backoff; TERM stops loop and uploader; when another job takes the run's lease, the
+    uploader exits 6 and the loop does not restart it."""
     overrides = [*_base(stdlib_corpus, tmp_path, "sup"), *LAYOUT_2x1,
                  "checkpoint.remote.url=s3://bucket/runs"]  # fmt: skip
     assert _dry_run(overrides) == 0
     loop = _follow_uploads(_script(tmp_path, "sup"))
-    starts = tmp_path / "starts"
-    fake = f"echo $$ >> {starts}; [ -e {tmp_path}/final ] && exit 6; exec sleep 60"
-    driver = f"{loop}\nUPLOAD=(bash -c '{fake}' uploader)\nFOLLOW_INTERVAL=1\nfollow_uploads\n"
-    proc = subprocess.Popen(["bash", "-c", driver], text=True, stdout=subprocess.PIPE)
-
-    def started() -> list[int]:
-        return [int(pid) for pid in starts.read_text().split()] if starts.exists() else []
-
-    def wait_for(count: int) -> list[int]:
-        deadline = time.monotonic() + 20
-        while len(started()) < count and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return started()
-
-    first = wait_for(1)[0]
-    os.kill(first, signal.SIGKILL)  # the uploader dies from outside
-    second = wait_for(2)[1]
+    layout = RunLayout(tmp_path / "served", "run")
+    for step in (2, 4):
+        write_synthetic_step(layout, step)
+    job = (  # a job that held the lease (generation 1) and died
+        "from resiliency.storage.layout import RunLayout\n"
+        "from resiliency.storage.lease import RunLease\n"
+        f"RunLease(RunLayout({str(layout.root)!r}, 'run'), 1, 60.0).acquire()\n"
+    )
+    subprocess.run([sys.executable, "-c", job], cwd=REPO, check=True, timeout=60)
+    upload = [sys.executable, "-m", "resiliency", "upload", str(layout.run_dir), "--to",
+              s3.url(f"sup-{os.getpid()}"), "--follow", "--interval", "0.5"]  # fmt: skip
+    driver = f"{loop}\nUPLOAD=({' '.join(upload)})\nFOLLOW_INTERVAL=1\nfollow_uploads\n"
+    env = {**os.environ, **s3.env, "AWS_ENDPOINT_URL": s3.endpoint_url}
+    proc = subprocess.Popen(["bash", "-c", driver], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    first = _wait_uploader(layout.run_dir)
+    first.kill()  # the uploader dies from outside
+    second = _wait_uploader(layout.run_dir, other_than=first.pid)
     proc.send_signal(signal.SIGTERM)  # the script stops it after srun
-    output, _ = proc.communicate(timeout=30)
+    output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0 and "uploader exited 137; restarting it in 1 s" in output, output
-    assert second != first and not os.path.exists(f"/proc/{second}")  # TERM reached it
-    (tmp_path / "final").touch()  # an uploader that exits 6: the run's lease moved
-    again = subprocess.run(["bash", "-c", driver], text=True, capture_output=True, timeout=30)
-    assert again.returncode == 0, again.stdout + again.stderr
-    assert "uploader exited 6 (the run's lease moved): not restarted" in again.stdout
-    assert len(started()) == 3
+    second.wait(timeout=30)  # TERM reached it
+    assert not _uploaders(layout.run_dir)
+
+    again = subprocess.Popen(["bash", "-c", driver], cwd=REPO, env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    _wait_uploader(layout.run_dir)
+    time.sleep(2)  # a pass or more: the uploader has seen generation 1
+    RunLease(layout, 2, 60.0).acquire()  # another job takes the run over
+    output, _ = again.communicate(timeout=60)
+    assert again.returncode == 0, output
+    assert "uploader exited 6 (the run's lease moved): not restarted" in output, output
+    assert not _uploaders(layout.run_dir)
 
 
 def test_render_gpus_container_and_ft_launcher(stdlib_corpus: str, tmp_path: Path) -> None:
