@@ -530,8 +530,14 @@ class Checkpointer:
             # A peer lost in the save's collectives (it was killed, or hung and torn down):
             # not a storage problem, and retried like any other lost peer.
             raise exc
+        hidden = ""
+        if "iostream error" in str(exc):  # torch's C++ zip writer drops the OS error
+            hidden = (
+                " (torch's file writer does not say which OS error: a full file system or "
+                "quota, or an I/O error of the storage)"
+            )
         raise CheckpointSaveError(
-            f"checkpoint save into {tmp} failed: {exc}. {space} The tmp dir was "
+            f"checkpoint save into {tmp} failed: {exc}{hidden}. {space} The tmp dir was "
             f"removed; earlier published steps in {self.layout.steps_dir} are untouched."
         ) from exc
 

@@ -133,6 +133,51 @@ def test_a_save_whose_fsync_fails_publishes_nothing_and_exits_10(
     assert any(name in line for line in errors for name in named), errors or proc.stderr[-4000:]
 
 
+@pytest.mark.parametrize(
+    "rule",
+    [
+        {"op": "readdir", "path": "run/steps/step-000000006/model", "error": "ESTALE"},
+        {"op": "getattr", "path": "run/steps/step-000000006/model/*.distcp", "error": "ESTALE"},
+    ],
+    ids=["listing", "stat"],
+)
+def test_a_stale_handle_on_the_newest_step_makes_the_restore_fall_back(
+    faultfs: FaultFS, tiny_overrides: list[str], rule: dict
+) -> None:
+    """ESTALE (an NFS server that lost the file handle) on listing the newest step's model dir
+    or on stat of its shards: the restore names the step and falls back to the previous one."""
+    run_pretrain(2, _base(tiny_overrides, faultfs, 6))
+    faultfs.set(rule)
+    again = run_pretrain(2, _base(tiny_overrides, faultfs, 8))
+    assert any(h["error"] == "ESTALE" for h in faultfs.landed()), faultfs.landed()
+    assert "skipped step-000000006" in again.stderr and "ESTALE" in again.stderr, again.stderr[
+        -3000:
+    ]
+    assert "resumed from step-000000004" in again.stderr, again.stderr[-3000:]
+
+
+def test_a_full_file_system_during_a_save_publishes_nothing_and_exits_10(
+    faultfs: FaultFS, tiny_overrides: list[str]
+) -> None:
+    """ENOSPC on every write into a step being saved (the file system filled up): nothing is
+    published and the run exits 10, not retried, saying what the writer could not name."""
+    faultfs.set({"op": "write", "path": "run/steps/*", "error": "ENOSPC"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node=2",
+         "-m", "pretrain", *_base(tiny_overrides, faultfs, 4)],
+        cwd=REPO, text=True, capture_output=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == exit_codes.CHECKPOINT_IO, proc.stderr[-4000:]
+    assert RunLayout(faultfs.mount, "run").published_steps() == []
+    assert any(h["error"] == "ENOSPC" for h in faultfs.landed())
+    # torch's C++ writer reports no errno ("iostream error"): the message says what it may be
+    # and how full the file system is.
+    saved = [line for line in proc.stderr.splitlines() if "CheckpointSaveError" in line]
+    assert saved and "a full file system or quota" in saved[0], proc.stderr[-4000:]
+    assert "Filesystem of" in saved[0] and "MiB free" in saved[0]
+
+
 SETUP_TIMEOUT_S = 20.0  # the restart restores within it, on a loaded 2-core CI machine too
 
 
