@@ -243,7 +243,7 @@ def _assemble(
     whole = {}
     for key, parts in pieces.items():
         start, end, numel, first = parts[0]
-        if first.numel() != end - start:  # a scalar per range: one value for all
+        if key.endswith("/step") or first.numel() != end - start:  # one value per range
             whole[key] = first
             for *_, other in parts[1:]:
                 if _compare_tensor(first, other, 0.0):
