@@ -144,6 +144,7 @@ class CheckpointConfig:
     # gradients, schedule, RNG streams, data cursor) to <dump_state_dir>/step-<N>/rank-<R>.pt.
     # Empty: never.
     dump_state_at: list[int] = field(default_factory=list)
+    # Where checkpoint.dump_state_at writes (a directory per run compared; needed with it).
     dump_state_dir: Optional[str] = None
     local: LocalCheckpointConfig = field(default_factory=LocalCheckpointConfig)
     remote: RemoteCheckpointConfig = field(default_factory=RemoteCheckpointConfig)
