@@ -332,12 +332,13 @@ def recovery_times(
     detected = _first_after(events.detections, after, window[1])
     if detected is None:
         detected = _first_after(ends, fault_wall, float("inf"))
-    unmeasured = detected is not None and source.endswith("(wall clock)")
-    if unmeasured:
-        # Only the launcher saw this death: it cannot have seen it before it happened, and
-        # when it happened is known no better than that, so its detection is not measured.
+    if detected is not None and source.endswith("(wall clock)"):
+        # Only the launcher saw this death: it cannot have seen it before it happened.
         fault = min(fault, detected + offset)
         fault_wall = fault - offset
+    # The fault's moment is the launcher's own report of it (no reaper, no record of the
+    # rank's): it is the detection, so how long detection took is not measured.
+    unmeasured = detected is not None and first.get("source") == "launcher"
     torn_down = None
     if detected is not None:
         torn_down = _first_after(events.joins + ends, detected, float("inf"))

@@ -119,12 +119,16 @@ def test_a_death_only_the_launcher_saw_has_no_measured_detection() -> None:
     # detection (its log's wall stamp), so the detection phase is unknown, not 0.
     events = LauncherEvents(clock_offset=0.0, host=HOST)
     events.detections, events.joins = [100.5], [102.0]
-    failure = {"rank": 1, "time": 101.0, "source": "launcher log"}
+    failure = {"rank": 1, "time": 101.0, "source": "launcher"}
     rto = recovery_times({}, failure, _following(MARKS), events, (99.0, 200.0))
     assert rto["detection_s"] is None and rto["not_measured"] == ["detection"]
     assert rto["teardown_s"] == 1.5 and rto["total_s"] == 6.5  # from the detection at 100.5
     shown = format_recovery(1, rto)
     assert "detection      not measured  (only the launcher saw the fault" in shown
+    # A hang's moment comes from the rank's own beats (wall clock): detection is measured.
+    hang = {"rank": 1, "time": 99.5, "source": "heartbeat"}
+    rto = recovery_times({}, hang, _following(MARKS), events, (99.0, 200.0))
+    assert rto["detection_s"] == 1.0 and rto["not_measured"] == []
     measured = recovery_ledger(
         (100.0, "standby", "node-a/boot-1"), 100.5, 102.0, _following(MARKS), HOST
     )
