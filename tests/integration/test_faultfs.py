@@ -87,6 +87,16 @@ def _base(tiny: list[str], fs: FaultFS, steps: int) -> list[str]:
             "checkpoint.save_interval=2", "scheduler.decay_steps=8"]  # fmt: skip
 
 
+def _torchrun(overrides: list[str]) -> subprocess.CompletedProcess[str]:
+    """2 ranks under `python -m launch.torchrun`: its status is the first failing rank's code."""
+    return subprocess.run(
+        [sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node=2",
+         "-m", "pretrain", *overrides],
+        cwd=REPO, text=True, capture_output=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+
+
 def test_a_shard_that_cannot_be_read_makes_the_restore_fall_back_a_step(
     faultfs: FaultFS, tiny_overrides: list[str]
 ) -> None:
@@ -118,12 +128,7 @@ def test_a_save_whose_fsync_fails_publishes_nothing_and_exits_10(
     no step is published, and every rank exits 10 (CHECKPOINT_IO, not retried) naming the
     file whose bytes may not be on disk."""
     faultfs.set({"op": "fsync", "path": "run/steps/*", "error": "EIO"})
-    proc = subprocess.run(
-        [sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node=2",
-         "-m", "pretrain", *_base(tiny_overrides, faultfs, 4)],
-        cwd=REPO, text=True, capture_output=True, timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    proc = _torchrun(_base(tiny_overrides, faultfs, 4))
     assert proc.returncode == exit_codes.CHECKPOINT_IO, proc.stderr[-4000:]
     assert RunLayout(faultfs.mount, "run").published_steps() == []
     fsyncs = [h for h in faultfs.landed() if h["op"] == "fsync"]
@@ -162,12 +167,7 @@ def test_a_full_file_system_during_a_save_publishes_nothing_and_exits_10(
     """ENOSPC on every write into a step being saved (the file system filled up): nothing is
     published and the run exits 10, not retried, saying what the writer could not name."""
     faultfs.set({"op": "write", "path": "run/steps/*", "error": "ENOSPC"})
-    proc = subprocess.run(
-        [sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node=2",
-         "-m", "pretrain", *_base(tiny_overrides, faultfs, 4)],
-        cwd=REPO, text=True, capture_output=True, timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    proc = _torchrun(_base(tiny_overrides, faultfs, 4))
     assert proc.returncode == exit_codes.CHECKPOINT_IO, proc.stderr[-4000:]
     assert RunLayout(faultfs.mount, "run").published_steps() == []
     assert any(h["error"] == "ENOSPC" for h in faultfs.landed())
