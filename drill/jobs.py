@@ -6,6 +6,7 @@ leave helper processes holding a pipe open, and reading it would block forever).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -123,6 +124,11 @@ class LocalLauncher:
             log.error("launch exceeded %.0f s: killing its process group", self.timeout_s)
             os.killpg(proc.pid, signal.SIGKILL)
             return proc.wait()
+        except BaseException:  # Ctrl-C or SIGTERM of the caller: the job (its own session) too
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
 
 
 @dataclass

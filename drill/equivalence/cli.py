@@ -1,6 +1,7 @@
 """``python -m drill.equivalence [options] [key=value ...]``: is a resumed run the run that was
 saved? Exit 0: the whole state is equal (and every control was caught); 1: a difference (the
-first one named) or a control not caught; 2: bad arguments or a run that did not go as planned.
+first one named) or a control not caught; 2: bad arguments or a run that did not go as planned;
+130: Ctrl-C (the job is stopped with it).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from drill.equivalence.gate import GateConfig, GateResult, run_gate
 from drill.jobs import DrillError
+from pretrain.context import exit_codes
 from resiliency.checkpoint.equivalence.compare import DumpError
 from resiliency.cli import configure_cli_logging
 from resiliency.cli.base import EXIT_BAD, EXIT_OK, EXIT_USAGE
@@ -63,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     except (DrillError, DumpError) as exc:
         print(f"equivalence: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"equivalence: interrupted; the job was stopped (runs and logs in {args.out})",
+              file=sys.stderr)  # fmt: skip
+        return exit_codes.INTERRUPTED
     _print(result, cfg)
     return EXIT_OK if result.passed else EXIT_BAD
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from drill.equivalence.controls import CONTROLS, Control
 from drill.jobs import DrillError, LaunchResult, LaunchSpec, LocalLauncher
+from recipes import ConfigError, load_config
 from resiliency.checkpoint.equivalence.compare import Verdict, compare_runs
 from resiliency.storage.layout import RunLayout
 
@@ -104,8 +105,12 @@ def _fault(entries: list[str]) -> str:
 def run_gate(cfg: GateConfig) -> GateResult:
     if cfg.out.exists() and any(cfg.out.iterdir()):
         raise DrillError(f"--out {cfg.out} is not empty: give a new directory")
-    cfg.out.mkdir(parents=True, exist_ok=True)
     k, runs = cfg.step, cfg.out / "runs"
+    try:  # a typo is one line before any rank starts
+        load_config(_base(cfg, runs, cfg.out / "dumps" / "reference"))
+    except ConfigError as exc:
+        raise DrillError(f"bad recipe overrides: {exc}") from None
+    cfg.out.mkdir(parents=True, exist_ok=True)
     reference = _launch(cfg, cfg.nproc, "reference", runs, [_fault([f"kill@{k + 2}"])])
     published = RunLayout(runs, RUN_ID).published_steps()
     if reference.returncode == 0 or published != [k]:

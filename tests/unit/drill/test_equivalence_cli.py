@@ -27,6 +27,8 @@ def keep_sigterm() -> object:
         (["run_id=x", "output_dir=/tmp/y"], "the gate sets output_dir, run_id itself"),
         (["--step", "0"], "the restored step must be >= 1"),
         (["--resume-nproc", "0"], "--nproc and --resume-nproc must be >= 1"),
+        (["recipe=gpt_tny"], "bad recipe overrides"),
+        (["recipe=gpt_tiny", "train.micro_batch_sise=2"], "bad recipe overrides"),
     ],
 )
 def test_bad_arguments_exit_2_in_one_line(
