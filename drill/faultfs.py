@@ -300,6 +300,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ImportError, OSError) as exc:  # no wheel, or no libfuse on this host
         print(f"faultfs: {exc}; install mfusepy and libfuse3 (apt install fuse3)", file=sys.stderr)
         return 2
+    if args.rules.exists():  # a typo in a rule is one line now, not a warning per call later
+        try:
+            load_rules(args.rules.read_text())
+        except (ValueError, KeyError, TypeError) as exc:
+            print(f"faultfs: {args.rules}: {exc!r}", file=sys.stderr)
+            return 2
     args.mountpoint.mkdir(parents=True, exist_ok=True)
     faults = Faults(args.rules, args.hits)
     # Threads: a blocked call must not hold up the others (a hung NFS server hangs what asks
@@ -310,9 +316,12 @@ def main(argv: list[str] | None = None) -> int:
     # installs its handler only when the option is set before mounting, and mfusepy sets it
     # later: without a handler the signal would end this process.
     signal.signal(signal.SIGUSR1, lambda signum, frame: None)
-    mfusepy.FUSE(operations(args.backing, faults, args.direct_io), str(args.mountpoint),
-                 raw_fi=True, foreground=True, nothreads=False, allow_other=True,
-                 default_permissions=True, intr=True)  # fmt: skip
+    try:
+        mfusepy.FUSE(operations(args.backing, faults, args.direct_io), str(args.mountpoint),
+                     raw_fi=True, foreground=True, nothreads=False, allow_other=True,
+                     default_permissions=True, intr=True)  # fmt: skip
+    except RuntimeError as exc:  # libfuse's loop ended on a signal (Ctrl-C, SIGTERM): unmounted
+        print(f"faultfs: {args.mountpoint} unmounted (libfuse returned {exc})", file=sys.stderr)
     return 0
 
 
