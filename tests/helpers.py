@@ -9,6 +9,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import psutil
+
 from resiliency.storage.checksum import describe_files
 from resiliency.storage.manifest import Manifest, manifest_checksum, read_manifest
 
@@ -101,3 +103,13 @@ def recommit_file(step_dir: Path, rel: str) -> None:
     entries[rel] = describe_files(step_dir, [rel])[0]
     manifest.files = sorted(entries.values(), key=lambda e: e.path)
     raw_commit(step_dir, manifest)
+
+
+def follow_uploaders(run_dir: Path) -> list[psutil.Process]:
+    """The live `resiliency upload --follow` processes serving ``run_dir`` (by command line)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if "upload" in cmd and "--follow" in cmd and str(run_dir) in cmd:
+            found.append(proc)
+    return found

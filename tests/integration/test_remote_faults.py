@@ -14,7 +14,6 @@ import time
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
 
 from bench.s3_server import S3Server
@@ -33,7 +32,7 @@ from resiliency.storage.remote import (
     verify_remote_step,
 )
 from resiliency.storage.synthetic import write_random_step, write_synthetic_step
-from tests.helpers import REPO, losses, run_pretrain
+from tests.helpers import REPO, follow_uploaders, losses, run_pretrain
 
 MIB = 1 << 20
 
@@ -126,15 +125,6 @@ def _launch(overrides: list[str], env: dict[str, str], timeout: float = 300) -> 
                             stderr=subprocess.STDOUT)  # fmt: skip
 
 
-def _follower(run_dir: Path) -> psutil.Process | None:
-    """The job's live `resiliency upload --follow` process, found by its command line."""
-    for proc in psutil.process_iter(["cmdline"]):
-        cmd = proc.info["cmdline"] or []
-        if "upload" in cmd and "--follow" in cmd and str(run_dir) in cmd:
-            return proc
-    return None
-
-
 # The uploader's retry backoff cap (resiliency/storage/object_retry.py, max_delay_s): after an
 # outage its next try comes at most this long after the store answers again.
 BACKOFF_CAP_S = 15.0
@@ -187,12 +177,12 @@ def test_launch_local_uploads_each_step_and_rides_out_an_outage(
         owed = [s for s, t in published.items() if t <= now - interval]
         caught_up = max(committed, default=0) >= max(owed, default=0)
         if len(outage) == 2 and killed is None and caught_up and now - outage[1] > 1:
-            follower = _follower(layout.run_dir)
+            follower = next(iter(follow_uploaders(layout.run_dir)), None)
             if follower is not None:
                 follower.kill()  # from outside, as an OOM killer or an operator would
                 killed = (now, follower.pid)
         if killed is not None and restarted is None:
-            follower = _follower(layout.run_dir)
+            follower = next(iter(follow_uploaders(layout.run_dir)), None)
             restarted = follower.pid if follower is not None and follower.pid != killed[1] else None
         time.sleep(0.1)
     proxy.set_mode("pass")

@@ -33,7 +33,7 @@ from resiliency.storage.layout import RunLayout, atomic_write_json
 from resiliency.storage.lease import RunLease
 from resiliency.storage.synthetic import write_synthetic_step
 from tests.ft_helpers import kill_node
-from tests.helpers import REPO, read_steps, run_pretrain
+from tests.helpers import REPO, follow_uploaders, read_steps, run_pretrain
 
 SLURM_DIR = REPO / "tests" / "slurm"
 BIN = Path(sys.executable).parent
@@ -368,20 +368,10 @@ def _follow_uploads(script: str) -> str:
     return script[start : script.index("\n}\n", start) + 3]
 
 
-def _uploaders(run_dir: Path) -> list[psutil.Process]:
-    """The live `resiliency upload --follow` processes serving ``run_dir``."""
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        cmd = proc.info["cmdline"] or []
-        if "upload" in cmd and "--follow" in cmd and str(run_dir) in cmd:
-            found.append(proc)
-    return found
-
-
 def _wait_uploader(run_dir: Path, other_than: int | None = None) -> psutil.Process:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        live = [p for p in _uploaders(run_dir) if p.pid != other_than]
+        live = [p for p in follow_uploaders(run_dir) if p.pid != other_than]
         if live:
             return live[0]
         time.sleep(0.05)
@@ -421,7 +411,7 @@ def test_the_batch_script_restarts_a_dead_uploader(
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0 and "uploader exited 137; restarting it in 1 s" in output, output
     second.wait(timeout=30)  # TERM reached it
-    assert not _uploaders(layout.run_dir)
+    assert not follow_uploaders(layout.run_dir)
 
     again = subprocess.Popen(["bash", "-c", driver], cwd=REPO, env=env, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
@@ -431,7 +421,7 @@ def test_the_batch_script_restarts_a_dead_uploader(
     output, _ = again.communicate(timeout=60)
     assert again.returncode == 0, output
     assert "uploader exited 6 (the run's lease moved): not restarted" in output, output
-    assert not _uploaders(layout.run_dir)
+    assert not follow_uploaders(layout.run_dir)
 
 
 def test_render_gpus_container_and_ft_launcher(stdlib_corpus: str, tmp_path: Path) -> None:

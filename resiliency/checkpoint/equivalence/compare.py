@@ -195,14 +195,10 @@ def _compare_dp_change(
         ref_ranks = _ranks_at(ref, coord)
         res_ranks = _ranks_at(res, coord)
         where = f"tp,pp rank {coord[0]},{coord[1]}"
-        base = ref[ref_ranks[0]]
+        base_values, base_model = _per_rank_parts(ref[ref_ranks[0]])
         for rank in res_ranks:
-            dump = res[rank]
-            values = {k: v for k, v in dump["values"].items() if k != "data/next_batch"}
-            base_values = {k: v for k, v in base["values"].items() if k != "data/next_batch"}
+            values, model = _per_rank_parts(res[rank])
             _compare_maps(verdict, step, f"rank {rank}", base_values, values, _compare_value, rtol)
-            model = {k: v for k, v in dump["tensors"].items() if k.startswith("model/")}
-            base_model = {k: v for k, v in base["tensors"].items() if k.startswith("model/")}
             _compare_maps(verdict, step, f"rank {rank}", base_model, model, _compare_tensor, rtol)
         whole_ref = _assemble(verdict, step, where, [ref[r] for r in ref_ranks], with_grads)
         whole_res = _assemble(verdict, step, where, [res[r] for r in res_ranks], with_grads)
@@ -216,6 +212,14 @@ def _compare_dp_change(
                 step, "all ranks", "data/next_batch", "the next global batch's samples differ"
             )
         )
+
+
+def _per_rank_parts(dump: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A dump's values (but its next batch, compared whole) and its model tensors: what every
+    replica of a model-parallel coordinate holds in full."""
+    values = {k: v for k, v in dump["values"].items() if k != "data/next_batch"}
+    model = {k: v for k, v in dump["tensors"].items() if k.startswith("model/")}
+    return values, model
 
 
 def _ranks_at(dumps: dict[int, Any], coord: tuple[int, ...]) -> list[int]:

@@ -45,6 +45,8 @@ def _as_bytes(obj: Any) -> torch.Tensor:
 
 
 def _rng_tensors(device: str) -> dict[str, torch.Tensor]:
+    # Read here, not through pretrain/platform/rng.py's capture_rng: that is what the checkpoint
+    # saves, so a stream it forgets would be missing from both sides of the comparison too.
     # megatron-core: imported after the CPU shim is applied (pretrain/platform/distributed.py)
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
@@ -123,11 +125,8 @@ def _positional(
 
 def _scalars(prefix: str, mapping: dict[str, Any]) -> dict[str, Any]:
     """Plain values (a group's tensors, its params, are the optimizer/* tensors' business)."""
-    return {
-        f"{prefix}/{key}": _plain(value)
-        for key, value in sorted(mapping.items())
-        if key != "params" and _plain(value) is not _SKIP
-    }
+    plain = {key: _plain(value) for key, value in sorted(mapping.items()) if key != "params"}
+    return {f"{prefix}/{key}": value for key, value in plain.items() if value is not _SKIP}
 
 
 _SKIP = object()
