@@ -16,6 +16,7 @@ import atexit
 import multiprocessing as mp
 import os
 import queue
+import signal
 from typing import Any
 
 from megatron.core.dist_checkpointing.strategies.async_utils import (
@@ -26,7 +27,7 @@ from megatron.core.dist_checkpointing.strategies.async_utils import (
 
 from pretrain.context import exit_codes
 from pretrain.context.failures import ClassifiedError
-from resiliency.checkpoint.write.writer_process import writer_main
+from resiliency.checkpoint.write.writer_process import WRITER_IGNORES, writer_main
 
 POLL_S = 0.05
 
@@ -61,7 +62,16 @@ class SpawnedWriter(AsyncCaller):
             name="checkpoint-writer",
             args=(self._requests, self._done, self._checksum_queue, os.getpid()),
         )
-        self.process.start()
+        # The writer ignores these signals (writer_process.die_with_parent), but only once its
+        # start-up imports are done: a Ctrl-C or Slurm's SIGTERM in those seconds killed it
+        # mid-import, failing the emergency save. Blocked here, they stay blocked across the
+        # spawn until the writer ignores them (CPython's resource_tracker does the same); the
+        # rank's own copies are delivered when its mask is restored.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, WRITER_IGNORES)
+        try:
+            self.process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         # A rank leaving on an error must not wait for (or keep) its writer; normal exits
         # close the queue first, which waits for the last save.
         atexit.register(self.close, abort=True)

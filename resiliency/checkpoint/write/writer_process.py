@@ -16,6 +16,9 @@ from pretrain.context.process_names import WRITER, name_this_process
 from pretrain.platform.compat import lean_writer_imports
 
 WRITER_NICE = 19
+# Signals that are the rank's to answer: Slurm sends SIGTERM/SIGUSR1 to every process of a
+# step, torchrun SIGINT to the rank's whole session on a Ctrl-C.
+WRITER_IGNORES = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 def die_with_parent(parent: int | None = None) -> None:
@@ -28,11 +31,12 @@ def die_with_parent(parent: int | None = None) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     if parent is not None and os.getppid() != parent:
         os._exit(0)
-    # Slurm signals every process of a step, torchrun the rank's whole session on a Ctrl-C:
-    # outlive the rank's emergency save (the rank stops the writer when it is done).
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Outlive the rank's emergency save (the rank stops the writer when it is done). The
+    # spawning rank blocked these until now; once ignored, any that came while blocked are
+    # discarded on unblocking.
+    for sig in WRITER_IGNORES:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, WRITER_IGNORES)
 
 
 def writer_main(requests: Any, done: Any, checksum_queue: Any, parent: int) -> None:
