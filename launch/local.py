@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import logging
 import os
+import select
 import shlex
 import shutil
 import signal
@@ -36,7 +37,6 @@ import threading
 import time
 from pathlib import Path
 from types import FrameType
-from typing import IO
 
 import psutil
 
@@ -60,6 +60,7 @@ from launch.elastic import (
     nodes_it_may_lose,
     workers_stop_timeout_s,
 )
+from launch.kept_log import KeptLog, open_kept_log
 from launch.processes import rank_workers
 from launch.retry_policy import (
     STOP,
@@ -70,19 +71,21 @@ from launch.retry_policy import (
     read_outcome,
 )
 from launch.standby.launch import Standby, standby_env
+from launch.stuck_node import KILL_GRACE_S, POLL_S, NodeVerdict, StuckWatch, spool_record
 from pretrain.context import exit_codes, interrupts
 from pretrain.context.run_dir import RunDir
 from pretrain.context.startup_clock import host_clock
 from recipes import ConfigError
+from recipes.inputs import check_inputs
 from recipes.load import override_key, started_from
 from resiliency.monitor.fault_tolerance import write_launcher_config
 from resiliency.monitor.health import describe, preflight
 from resiliency.monitor.postmortem import LauncherEvents, finalize_attempts, read_record
+from resiliency.monitor.storage_probe import storage_hung
 from resiliency.storage.attempts import recorded_attempts
 from resiliency.storage.layout import RunLayout
 
 log = logging.getLogger(__name__)
-LOG_NAME = "launch-local.log"
 # Forwarded to the launcher (its own process group): SIGHUP and SIGQUIT too, which a terminal
 # sends its foreground group and torch elastic answers by stopping its workers.
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -93,7 +96,10 @@ SECOND_PRESS_S = 1.5 * interrupts.SAME_PRESS_S
 STOP_SLACK_S = 30.0
 # Exits after which the same launch continues the run from its newest verified step.
 RESUMABLE = frozenset({exit_codes.INTERRUPTED, exit_codes.REQUEUE, exit_codes.INFRASTRUCTURE,
-                       exit_codes.RETRY_BUDGET_EXHAUSTED})  # fmt: skip
+                       exit_codes.RETRY_BUDGET_EXHAUSTED, exit_codes.NODE_UNHEALTHY})  # fmt: skip
+# After a failure, what the launcher gets to stop the failed ranks before launch local looks:
+# its SIGTERM -> SIGKILL grace plus a few of its monitor intervals.
+STOP_DEADLINE_SLACK_S = 20.0
 # The launcher stops with this process (util-linux's setpriv: no preexec_fn in a process with
 # threads): SIGTERM, so a SIGKILL of this one still stops the ranks (emergency save, exit 75)
 # instead of leaving them training as orphans in their own sessions. Where setpriv is missing
@@ -120,7 +126,17 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.nproc is not None:
         overrides = [*overrides, f"launch.nproc_per_node={args.nproc}"]
     try:
-        plan = _checked_plan(overrides)
+        plan = plan_launch(overrides, check_files=False)
+    except Refusal as exc:
+        return refused_code(exc)
+    # Before anything reads the run dir: on a hung mount that read would never return.
+    if (
+        hung := storage_hung(plan.run_dir, plan.run.resiliency.health.storage_timeout_s)
+    ) is not None:
+        log.error("launch local: %s; nothing was started: drain this node, or fix the mount", hung)
+        return exit_codes.NODE_UNHEALTHY
+    try:
+        plan = _checked_plan(plan)
     except Refusal as exc:
         return refused_code(exc)
     # Only now, every check passed: a refused launch leaves the run dir byte-identical.
@@ -129,10 +145,11 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     return LocalSupervisor(plan, config, budget).run()
 
 
-def _checked_plan(overrides: list[str]) -> LaunchPlan:
-    """Every check the launcher makes before it writes anything: the config and the layout,
-    elastic's limits, a live owner of the run dir, the object store."""
-    plan = plan_launch(overrides)
+def _checked_plan(plan: LaunchPlan) -> LaunchPlan:
+    """Every check the launcher makes before it writes anything, after the config and the
+    layout: the inputs and the output dir, elastic's limits, a live owner of the run dir,
+    the object store."""
+    check_inputs(plan.run)
     if plan.run.parallel.elastic:
         if plan.device == "cuda":
             raise ConfigError(
@@ -219,12 +236,19 @@ class Uploader:
             self.restarts += 1
             self._spawn()
 
-    def finish(self) -> bool:
-        """Stop the follower, run the final pass; True when the remote tier caught up."""
+    def finish(self, final_pass: bool = True) -> bool:
+        """Stop the follower, run the final pass; True when the remote tier caught up.
+        ``final_pass=False``: the run dir does not answer; the follower is killed and nothing
+        waits on it (the object store keeps what it had sent)."""
         if self.follow is None:
             return True
         self.stopping.set()
         self.watcher.join(timeout=5)
+        if not final_pass:
+            if self.proc is not None:
+                self.proc.kill()
+            log.error("launch local: no final upload: the run dir does not answer")
+            return False
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()  # finishes the object in flight; the final pass does the rest
             try:
@@ -249,7 +273,9 @@ class LocalSupervisor:
         self.events = LauncherEvents()
         self.signal: int | None = None
         self.interrupted_at: float | None = None  # the first Ctrl-C (SIGINT), monotonic
-        self.child: subprocess.Popen[str] | None = None
+        self.child: subprocess.Popen[bytes] | None = None
+        self.verdict: NodeVerdict | None = None  # this node was given up on (launch/stuck_node.py)
+        self.pump_stop = threading.Event()
         self.nodes: ElasticNodes | None = None  # parallel.elastic: the launchers acting as nodes
         self.keep_lock = threading.Lock()
         run = plan.run
@@ -268,7 +294,8 @@ class LocalSupervisor:
         finally:
             if standby is not None:
                 standby.stop()
-            caught_up = uploader.finish()
+            # After a verdict the run dir does not answer (or may not): no final pass.
+            caught_up = uploader.finish(final_pass=self.verdict is None)
         if code == exit_codes.OK and not caught_up:
             return exit_codes.REMOTE_BEHIND
         if code in RESUMABLE:  # the last line: what continues this run from its newest step
@@ -281,11 +308,15 @@ class LocalSupervisor:
         try:
             while self.signal is None:
                 used = self._restarts_used(before)
+                if self.events.launches and self._storage_hung():
+                    return self._give_up_node(before)
                 if not self._healthy(len(self.events.launches)):
                     return exit_codes.INFRASTRUCTURE
                 if self.signal is not None:  # came during the health check: nothing started
                     break
                 code = self._launch(max(0, self.max_restarts - used))
+                if self.verdict is not None:
+                    return self._give_up_node(before)
                 if code == exit_codes.OK and not self._attempts(before):
                     # Runs without checkpoints keep no attempt records: nothing to decide.
                     log.info("launch local: finished (no attempt record: checkpoints are off)")
@@ -303,6 +334,46 @@ class LocalSupervisor:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _storage_hung(self) -> bool:
+        """Before a relaunch: does the run dir's storage answer at all (every check after
+        this one reads it)?"""
+        hung = storage_hung(self.plan.run_dir, self.plan.run.resiliency.health.storage_timeout_s)
+        if hung is not None:
+            self.verdict = NodeVerdict(hung, [], time.time())
+        return hung is not None
+
+    def _give_up_node(self, before: int) -> int:
+        """The verdict said, nothing written to the run dir; its record follows when the
+        storage answers (a detached recorder, launch/stuck_node.py)."""
+        assert self.verdict is not None
+        for line in self.verdict.lines():
+            log.error("launch local: %s", line)
+        spool = spool_record(self.plan.run_dir, before, self.events, self.tokens_per_step,
+                             self.verdict)  # fmt: skip
+        log.error("launch local: this node cannot go on (exit %d): drain it, then resume "
+                  "elsewhere; the attempt is recorded once the run dir answers (pending in %s)",
+                  exit_codes.NODE_UNHEALTHY, spool)  # fmt: skip
+        return exit_codes.NODE_UNHEALTHY
+
+    def _on_verdict(self, verdict: NodeVerdict) -> None:
+        """From the stuck watch: kill the launcher (its teardown waits on the stuck ranks) and
+        stop passing on output (a stuck rank keeps the pipe open)."""
+        self.verdict = verdict
+        child = self.child
+        if child is not None and child.poll() is None:
+            with contextlib.suppress(OSError):
+                os.killpg(child.pid, signal.SIGKILL)
+        self.pump_stop.set()
+
+    def _stuck_watch(self) -> StuckWatch:
+        run = self.plan.run
+        deadline = workers_stop_timeout_s(run) + STOP_DEADLINE_SLACK_S
+        probe_s = run.resiliency.health.storage_timeout_s
+        quiet = lambda: self.signal is not None  # noqa: E731 - a stop asked for: ranks saving
+        return StuckWatch(
+            self.plan.run_dir, self.events, probe_s, deadline, self._on_verdict, quiet
+        )
 
     def _healthy(self, launch: int) -> bool:
         """This machine's health check before every launch (one node: nothing to exclude, so
@@ -364,23 +435,27 @@ class LocalSupervisor:
         cmd = launcher_command(self.plan, self.config, restarts)
         log.info("launch local: %s", " ".join(cmd))
         started = time.time()
-        keep = _open_kept_log(self.plan.run_dir / LOG_NAME)
+        keep = open_kept_log(RunDir(self.plan.run_dir).launcher_log)
+        watch = self._stuck_watch()
         try:
             # Its own process group: a terminal's Ctrl-C (or a signal to this job's group)
             # reaches the launcher once, forwarded from here, not twice (a second signal
             # inside torch elastic's shutdown abandons it with a traceback). It dies with
             # this process all the same (PR_SET_PDEATHSIG), as a group member would.
             self.child = subprocess.Popen(
-                [*_DIE_WITH_PARENT, *cmd], env=env, text=True, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, bufsize=1, process_group=0,
+                [*_DIE_WITH_PARENT, *cmd], env=env, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, process_group=0,
             )  # fmt: skip
             if self.signal is not None:  # it came before the child could be signalled
                 self.child.send_signal(self.signal)
+            watch.start()
             assert self.child.stdout is not None
-            self._pump(self.child.stdout, keep)
-            code = self.child.wait()
+            self._pump(self.child.stdout.fileno(), keep)
+            code = self._wait_launcher(self.child)
         finally:
-            _close_quietly(keep)
+            watch.stop()
+            if keep is not None:
+                keep.close()
         self.events.launches.append([started, time.time()])
         self.child = None
         log.info("launch local: %s exited %d", self.plan.run.launch.backend, code)
@@ -390,15 +465,15 @@ class LocalSupervisor:
         """parallel.elastic: ``launch.nodes`` launchers of one job on this machine; launcher 0's
         exit is the launch's (launch/elastic.py)."""
         started = time.time()
-        keep = _open_kept_log(self.plan.run_dir / LOG_NAME)
-        holder = [keep]
+        keep = open_kept_log(RunDir(self.plan.run_dir).launcher_log)
 
         def sink(index: int, line: str) -> None:
             self.events.feed(line, time.time(), host_clock())  # unprefixed: its own stamp
             line = f"[node {index}] {line}"
             with self.keep_lock:
                 sys.stderr.write(line)
-                holder[0] = _keep_line(holder[0], line)
+                if keep is not None:
+                    keep.write(line)
 
         nodes = ElasticNodes(
             self.plan.run,
@@ -420,18 +495,44 @@ class LocalSupervisor:
             nodes.stop_all()  # however this ends, no node outlives the launch
             self.nodes = None
             with self.keep_lock:
-                _close_quietly(holder[0])
-                holder[0] = None
+                if keep is not None:
+                    keep.close()
         self.events.launches.append([started, time.time()])
         log.info("launch local: node 0's launcher exited %d", code)
         return code
 
-    def _pump(self, stream: IO[str], keep: IO[str] | None) -> None:
-        for line in stream:
-            self.events.feed(line, time.time(), host_clock())
-            sys.stderr.write(line)
-            keep = _keep_line(keep, line)
+    def _pump(self, fd: int, keep: KeptLog | None) -> None:
+        """The launcher's output, line by line, until its end or a verdict (a rank stuck in
+        uninterruptible sleep holds the pipe open: no end would come)."""
+        pending = b""
+        while not self.pump_stop.is_set():
+            if not select.select([fd], [], [], POLL_S)[0]:
+                continue
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                break
+            *lines, pending = (pending + chunk).split(b"\n")
+            for raw in lines:
+                self._pass_on(raw.decode(errors="replace") + "\n", keep)
+        if pending:
+            self._pass_on(pending.decode(errors="replace"), keep)
         sys.stderr.flush()
+
+    def _pass_on(self, line: str, keep: KeptLog | None) -> None:
+        self.events.feed(line, time.time(), host_clock())
+        sys.stderr.write(line)
+        if keep is not None:
+            keep.write(line)
+
+    def _wait_launcher(self, child: subprocess.Popen[bytes]) -> int:
+        """The launcher's exit code; after a verdict, its SIGKILL's if it does not go (a
+        launcher stuck on the storage too)."""
+        while True:
+            try:
+                return child.wait(timeout=POLL_S)
+            except subprocess.TimeoutExpired:
+                if self.verdict is not None and time.time() - self.verdict.at > KILL_GRACE_S:
+                    return -signal.SIGKILL
 
     def _forward(self, signum: int, frame: FrameType | None) -> None:
         # A signal handler: it says what it does with os.write (_say), never through logging,
@@ -493,35 +594,3 @@ def resume_command(plan: LaunchPlan) -> str:
     start = ["--config", str(config.resolve())] if config is not None else []
     return shlex.join([python, "-m", "launch", "local", *start, *overrides,
                        f"run_id={plan.run.run_id}"])  # fmt: skip
-
-
-def _open_kept_log(path: Path) -> IO[str] | None:
-    """The launcher's output kept in the run dir, line by line (a write that fails, fails at
-    its line); None, with a warning, when the run dir cannot take it (a full disk)."""
-    try:
-        return open(path, "a", buffering=1)  # noqa: SIM115 - closed by _close_quietly
-    except OSError as exc:
-        log.warning("launch local: cannot keep %s: %s", path, exc)
-        return None
-
-
-def _keep_line(keep: IO[str] | None, line: str) -> IO[str] | None:
-    """``line`` appended to the kept log; None from the first line that does not fit."""
-    if keep is None:
-        return None
-    try:
-        keep.write(line)
-        return keep
-    except (OSError, ValueError) as exc:  # a full disk (or closed): not the launcher's failure
-        log.warning("launch local: stopped keeping %s: %s", LOG_NAME, exc)
-        _close_quietly(keep)
-        return None
-
-
-def _close_quietly(keep: IO[str] | None) -> None:
-    if keep is None:
-        return
-    try:
-        keep.close()
-    except OSError:
-        pass  # its last line did not fit: already said

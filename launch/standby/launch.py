@@ -44,5 +44,4 @@ class Standby:
         try:
             self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            self.proc.kill()  # not waited for: one stuck on a hung mount would hold the launch

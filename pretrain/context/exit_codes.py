@@ -19,6 +19,10 @@ STRAGGLER = 11  # stopped on purpose: a rank is persistently slow (same hardware
 # The job's training ended well, but the object store lacks its newest verified step (the
 # launchers' final upload pass failed): the run is safe on the shared tier only.
 REMOTE_BEHIND = 12
+# This node cannot go on: a process of the job outlived SIGKILL (uninterruptible sleep in a hung
+# mount or a driver) or the run dir's storage stopped answering. Launchers only: drain or
+# exclude the node, then resume from the newest verified step (on other nodes).
+NODE_UNHEALTHY = 14
 REQUEUE = 75  # planned exit after an emergency save (EX_TEMPFAIL): requeue me
 # Stopped by the user (Ctrl-C, SIGINT) after an emergency save, or at once on a second Ctrl-C:
 # 128 + SIGINT, as a shell reports an interrupted command. Not a failure and not a requeue:

@@ -70,6 +70,11 @@ class RunDir:
         return self.steps_dir, self.attempts_dir, self.run_json_path
 
     @property
+    def launcher_log(self) -> Path:
+        """``launch local``'s copy of its launcher's output (launch/kept_log.py)."""
+        return self.path / "launch-local.log"
+
+    @property
     def run_json_path(self) -> Path:
         return self.path / "run.json"
 

@@ -25,12 +25,17 @@ class HealthConfig:
     # One all-reduce over every rank after the process group is up: a dead link or a stuck
     # peer fails the attempt now, as infrastructure, instead of the first step hanging.
     allreduce_timeout_s: float = 120.0
+    # The run dir's storage must answer a small write and fsync within this, before every
+    # launch and after every failure the launcher reports; if it does not (a hung NFS, Lustre
+    # or FUSE mount), launch local gives the node up: exit 14 (NODE_UNHEALTHY).
+    storage_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         require(self.min_free_gib >= 0, "resiliency.health.min_free_gib must be >= 0")
         require(self.min_shm_gib >= 0, "resiliency.health.min_shm_gib must be >= 0")
         require(self.script_timeout_s > 0, "resiliency.health.script_timeout_s must be > 0")
         require(self.allreduce_timeout_s > 0, "resiliency.health.allreduce_timeout_s must be > 0")
+        require(self.storage_timeout_s > 0, "resiliency.health.storage_timeout_s must be > 0")
         require(
             self.script is None or bool(self.script.strip()),
             "resiliency.health.script must be a command or null",

@@ -69,6 +69,13 @@ def _pid_start(pid: int) -> float | None:
         return None
 
 
+def _is_zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except (psutil.Error, OSError):
+        return False
+
+
 def _job_id() -> str | None:
     # TORCHELASTIC_RUN_ID is torchrun/ft_launcher's rendezvous id: stable across its restarts.
     for name in ("MCORE_RECIPES_JOB_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
@@ -97,6 +104,8 @@ def owner_liveness(
         return None, "on another host or pid namespace"
     if not isinstance(pid, int) or pid <= 0 or not psutil.pid_exists(pid):
         return False, f"owner pid {pid} is no longer running on this host"
+    if _is_zombie(pid):  # exited, not yet reaped (a container whose init reaps nothing)
+        return False, f"owner pid {pid} has exited (not yet reaped)"
     start = _pid_start(pid)
     if pid_start is not None and start is not None and abs(start - float(pid_start)) > 1.0:
         return False, f"owner pid {pid} now belongs to another process"

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
 from pretrain.context import exit_codes
@@ -49,6 +50,11 @@ class FaultFS:
         tmp = self.rules.with_suffix(".tmp")
         tmp.write_text(json.dumps(list(rules)))
         tmp.replace(self.rules)
+
+    @property
+    def backing(self) -> Path:
+        """The directory under the mount: read here, a test never blocks on a hung mount."""
+        return self.mount.parent / "backing"
 
     def landed(self) -> list[dict]:
         if not self.hits.exists():
@@ -221,3 +227,97 @@ def test_a_rank_blocked_in_a_read_is_named_torn_down_and_the_relaunch_resumes(
     assert "blocked in" in causes and any(name in causes for name in blocked), causes[:3000]
     assert "resumed from step-000000006" in text, text[-4000:]
     assert RunLayout(faultfs.mount, "run").published_steps()[-1] == 8
+
+
+STORAGE_TIMEOUT_S = 3.0
+HUNG = {"op": "*", "path": "*", "error": "block", "unkillable": True}
+
+
+def _stuck_ranks(mount: Path) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if "pretrain" in cmdline and str(mount) in cmdline:
+            found.append(proc)
+    return found
+
+
+def _wait_for(predicate, timeout_s: float, what: str) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+def test_a_hard_hung_mount_is_given_up_on_naming_the_stuck_ranks_and_recorded_later(
+    faultfs: FaultFS, tiny_overrides: list[str]
+) -> None:
+    """Every call on the run dir's mount blocks mid-run, and a blocked caller ignores SIGKILL
+    (uninterruptible sleep, as on a hung NFS hard mount). ``launch local`` never blocks on the
+    run dir itself (its log copy is a child's job): once the rank monitors time out it finds
+    the storage silent, SIGKILLs the ranks, names each that outlived it with the call and file
+    it is stuck in, and exits 14 while they are still stuck; a relaunch on the still-hung mount
+    exits 14 within the probe's timeout, starting nothing. When the storage answers, the
+    stuck ranks die, a detached recorder writes the attempt's record with the node's verdict,
+    and a relaunch resumes from the newest published step."""
+    base = [*_base(tiny_overrides, faultfs, 60), "checkpoint.save_interval=5",
+            "launch.backend=ft_launcher", "resiliency.ft.check_interval_s=0.5",
+            "resiliency.ft.timeout_floor_s=10", "resiliency.ft.workers_stop_timeout_s=5",
+            f"resiliency.health.storage_timeout_s={STORAGE_TIMEOUT_S:g}",
+            "checkpoint.prefetch=false"]  # fmt: skip
+    cmd = [sys.executable, "-m", "launch", "local", "--nproc=2", "--max-restarts=1", *base]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    log = faultfs.mount.parent / "launch.log"  # outside the mount
+    with log.open("w") as out:
+        job = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            _wait_for(lambda: "checkpoint step 20 published" in log.read_text(errors="replace"),
+                      120, "no step 20")  # fmt: skip
+            faultfs.set(HUNG)
+            hung_at = time.monotonic()
+            code = job.wait(timeout=120)
+            took = time.monotonic() - hung_at
+            stuck = [p for p in _stuck_ranks(faultfs.mount) if p.status() == "disk-sleep"]
+        finally:
+            if job.poll() is None:
+                faultfs.set()
+                job.kill()
+    text = log.read_text(errors="replace")
+    assert code == exit_codes.NODE_UNHEALTHY, text[-4000:]
+    # The learned step timeout (10 s floor), the probe and the SIGKILL grace, with room.
+    assert took < 60, took
+    assert stuck, "launch local waited for the stuck ranks to go"
+    assert f"small file got no reply in {STORAGE_TIMEOUT_S:g} s" in text, text[-4000:]
+    named = [line for line in text.splitlines() if "outlived SIGKILL" in line]
+    assert named and all("blocked in " in line and str(faultfs.mount) in line for line in named), (
+        text[-4000:]
+    )
+    assert {int(line.split("rank ")[2].split()[0]) for line in named} <= {0, 1}
+    assert "drain it, then resume" in text
+
+    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert again.returncode == exit_codes.NODE_UNHEALTHY, again.stderr[-3000:]
+    assert "nothing was started" in again.stderr and "Traceback" not in again.stderr
+
+    faultfs.set()  # the storage answers again
+    _wait_for(lambda: not any(p.is_running() for p in stuck), 60, "the stuck ranks did not die")
+    attempts = faultfs.backing / "run" / "attempts"
+
+    def recorded() -> dict | None:
+        for path in sorted(attempts.glob("attempt-*.json")):
+            record = json.loads(path.read_text())
+            if "node_unhealthy" in record:
+                return record
+        return None
+
+    _wait_for(lambda: recorded() is not None, 60, "the attempt was never recorded")
+    verdict = recorded()["node_unhealthy"]  # type: ignore[index]
+    assert "does not answer" in verdict["storage"]
+    assert {p["rank"] for p in verdict["unkillable"]} == {
+        int(line.split("rank ")[2].split()[0]) for line in named
+    }
+
+    resumed = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "resumed from step-0000000" in resumed.stderr
+    assert RunLayout(faultfs.mount, "run").published_steps()[-1] == 60
