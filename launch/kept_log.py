@@ -13,8 +13,10 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import select
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -54,10 +56,16 @@ class KeptLog:
         self._flush()
 
     def close(self) -> None:
-        """Hand over what is held, then give the child CLOSE_WAIT_S to finish."""
+        """Hand over what is held and let the child finish, within CLOSE_WAIT_S in all."""
         if not self.open:
             return
+        deadline = time.monotonic() + CLOSE_WAIT_S
         self._flush()
+        while self.backlog and self.open and (left := deadline - time.monotonic()) > 0:
+            select.select([], [self.pipe], [], left)  # writable again: the child moved
+            self._flush()
+        if not self.open:
+            return  # the child died: already said
         self.open = False
         if self.backlog:
             log.warning("launch: %d lines not kept in %s: the run dir does not answer",
@@ -67,7 +75,7 @@ class KeptLog:
         except OSError:
             pass
         try:
-            self.child.wait(timeout=CLOSE_WAIT_S)
+            self.child.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             return  # it finishes (or not) when the storage answers; never waited for
 

@@ -451,6 +451,7 @@ class LocalSupervisor:
             watch.start()
             assert self.child.stdout is not None
             self._pump(self.child.stdout.fileno(), keep)
+            self.child.stdout.close()
             code = self._wait_launcher(self.child)
         finally:
             watch.stop()

@@ -429,11 +429,20 @@ def _hang_culprit(
         "cause": (
             f"hang in section {section} ({hang['rule']})"
             if rank != UNDETERMINED
-            else "hang: the hung rank is undetermined"
+            else "hang: the hung rank is undetermined" + _storage_waits(evidence)
         ),
         "victim": False,
         "detail": hang["reason"],
     }
+
+
+def _storage_waits(evidence: list[dict[str, Any]]) -> str:
+    """Where no rank stands out because every one waits on the storage (a hung mount under a
+    save): the first rank's wait, named."""
+    for entry in sorted(evidence, key=lambda e: e["rank"]):
+        if entry["source"] == "stack" and ": blocked in " in entry["cause"]:
+            return f"; rank {entry['rank']} {entry['cause'].split(': ', 1)[1]}"
+    return ""
 
 
 def _exit_codes(

@@ -7,8 +7,9 @@ of the section it is in; the main thread of a victim is inside ``torch.distribut
 culprit's is not. The dump is written by a C thread, so it works even while the main thread is
 stuck in C code, and before the rank monitor SIGKILLs the rank.
 
-Each beat also says which file the main thread is blocked on, if it has been in a file syscall
-since the beat before (``blocked_in``: syscall, path, since; resiliency/monitor/io_wait.py): a
+Each beat also says which file the rank is blocked on, if a thread has been in a file syscall
+since the beat before (``blocked_in``: syscall, path, since; resiliency/monitor/io_wait.py): the
+main thread's, else the longest wait of another thread on a path (a save's writer threads): a
 rank stuck on a hung mount is named with the path it waits for.
 
 A stopped rank (SIGSTOP, a frozen node) dumps nothing: every thread stops, the dump thread too.
@@ -88,23 +89,16 @@ class StackWatchdog:
 
     def _beat(self) -> None:
         last, stall, stall_from = time.time(), 0.0, None
-        main = (os.getpid(), threading.main_thread().native_id or 0)
-        seen: dict[str, Any] | None = None  # the file syscall the main thread was in, since
+        pid, main = os.getpid(), threading.main_thread().native_id or 0
+        seen: dict[int, dict[str, Any]] = {}  # thread -> the file syscall it is in, since
         while not self._stop.wait(BEAT_S):
             now = time.time()
             if now - last - BEAT_S > stall:
                 stall, stall_from = now - last - BEAT_S, last
             last = now
-            blocked = blocked_in(*main)
-            if blocked is None:
-                seen = None
-            elif seen is None or {k: seen[k] for k in blocked} != blocked:
-                seen = {**blocked, "since": round(now - BEAT_S, 3)}  # at most one beat ago
+            seen = _file_calls(pid, main, seen, now)
             try:
-                # Named once it lasted a beat: a read that returns at once is not a wait.
-                self._write_beat(
-                    now, stall, stall_from, seen if seen and seen["since"] < now - BEAT_S else None
-                )
+                self._write_beat(now, stall, stall_from, _longest_wait(seen, main, now))
             except (OSError, ValueError):
                 return  # closed under us: the rank is exiting
 
@@ -162,6 +156,46 @@ class StackWatchdog:
         self.file.close()
         if not dumped and not keep:
             self.path.unlink(missing_ok=True)
+
+
+def _file_calls(
+    pid: int, main: int, before: dict[int, dict[str, Any]], now: float
+) -> dict[int, dict[str, Any]]:
+    """Each thread's current file syscall, with since when (kept from ``before`` while it is the
+    same call). The main thread's in any file; another thread's only in a path of the file
+    system (a write pool's fsync of a shard), not a pipe or socket an idle helper waits on."""
+    calls: dict[int, dict[str, Any]] = {}
+    for tid in _threads(pid):
+        call = blocked_in(pid, tid)
+        if call is None or (tid != main and not _on_a_file_system(call["path"])):
+            continue
+        was = before.get(tid)
+        same = was is not None and all(was[k] == v for k, v in call.items())
+        calls[tid] = was if same else {**call, "since": round(now - BEAT_S, 3)}  # type: ignore[assignment]
+    return calls
+
+
+def _longest_wait(calls: dict[int, dict[str, Any]], main: int, now: float) -> dict | None:
+    """The main thread's wait, else the longest of the others; named once it lasted a beat (a
+    read that returns at once is not a wait)."""
+    # since is at most a beat before the first look: seen again a beat later, it lasted one
+    lasting = {tid: c for tid, c in calls.items() if c["since"] <= now - 1.5 * BEAT_S}
+    if main in lasting:
+        return lasting[main]
+    if not lasting:
+        return None
+    return min(lasting.values(), key=lambda c: c["since"])
+
+
+def _threads(pid: int) -> list[int]:
+    try:
+        return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
+
+
+def _on_a_file_system(path: str) -> bool:
+    return path.startswith("/") and not path.startswith(("/dev/", "/proc/", "/sys/"))
 
 
 def _slot(record: dict[str, Any], size: int) -> bytes:

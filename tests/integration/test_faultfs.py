@@ -187,20 +187,32 @@ def test_a_full_file_system_during_a_save_publishes_nothing_and_exits_10(
 SETUP_TIMEOUT_S = 20.0  # the restart restores within it, on a loaded 2-core CI machine too
 
 
-def test_a_rank_blocked_in_a_read_is_named_torn_down_and_the_relaunch_resumes(
-    faultfs: FaultFS, tiny_overrides: list[str]
+@pytest.mark.parametrize(
+    ("rule", "section", "resumed_from"),
+    [
+        # the restore's read of the newest step's shards
+        ({"op": "read", "path": "run/steps/step-000000006/model/*"}, "setup", 6),
+        # the save of step 8: the rank's own fsync of a shard it wrote (a sync save)
+        ({"op": "fsync", "path": "run/steps/step-000000008*"}, "checkpointing", 6),
+    ],
+    ids=["read", "fsync"],
+)
+def test_a_rank_blocked_on_the_storage_is_named_torn_down_and_the_relaunch_resumes(
+    faultfs: FaultFS, tiny_overrides: list[str], rule: dict, section: str, resumed_from: int
 ) -> None:
-    """Every read of the newest step's model shards blocks (a hung NFS server's answer to one
-    file): the restoring ranks hang in the read, the setup section's timeout catches it, the
-    attempt record names the rank and the file it was blocked on, ft_launcher tears the group
-    down (a process waiting on FUSE dies to SIGKILL) and restarts it; the storage answers
-    again and the restart restores that step."""
+    """A call on one file blocks (a hung NFS server's answer to that file): the rank hangs in
+    it, the section's timeout catches it, the attempt record names the section and the file the
+    rank was blocked on, ft_launcher tears the group down (a process waiting on FUSE dies to
+    SIGKILL) and restarts it; the storage answers again and the restart restores the newest
+    published step and finishes."""
     first = run_pretrain(2, _base(tiny_overrides, faultfs, 6))
     assert first.returncode == 0
-    faultfs.set({"op": "read", "path": "run/steps/step-000000006/model/*", "error": "block"})
+    faultfs.set({**rule, "error": "block"})
     cmd = [sys.executable, "-m", "launch", "local", "--nproc=2", "--max-restarts=1",
            *_base(tiny_overrides, faultfs, 8), "launch.backend=ft_launcher",
            f"resiliency.ft.setup_timeout_s={SETUP_TIMEOUT_S:g}",
+           f"resiliency.ft.checkpointing_timeout_s={SETUP_TIMEOUT_S:g}",
+           "resiliency.ft.min_io_mb_per_s=1000",
            "resiliency.ft.check_interval_s=0.5", "checkpoint.prefetch=false"]  # fmt: skip
     log = faultfs.mount.parent / "launch.log"
     with log.open("w") as out:
@@ -220,12 +232,15 @@ def test_a_rank_blocked_in_a_read_is_named_torn_down_and_the_relaunch_resumes(
     text = log.read_text(errors="replace")
     assert code == 0, text[-4000:]
     blocks = [h for h in faultfs.landed() if h["error"] == "block"]
-    assert blocks, faultfs.landed()
+    assert blocks and {h["op"] for h in blocks} == {rule["op"]}, faultfs.landed()
     record = json.loads((faultfs.mount / "run" / "attempts" / "attempt-02.json").read_text())
     causes = json.dumps(record.get("failure") or record)
     blocked = [h["path"].rsplit("/", 1)[-1] for h in blocks]
-    assert "blocked in" in causes and any(name in causes for name in blocked), causes[:3000]
-    assert "resumed from step-000000006" in text, text[-4000:]
+    assert f"hang in section {section}" in causes, causes[:3000]
+    assert f"blocked in {rule['op']}" in causes and any(name in causes for name in blocked), causes[
+        :3000
+    ]
+    assert f"resumed from step-{resumed_from:09d}" in text, text[-4000:]
     assert RunLayout(faultfs.mount, "run").published_steps()[-1] == 8
 
 

@@ -52,6 +52,10 @@ ASSERTED = {
         "test_remote_faults.py",
         "test_a_final_upload_that_cannot_reach_the_store_is_exit_12",
     ),
+    exit_codes.NODE_UNHEALTHY: (
+        "test_faultfs.py",
+        "test_a_hard_hung_mount_is_given_up_on_naming_the_stuck_ranks_and_recorded_later",
+    ),
     exit_codes.REQUEUE: ("test_failures.py", "test_sigterm_saves_requeues_and_resumes_exactly"),
     exit_codes.INTERRUPTED: (
         "test_slurm.py",

@@ -60,3 +60,30 @@ def test_a_thread_blocked_opening_a_path_is_named_with_the_path(tmp_path: Path) 
 def test_a_running_or_idle_thread_is_not_blocked_on_a_file() -> None:
     assert blocked_in(os.getpid(), threading.get_native_id()) is None  # running: this one
     assert blocked_in(os.getpid(), 1 << 30) is None  # no such thread
+
+
+def test_the_heartbeat_names_a_worker_threads_wait_on_a_file_not_an_idle_pipe_reader(
+    tmp_path: Path,
+) -> None:
+    """A save's writer thread stuck in a call on a file (here: opening a FIFO) is the rank's
+    wait once it lasted a beat; a helper thread idle on a pipe is no wait on the storage."""
+    from resiliency.monitor.stacks import BEAT_S, _file_calls, _longest_wait
+
+    read_end, write_end = os.pipe()
+    idle, _ = _blocked(os.read, read_end, 1)
+    fifo = tmp_path / "shard"
+    os.mkfifo(fifo)
+    writer, tid = _blocked(os.open, str(fifo), os.O_RDONLY)
+    main = threading.main_thread().native_id or 0
+    now = time.time()
+    first = _file_calls(os.getpid(), main, {}, now)
+    later = _file_calls(os.getpid(), main, first, now + 2 * BEAT_S)
+    fd = os.open(fifo, os.O_WRONLY)
+    os.write(write_end, b"x")
+    writer.join(timeout=5)
+    idle.join(timeout=5)
+    os.close(fd)
+    assert set(first) == {tid}, first  # the pipe reader is not listed
+    assert _longest_wait(first, main, now) is None  # not a beat long yet
+    assert later[tid]["since"] == first[tid]["since"]  # the same call: since kept
+    assert _longest_wait(later, main, now + 2 * BEAT_S)["path"] == str(fifo)
