@@ -18,6 +18,11 @@ the public CLI (``python -m pretrain``, one process per run, faults from this pr
   compared bit for bit; the async saves' blocked time against bytes / D2H bandwidth (first
   and steady), the step-time slowdown while the writer runs; the relaunch saves
   synchronously: sync save / the raw fsync'd write of the same bytes;
+- ``equivalence``: ``python -m drill.equivalence --controls`` at one rank on a small Llama-shaped
+  model: the run killed after its step-2 save and resumed in a fresh process holds the
+  uninterrupted run's whole state byte for byte (parameters, fp32 main parameters, Adam's
+  moments and step, the gradients after the resumed step, the CUDA RNG among the others),
+  and each deliberately broken restore is named;
 - ``recipe``: ``llama3_8b`` shrunk to fit one GPU (layers, CP=1): ``--plan`` and 10 steps.
 
 Prints one JSON document and writes it (``gpu_check.json``, after every section) and every
@@ -48,7 +53,7 @@ sys.path.insert(0, str(REPO))  # `python3 bench/gpu_check.py` too, not only `-m 
 
 from pretrain.context.run_dir import RunDir, iter_jsonl, last_by_step, read_jsonl  # noqa: E402
 
-SECTIONS = ("peaks", "resume", "throughput", "plan", "recipe")
+SECTIONS = ("peaks", "resume", "equivalence", "throughput", "plan", "recipe")
 WARMUP = 5  # steps left out of every median (allocator, autotuning, the first save's setup)
 GIB = float(1 << 30)
 
@@ -131,6 +136,20 @@ class Shape:
             "checkpoint.keep_last=10",  # the committed step of both runs stays, to compare
             "checkpoint.fingerprint=true",  # a restore proves it continues from the saved state
             "logging.log_interval=5",
+            *self.device(),
+        ]
+
+    def equivalence_model(self) -> list[str]:
+        """A small Llama-shaped model: every dump of its whole state is tens of MB. The gate
+        sets the steps and the saves itself."""
+        dims = (2, 64, 4, 2, 128, 64, 512) if self.dry_run else (2, 512, 8, 4, 1024, 1024, 8192)
+        return [
+            *llama_shape("llama3_small", dims),
+            *single_gpu_layout(),
+            *mock_data(),
+            "train.micro_batch_size=2",
+            "train.global_batch_size=4",
+            "train.deterministic=true",
             *self.device(),
         ]
 
@@ -325,6 +344,22 @@ class Check:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the runs get the whole GPU
         return result
+
+    def equivalence(self) -> dict[str, Any]:
+        """The resume-equivalence gate on this device (its verdict lines as the result)."""
+        out = self.runs / "equivalence"
+        cmd = [sys.executable, "-m", "drill.equivalence", "--out", str(out), "--nproc", "1",
+               "--step", "2", "--controls", *self.shape.equivalence_model()]  # fmt: skip
+        self.note("$ " + " ".join(cmd[1:]))
+        with self.log_path.open("a") as log:
+            proc = subprocess.run(
+                cmd, cwd=REPO, env=self.env, stdout=subprocess.PIPE, stderr=log, text=True,
+                timeout=max(5.0, self.remaining()),
+            )  # fmt: skip
+        verdict = proc.stdout.splitlines()
+        if proc.returncode != 0:
+            raise RuntimeError(f"drill.equivalence exited {proc.returncode}: {verdict}")
+        return {"equal": any("EQUAL" in line for line in verdict), "verdict": verdict}
 
     def throughput(self) -> dict[str, Any]:
         measured = self.report.get("peaks", {}).get("matmul_tflops")
@@ -772,6 +807,7 @@ def main(argv: list[str]) -> int:
     check.report["command"] = " ".join([Path(sys.executable).name, "-m", "bench.gpu_check", *argv])
     check.section("peaks", check.peaks)
     check.section("resume", check.resume)
+    check.section("equivalence", check.equivalence)
     check.section("throughput", check.throughput)
     check.section("plan", check.plan_vs_real)
     check.section("recipe", check.recipe)

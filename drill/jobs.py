@@ -90,9 +90,12 @@ class LocalLauncher:
     timeout_s: float = 900.0
 
     def command(self, spec: LaunchSpec) -> list[str]:
-        torchrun = str(Path(sys.executable).parent / "torchrun")
+        # torchrun as a module of this interpreter: an air-gapped GPU node's system python3
+        # has torch but its console scripts may be elsewhere on PATH, or nowhere.
         return [
-            torchrun,
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
             "--standalone",
             f"--nproc-per-node={self.nproc}",
             "-m",

@@ -308,7 +308,7 @@ class LocalSupervisor:
         try:
             while self.signal is None:
                 used = self._restarts_used(before)
-                if self.events.launches and self._storage_hung():
+                if self.verdict is not None or (self.events.launches and self._storage_hung()):
                     return self._give_up_node(before)
                 if not self._healthy(len(self.events.launches)):
                     return exit_codes.INFRASTRUCTURE
@@ -349,11 +349,14 @@ class LocalSupervisor:
         assert self.verdict is not None
         for line in self.verdict.lines():
             log.error("launch local: %s", line)
-        spool = spool_record(self.plan.run_dir, before, self.events, self.tokens_per_step,
-                             self.verdict)  # fmt: skip
+        try:
+            spool = spool_record(self.plan.run_dir, before, self.events, self.tokens_per_step,
+                                 self.verdict)  # fmt: skip
+            later = f"the attempt is recorded once the run dir answers (pending in {spool})"
+        except OSError as exc:  # this node's own disk too: the verdict still stands
+            later = f"the attempt's record cannot wait on this node ({exc})"
         log.error("launch local: this node cannot go on (exit %d): drain it, then resume "
-                  "elsewhere; the attempt is recorded once the run dir answers (pending in %s)",
-                  exit_codes.NODE_UNHEALTHY, spool)  # fmt: skip
+                  "elsewhere; %s", exit_codes.NODE_UNHEALTHY, later)  # fmt: skip
         return exit_codes.NODE_UNHEALTHY
 
     def _on_verdict(self, verdict: NodeVerdict) -> None:
@@ -436,6 +439,7 @@ class LocalSupervisor:
         log.info("launch local: %s", " ".join(cmd))
         started = time.time()
         keep = open_kept_log(RunDir(self.plan.run_dir).launcher_log)
+        self.pump_stop = threading.Event()  # this launch's
         watch = self._stuck_watch()
         try:
             # Its own process group: a terminal's Ctrl-C (or a signal to this job's group)

@@ -145,7 +145,7 @@ class StuckWatch(threading.Thread):
                 continue
             judged = failed_at
             verdict = self._judge(failed_at)
-            if verdict is not None:
+            if verdict is not None and not self.stopping.is_set():  # not after the launch ended
                 self.on_verdict(verdict)
                 return
 

@@ -117,3 +117,24 @@ def kill_node(launcher: psutil.Process) -> None:
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(family, timeout=30)
+
+
+# An elastic run trains part of the way at each size, so it strays from the full-size run by
+# no more than the sizes stray from each other, with room for where in the run that happens.
+BOUND_FACTOR = 4.0
+
+
+def assert_elastic_losses_within_bound(
+    got: dict[int, dict], full: dict[int, dict], half: dict[int, dict], context: str
+) -> None:
+    """Every loss of an elastic run (``got``) against the uninterrupted full-size run, within
+    the bound the two sizes' own uninterrupted runs (``full``, ``half``) set: a resize that
+    lost or garbled optimizer state strays far past it."""
+
+    def rel(a: dict, b: dict, s: int) -> float:
+        return abs(a[s]["loss"] - b[s]["loss"]) / abs(b[s]["loss"])
+
+    layouts_differ = max(rel(half, full, s) for s in full)
+    bound = BOUND_FACTOR * max(layouts_differ, 1e-7)
+    worst = max(rel(got, full, s) for s in full)
+    assert worst <= bound, f"{context}: loss strays {worst:.2e} > {bound:.2e}"

@@ -34,6 +34,7 @@ OWNED = (
     "checkpoint.dump_state_dir",
     "checkpoint.enabled",
     "checkpoint.resume",
+    "checkpoint.async_save",
 )
 
 
@@ -86,6 +87,9 @@ def _base(cfg: GateConfig, runs: Path, dumps: Path) -> list[str]:
         f"checkpoint.save_interval={k}",
         "checkpoint.enabled=true",
         "checkpoint.resume=true",
+        # Step K must be published before the kill after K+1: an async save publishes it at a
+        # later step boundary. (The restore reads the same bytes either way.)
+        "checkpoint.async_save=false",
         f"checkpoint.dump_state_at=[{k},{k + 1}]",
         f"checkpoint.dump_state_dir={dumps}",
     ]

@@ -23,14 +23,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.ft_helpers import env, kill_node, launch_cmd
+from tests.ft_helpers import assert_elastic_losses_within_bound, env, kill_node, launch_cmd
 from tests.helpers import REPO, read_steps, run_pretrain
 
 STEPS, SAVE_EVERY = 100, 10
 INTERVAL_S = 5.0
-# The elastic run trains part of the way at each size, so it strays from the full-size run by
-# no more than the sizes stray from each other, with room for where in the run that happens.
-BOUND_FACTOR = 4.0
 
 
 def _job(tiny: list[str], root: Path, run_id: str) -> list[str]:
@@ -110,13 +107,7 @@ def test_a_lost_node_shrinks_the_job_in_place_and_it_grows_back_on_the_same_samp
     for s in range(1, shrunk + 1):  # steps 1..shrunk ran at full size from the start
         assert got[s]["loss"] == ref[s]["loss"], f"seed {seed}: step {s} before the shrink"
 
-    def rel(a: dict, b: dict, s: int) -> float:
-        return abs(a[s]["loss"] - b[s]["loss"]) / abs(b[s]["loss"])
-
-    layouts_differ = max(rel(solo, ref, s) for s in ref)
-    bound = BOUND_FACTOR * max(layouts_differ, 1e-7)
-    worst = max(rel(got, ref, s) for s in ref)
-    assert worst <= bound, f"seed {seed}: loss strays {worst:.2e} > {bound:.2e}"
+    assert_elastic_losses_within_bound(got, ref, solo, f"seed {seed}")
 
     # The attempt records and goodput name both resizes.
     goodput = subprocess.run(

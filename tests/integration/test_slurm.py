@@ -32,7 +32,7 @@ from resiliency.monitor.postmortem import LauncherEvents
 from resiliency.storage.layout import RunLayout, atomic_write_json
 from resiliency.storage.lease import RunLease
 from resiliency.storage.synthetic import write_synthetic_step
-from tests.ft_helpers import kill_node
+from tests.ft_helpers import assert_elastic_losses_within_bound, kill_node
 from tests.helpers import REPO, follow_uploaders, read_steps, run_pretrain
 
 SLURM_DIR = REPO / "tests" / "slurm"
@@ -1002,9 +1002,10 @@ def test_an_elastic_job_loses_a_node_trains_on_and_grows_back_in_the_same_job(
     ).stdout.split()  # fmt: skip
     victim = names[1]  # the first node hosts the rendezvous store: its exit is the job's
     kill_node(_node_launcher(job_id, victim))
-    # The uninterrupted reference runs while the job re-forms without the node.
-    reference = tmp_path / "reference"
+    # The uninterrupted references, at both sizes, run while the job re-forms without the node.
+    reference, half = tmp_path / "reference", tmp_path / "half"
     run_pretrain(2, [*_cluster_overrides(tiny_overrides, tmp_path, "reference"), *ELASTIC_JOB])
+    run_pretrain(1, [*_cluster_overrides(tiny_overrides, tmp_path, "half"), *ELASTIC_JOB])
     info = _wait_done(job_id, run_dir, slurm_env)
     context = f"seed {seed}, killed at step {kill_at}: {info}\n{_log_tail(run_dir)}"
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), (
@@ -1017,6 +1018,9 @@ def test_an_elastic_job_loses_a_node_trains_on_and_grows_back_in_the_same_job(
     shrunk = sizes.index(1)
     assert 2 in sizes[shrunk:] and sizes[-1] == 2, f"{sizes}\n{context}"
     assert all(got[s]["loss"] == ref[s]["loss"] for s in range(1, shrunk + 1)), context
+    # After the resize too: every loss within the bound the two sizes set (a resize that lost
+    # optimizer state strays far past it).
+    assert_elastic_losses_within_bound(got, ref, read_steps(half), context)
     log = (run_dir / "slurm" / f"{job_id}-restart-0.log").read_text(errors="replace")
     assert "elastic: node 1 lost" in log and "elastic: node 1 returns" in log, context
     goodput = subprocess.run(
@@ -1029,17 +1033,21 @@ def test_an_elastic_job_loses_a_node_trains_on_and_grows_back_in_the_same_job(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("lost", ["trainer", "node"])
 def test_a_spare_node_replaces_a_killed_one_inside_the_job(
     slurm_env: dict[str, str],
     tiny_overrides: list[str],
     clean_run: tuple[Path, dict],
     tmp_path: Path,
+    lost: str,
 ) -> None:
     """Two nodes train and a third waits as a spare (launch.slurm.spare_nodes=1). After the
-    step-10 save the trainer on a random training node (not node1, which hosts the rendezvous
-    store) is SIGKILLed from outside at a random step: that node leaves the job, a trainer
-    starts on the spare (seen in /proc), and the job finishes without a requeue, its losses
-    bit for bit those of the uninterrupted clean run."""
+    step-10 save, on a random training node (not node1, which hosts the rendezvous store),
+    from outside at a random step: the trainer is SIGKILLed (its launcher sees it die and asks
+    to leave), or the node is lost whole (its launcher and everything under it SIGKILLed at
+    once: nobody on it is left to ask). Either way the node leaves the job, a trainer starts
+    on the spare (seen in /proc), and the job finishes without a requeue, its losses bit for
+    bit those of the uninterrupted clean run."""
     seed = int(os.environ.get("MCORE_RECIPES_TEST_SEED", time.time_ns() % 100_000))
     rng = random.Random(seed)
     print(f"test seed {seed} (MCORE_RECIPES_TEST_SEED={seed} repeats it)")
@@ -1057,7 +1065,10 @@ def test_a_spare_node_replaces_a_killed_one_inside_the_job(
     # node1 (the job's first) hosts the rendezvous store: with spares it never leaves
     victim = rng.choice(sorted(set(before) - {"node1"}))
     [spare] = {"node1", "node2", "node3"} - set(before)
-    os.kill(before[victim][0], signal.SIGKILL)
+    if lost == "trainer":
+        os.kill(before[victim][0], signal.SIGKILL)
+    else:
+        kill_node(_node_launcher(job_id, victim))
     deadline, after = time.monotonic() + 240, {}
     while not (spare in after and len(after) == 2) and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -1069,9 +1080,13 @@ def test_a_spare_node_replaces_a_killed_one_inside_the_job(
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), (
         context
     )
+    _assert_losses_equal(clean_run[0], run_dir)
+    first, second = _attempts(run_dir)
+    assert second["restored_step"] >= 10, second
+    if lost == "node":
+        return
     # The job's post-mortem (run by the batch script) names the killed rank and its signal
     # from the reaping parent's record, and measures the recovery phase by phase.
-    first, second = _attempts(run_dir)
     killed = before[victim][1]
     assert (first["first_failing_rank"], first["failure_cause"]) == (
         killed,
@@ -1085,4 +1100,3 @@ def test_a_spare_node_replaces_a_killed_one_inside_the_job(
     log = (run_dir / "slurm" / f"{job_id}-restart-0.log").read_text(errors="replace")
     # ft_launcher's own word: the victim's launcher left the rendezvous
     assert log.count("is excluded from the training due to an user request") == 1, context
-    _assert_losses_equal(clean_run[0], run_dir)
