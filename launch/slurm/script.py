@@ -213,8 +213,10 @@ def _nodes_lines(run: RunConfig) -> list[str]:
         return [f"#SBATCH --nodes={run.launch.nodes}"]
     return [
         f"# {run.launch.nodes} node(s) train, {spare} spare(s) wait in the rendezvous to replace",
-        "# a failed one inside the job (launch.slurm.spare_nodes)",
+        "# a failed one inside the job (launch.slurm.spare_nodes): Slurm must not end the job",
+        "# when one of its nodes fails",
         f"#SBATCH --nodes={run.launch.nodes + spare}",
+        "#SBATCH --no-kill",
     ]
 
 
@@ -461,12 +463,14 @@ def _srun_args(run: RunConfig, inputs: ScriptInputs) -> str:
     # --kill-on-bad-exit: a node whose launcher failed ends the step at once, instead of the
     # other nodes waiting on collectives for the timeout (ranks exit only after a save's
     # publish, so this never cuts one short). --wait: the rest get 60 s after the first exits.
+    # With spares, neither: a node lost whole (its launcher killed with everything under it)
+    # must leave the step to the others, whose launchers restart the ranks with a spare.
+    spares = run.launch.slurm.spare_nodes > 0
     args = [
         *ONE_TASK_PER_NODE,
         f"--cpus-per-task={srun_cpus(run)}",
-        "--kill-on-bad-exit=1",
-        # with spares a node that leaves the job ends its launcher: the others train on
-        "--wait=0" if run.launch.slurm.spare_nodes else "--wait=60",
+        "--kill-on-bad-exit=0" if spares else "--kill-on-bad-exit=1",
+        "--wait=0" if spares else "--wait=60",
         "--export=ALL",
         "--label",
     ]
