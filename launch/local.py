@@ -54,6 +54,7 @@ from launch.common import (
     worker_module,
     write_resolved_config,
 )
+from launch.deferred_record import spool_record
 from launch.elastic import (
     ElasticNodes,
     check_launcher_release,
@@ -71,7 +72,7 @@ from launch.retry_policy import (
     read_outcome,
 )
 from launch.standby.launch import Standby, standby_env
-from launch.stuck_node import KILL_GRACE_S, POLL_S, NodeVerdict, StuckWatch, spool_record
+from launch.stuck_node import KILL_GRACE_S, POLL_S, NodeVerdict, StuckWatch
 from pretrain.context import exit_codes, interrupts
 from pretrain.context.run_dir import RunDir
 from pretrain.context.startup_clock import host_clock
@@ -345,7 +346,7 @@ class LocalSupervisor:
 
     def _give_up_node(self, before: int) -> int:
         """The verdict said, nothing written to the run dir; its record follows when the
-        storage answers (a detached recorder, launch/stuck_node.py)."""
+        storage answers (a detached recorder, launch/deferred_record.py)."""
         assert self.verdict is not None
         for line in self.verdict.lines():
             log.error("launch local: %s", line)

@@ -12,21 +12,12 @@ their own, make a :class:`NodeVerdict`: ``launch local`` names each process (ran
 the syscall and file it is blocked in), kills the launcher, writes nothing to the run dir and
 exits ``NODE_UNHEALTHY`` (14): drain the node, resume elsewhere.
 
-The attempt's record is written later by a detached recorder (``python -m launch.stuck_node
-SPOOL``), which waits for the storage to answer: what it needs is spooled to the node's own
-temporary directory first.
+The attempt's record is written later, once the storage answers (:mod:`launch.deferred_record`).
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
 import logging
-import os
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -37,17 +28,13 @@ from typing import Any
 import psutil
 
 from launch.processes import rank_workers
-from pretrain.platform.logs import setup_logging
 from resiliency.monitor.io_wait import blocked_in
-from resiliency.monitor.postmortem import LauncherEvents, finalize_attempts, read_record
+from resiliency.monitor.postmortem import LauncherEvents
 from resiliency.monitor.storage_probe import storage_hung
-from resiliency.storage.attempts import recorded_attempts
-from resiliency.storage.layout import RunLayout, atomic_write_json
 
 log = logging.getLogger(__name__)
 KILL_GRACE_S = 5.0  # a SIGKILLed process not gone by then is not going
 POLL_S = 0.5
-SPOOL_DIR = Path(tempfile.gettempdir()) / "mcore-recipes-pending"
 
 
 @dataclass
@@ -184,57 +171,3 @@ def _started_before(proc: psutil.Process, at: float) -> bool:
         return proc.create_time() <= at
     except psutil.Error:
         return False
-
-
-# ------------------------------------------------------------------ the deferred record
-def spool_record(
-    run_dir: Path, after_attempt: int, events: LauncherEvents, tokens_per_step: int,
-    verdict: NodeVerdict,
-) -> Path:  # fmt: skip
-    """What the recorder needs, on this node's own disk; the recorder started, detached."""
-    SPOOL_DIR.mkdir(parents=True, exist_ok=True)
-    spool = SPOOL_DIR / f"{run_dir.name}-{os.getpid()}-{int(verdict.at)}.json"
-    spool.write_text(json.dumps({
-        "run_dir": str(run_dir), "after_attempt": after_attempt,
-        "events": dataclasses.asdict(events), "tokens_per_step": tokens_per_step,
-        "verdict": dataclasses.asdict(verdict),
-    }))  # fmt: skip
-    with spool.with_suffix(".log").open("a") as out:
-        subprocess.Popen(
-            [sys.executable, "-m", "launch.stuck_node", str(spool)], stdin=subprocess.DEVNULL,
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-    return spool
-
-
-def record(spool: Path) -> int:
-    """Blocks until the run dir answers; then finalizes the attempts the launch left and
-    adds the node's verdict to the newest one."""
-    data = json.loads(spool.read_text())
-    layout = RunLayout.from_run_dir(Path(data["run_dir"]))
-    events = LauncherEvents(**data["events"])
-    attempts = [a for a in recorded_attempts(layout) if a > data["after_attempt"]]
-    finalize_attempts(layout, attempts, events, data["tokens_per_step"])
-    if attempts:
-        newest = attempts[-1]
-        merged = {**read_record(layout, newest), "node_unhealthy": data["verdict"]}
-        atomic_write_json(layout.attempt_path(newest), merged)
-        log.info("attempt %d recorded with the node's verdict in %s", newest, layout.attempts_dir)
-    else:
-        log.info("no attempt of this launch to record in %s", layout.attempts_dir)
-    spool.unlink()
-    return 0
-
-
-def main(argv: list[str]) -> int:
-    setup_logging("INFO")
-    parser = argparse.ArgumentParser(
-        prog="python -m launch.stuck_node",
-        description="Record the attempt a stuck node left, once its run dir answers.",
-    )
-    parser.add_argument("spool", type=Path, help="the record spooled by launch local")
-    return record(parser.parse_args(argv).spool)
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
