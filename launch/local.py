@@ -18,7 +18,9 @@ the launcher is done, each attempt of this launch gets its root cause, losses an
 when finished, REQUEUE (75) after a preemption (SIGTERM), INTERRUPTED (130) after a Ctrl-C
 (docs/fault-tolerance.md#ctrl-c), a "do not retry" code otherwise (RETRY_BUDGET_EXHAUSTED after
 K restarts). Either signal is forwarded to the launcher, whose ranks make an emergency save; a
-run that did not finish ends with the command that resumes it.
+run that did not finish ends with the command that resumes it. A run dir whose storage stops
+answering, or ranks that outlive SIGKILL, end the launch with NODE_UNHEALTHY (14) without
+waiting on either (launch/stuck_node.py).
 """
 
 from __future__ import annotations
@@ -50,7 +52,6 @@ from launch.common import (
     plan_launch,
     rank_env,
     refused_code,
-    uploader_args,
     worker_module,
     write_resolved_config,
 )
@@ -73,6 +74,7 @@ from launch.retry_policy import (
 )
 from launch.standby.launch import Standby, standby_env
 from launch.stuck_node import KILL_GRACE_S, POLL_S, NodeVerdict, StuckWatch
+from launch.uploader import Uploader
 from pretrain.context import exit_codes, interrupts
 from pretrain.context.run_dir import RunDir
 from pretrain.context.startup_clock import host_clock
@@ -192,79 +194,6 @@ def launcher_command(
         f"--ft-enable-nic-monitor={str(run.launch.gpus_per_node > 0).lower()}",
         *tail,
     ]
-
-
-class Uploader:
-    """checkpoint.remote: ``python -m resiliency upload --follow`` beside the job, as its own
-    process (it outlives a rank or launcher crash), restarted with backoff whenever it dies
-    (except when the run's lease moved to another job, whose uploader takes over); then one
-    final pass after the job. ``ok`` says whether that pass left the newest verified step
-    committed remotely."""
-
-    def __init__(self, plan: LaunchPlan) -> None:
-        self.plan = plan
-        self.follow = uploader_args(plan.run, plan.run_dir, follow=True)
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.restarts = 0
-        self.stopping = threading.Event()
-        self.watcher = threading.Thread(target=self._watch, name="uploader-watch", daemon=True)
-
-    def start(self) -> None:
-        if self.follow is None:
-            return
-        log.info("launch local: uploader: %s", " ".join(self.follow))
-        self._spawn()
-        self.watcher.start()
-
-    def _spawn(self) -> None:
-        assert self.follow is not None
-        self.proc = subprocess.Popen([sys.executable, *self.follow], start_new_session=True)
-
-    def _watch(self) -> None:
-        while not self.stopping.wait(1.0):
-            assert self.proc is not None
-            code = self.proc.poll()
-            if code is None:
-                continue
-            if code == exit_codes.LEASE_HELD:
-                log.warning("launch local: uploader exited %d: the run's lease moved to another "
-                            "job; not restarted", code)  # fmt: skip
-                return
-            delay = min(60.0, 2.0**self.restarts)
-            log.error("launch local: uploader exited %d; restarting it in %.0f s", code, delay)
-            if self.stopping.wait(delay):
-                return
-            self.restarts += 1
-            self._spawn()
-
-    def finish(self, final_pass: bool = True) -> bool:
-        """Stop the follower, run the final pass; True when the remote tier caught up.
-        ``final_pass=False``: the run dir does not answer; the follower is killed and nothing
-        waits on it (the object store keeps what it had sent)."""
-        if self.follow is None:
-            return True
-        self.stopping.set()
-        self.watcher.join(timeout=5)
-        if not final_pass:
-            if self.proc is not None:
-                self.proc.kill()
-            log.error("launch local: no final upload: the run dir does not answer")
-            return False
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()  # finishes the object in flight; the final pass does the rest
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        final = uploader_args(self.plan.run, self.plan.run_dir, follow=False) or []
-        code = subprocess.run([sys.executable, *final], check=False).returncode
-        (log.info if code == 0 else log.error)(
-            "launch local: final upload exited %d (uploader restarted %d times)%s",
-            code,
-            self.restarts,
-            "" if code == 0 else ": the object store lacks the newest verified step",
-        )
-        return code == 0
 
 
 class LocalSupervisor:
