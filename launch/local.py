@@ -133,9 +133,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     except Refusal as exc:
         return refused_code(exc)
     # Before anything reads the run dir: on a hung mount that read would never return.
-    if (
-        hung := storage_hung(plan.run_dir, plan.run.resiliency.health.storage_timeout_s)
-    ) is not None:
+    if (hung := _storage_silent(plan)) is not None:
         log.error("launch local: %s; nothing was started: drain this node, or fix the mount", hung)
         return exit_codes.NODE_UNHEALTHY
     try:
@@ -146,6 +144,11 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     config = write_resolved_config(plan)
     budget = plan.run.resiliency.max_restarts if args.max_restarts is None else args.max_restarts
     return LocalSupervisor(plan, config, budget).run()
+
+
+def _storage_silent(plan: LaunchPlan) -> str | None:
+    """Why the run dir's storage is taken for hung (no answer within the health timeout)."""
+    return storage_hung(plan.run_dir, plan.run.resiliency.health.storage_timeout_s)
 
 
 def _checked_plan(plan: LaunchPlan) -> LaunchPlan:
@@ -268,7 +271,7 @@ class LocalSupervisor:
     def _storage_hung(self) -> bool:
         """Before a relaunch: does the run dir's storage answer at all (every check after
         this one reads it)?"""
-        hung = storage_hung(self.plan.run_dir, self.plan.run.resiliency.health.storage_timeout_s)
+        hung = _storage_silent(self.plan)
         if hung is not None:
             self.verdict = NodeVerdict(hung, [], time.time())
         return hung is not None

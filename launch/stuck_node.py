@@ -28,7 +28,7 @@ from typing import Any
 import psutil
 
 from launch.processes import rank_workers
-from resiliency.monitor.io_wait import blocked_in
+from resiliency.monitor.io_wait import blocked_in, thread_state, threads
 from resiliency.monitor.postmortem import LauncherEvents
 from resiliency.monitor.storage_probe import storage_hung
 
@@ -64,22 +64,13 @@ def describe(rank: int, proc: psutil.Process) -> dict[str, Any]:
     found: dict[str, Any] = {"rank": rank, "pid": proc.pid, "state": "gone"}
     try:
         found["state"] = proc.status()
-        threads = [t.id for t in proc.threads()]
     except psutil.Error:
         return found
-    stuck = [t for t in threads if _thread_state(proc.pid, t) == "D"]
+    stuck = [t for t in threads(proc.pid) if thread_state(proc.pid, t) == "D"]
     for tid in [*stuck, proc.pid]:
         if (call := blocked_in(proc.pid, tid)) is not None:
             return {**found, **call}
     return found
-
-
-def _thread_state(pid: int, tid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/task/{tid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
 
 
 def alive(proc: psutil.Process) -> bool:

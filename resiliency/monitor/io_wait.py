@@ -4,6 +4,8 @@ stuck on a hung NFS or Lustre mount shows a Python stack inside ``open`` or ``re
 names no file; this names it. Never touches the file system it asks about: /proc/<pid>/fd
 links and /proc/<pid>/mem are answered by the kernel from its own tables.
 
+Also a process's threads and each thread's state, for those who look for the stuck one.
+
 Linux only (x86_64 and aarch64 syscall numbers); None wherever it cannot tell.
 """
 
@@ -74,3 +76,20 @@ def _user_string(pid: int, address: int) -> str | None:
     except (OSError, OverflowError, ValueError):
         return None
     return raw.split(b"\0", 1)[0].decode(errors="replace") or None
+
+
+def threads(pid: int) -> list[int]:
+    """The thread ids of ``pid`` (empty once it is gone)."""
+    try:
+        return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
+
+
+def thread_state(pid: int, tid: int) -> str | None:
+    """The kernel's one-letter state of a thread ("D": uninterruptible sleep), or None."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from resiliency.monitor.io_wait import blocked_in
+from resiliency.monitor.io_wait import blocked_in, threads
 
 STACKS_DIR = "stacks"  # below <run_dir>/attempts
 HEADER_BYTES = 2048
@@ -165,7 +165,7 @@ def _file_calls(
     same call). The main thread's in any file; another thread's only in a path of the file
     system (a write pool's fsync of a shard), not a pipe or socket an idle helper waits on."""
     calls: dict[int, dict[str, Any]] = {}
-    for tid in _threads(pid):
+    for tid in threads(pid):
         call = blocked_in(pid, tid)
         if call is None or (tid != main and not _on_a_file_system(call["path"])):
             continue
@@ -185,13 +185,6 @@ def _longest_wait(calls: dict[int, dict[str, Any]], main: int, now: float) -> di
     if not lasting:
         return None
     return min(lasting.values(), key=lambda c: c["since"])
-
-
-def _threads(pid: int) -> list[int]:
-    try:
-        return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        return []
 
 
 def _on_a_file_system(path: str) -> bool:
