@@ -49,10 +49,9 @@ def spool_record(
     return spool
 
 
-def record(spool: Path) -> int:
+def record(spool: Path, data: dict) -> int:
     """Blocks until the run dir answers; then finalizes the attempts the launch left and
-    adds the node's verdict to the newest one."""
-    data = json.loads(spool.read_text())
+    adds the node's verdict to the newest one (``data``: the spool's content)."""
     layout = RunLayout.from_run_dir(Path(data["run_dir"]))
     events = LauncherEvents(**data["events"])
     attempts = [a for a in recorded_attempts(layout) if a > data["after_attempt"]]
@@ -75,7 +74,13 @@ def main(argv: list[str]) -> int:
         description="Record the attempt a stuck node left, once its run dir answers.",
     )
     parser.add_argument("spool", type=Path, help="the record spooled by launch local")
-    return record(parser.parse_args(argv).spool)
+    spool = parser.parse_args(argv).spool
+    try:
+        data = json.loads(spool.read_text())
+    except (OSError, ValueError) as exc:
+        log.error("not a spooled record: %s (%s)", spool, exc)
+        return 2
+    return record(spool, data)
 
 
 if __name__ == "__main__":
